@@ -1,0 +1,77 @@
+"""Exercise copies of a stage's kernel, generated from the solution by its markers.
+
+In a stage's `.cu` file the key idea sits between two marker comments:
+
+    // EXERCISE: what to write here (the hint may go on over several // lines)
+    // STUB: float row_max = 0.0f;      <- kept as code in the exercise, so that it compiles
+    ...the solution...                  <- removed in the exercise
+    // END EXERCISE
+
+`python -m grader init stage1` writes the exercise copy to workspace/stage1_tiled/, with each
+marked block replaced by `// TODO(exercise): hint` and its stubs; the grader then grades that copy.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from grader.compiler import REPO
+
+WORKSPACE = REPO / "workspace"
+BEGIN = re.compile(r"^(\s*)// EXERCISE: ?(.*)$")
+END = re.compile(r"^\s*// END EXERCISE\s*$")
+STUB = re.compile(r"^\s*// STUB: ?(.*)$")
+HINT = re.compile(r"^\s*// ?(.*)$")
+
+
+class MarkerError(ValueError):
+    pass
+
+
+def make_exercise(source: str) -> str:
+    out, block = [], None  # block: the indent of the open EXERCISE, or None outside one
+    in_hint = False
+    for number, line in enumerate(source.splitlines(), 1):
+        if block is None:
+            if m := BEGIN.match(line):
+                block, in_hint = m.group(1), True
+                out.append(f"{block}// TODO(exercise): {m.group(2)}")
+            elif END.match(line):
+                raise MarkerError(f"line {number}: END EXERCISE without EXERCISE")
+            else:
+                out.append(line)
+            continue
+        if END.match(line):
+            block = None
+        elif m := STUB.match(line):
+            in_hint = False
+            out.append(f"{block}{m.group(1)}")
+        elif in_hint and (m := HINT.match(line)):
+            out.append(f"{block}//   {m.group(1)}")
+        else:
+            in_hint = False  # solution code: left out
+        if BEGIN.match(line):
+            raise MarkerError(f"line {number}: EXERCISE inside another EXERCISE")
+    if block is not None:
+        raise MarkerError("EXERCISE without END EXERCISE")
+    return "\n".join(out) + "\n"
+
+
+def count_exercises(source: str) -> int:
+    return sum(1 for line in source.splitlines() if BEGIN.match(line))
+
+
+def workspace_path(stage) -> Path:
+    return WORKSPACE / stage.name / stage.source
+
+
+def init(stage, force: bool = False) -> Path:
+    path = workspace_path(stage)
+    if path.exists() and not force:
+        raise FileExistsError(f"{path.relative_to(REPO)} exists (your work); --force overwrites it")
+    source = stage.source_path.read_text()
+    if count_exercises(source) == 0:
+        raise MarkerError(f"{stage.source_path.relative_to(REPO)} has no EXERCISE markers")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(make_exercise(source))
+    return path

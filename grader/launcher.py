@@ -1,0 +1,92 @@
+"""Launch NVRTC-compiled kernels on PyTorch tensors (used in the worker process only).
+
+A stage's launch function receives a `KernelSet` and calls its kernels by name:
+
+    kernels.attention_fwd(grid, block, q, k, v, o, lse, seq_q, seq_kv, scale, causal, smem=49152)
+
+Tensors become device pointers, Python ints 32-bit ints and floats 32-bit floats, matching the
+C signatures the grader checked at compile time. Launches go to PyTorch's current stream, so
+CUDA events recorded by PyTorch time them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+STATIC_SHARED_LIMIT = 48 * 1024  # above this a kernel must opt in to more dynamic shared memory
+
+
+@dataclass
+class LaunchRecord:
+    grid: tuple
+    block: tuple
+    smem: int
+
+
+def _as_kernel_arg(value):
+    if isinstance(value, torch.Tensor):
+        return np.uint64(value.data_ptr())   # a device pointer
+    if isinstance(value, bool):
+        return np.int32(value)
+    if isinstance(value, int):
+        return np.int32(value)
+    if isinstance(value, float):
+        return np.float32(value)
+    return value                             # e.g. a TensorMapDescriptor, passed by value
+
+
+class KernelSet:
+    def __init__(self, cubin: Path, names: list[str]):
+        from cuda.core import Device, ObjectCode
+
+        self._device = Device()
+        module = ObjectCode.from_cubin(Path(cubin).read_bytes())
+        self._kernels = {name: module.get_kernel(name) for name in names}
+        self._smem_raised: dict[str, int] = {}
+        self.launches: dict[str, LaunchRecord] = {}
+
+    def __getattr__(self, name: str):
+        if name.startswith("_") or name not in self._kernels:
+            raise AttributeError(f"no kernel named {name!r} in this stage")
+
+        def launch(grid, block, *args, smem: int = 0):
+            self._launch(name, tuple(grid), tuple(block), args, smem)
+
+        return launch
+
+    def _launch(self, name, grid, block, args, smem):
+        from cuda.core import LaunchConfig, Stream, launch
+
+        kernel = self._kernels[name]
+        if smem > STATIC_SHARED_LIMIT and self._smem_raised.get(name, 0) < smem:
+            self._raise_smem_limit(kernel, smem)
+            self._smem_raised[name] = smem
+        stream = Stream.from_handle(torch.cuda.current_stream().cuda_stream)
+        launch(stream, LaunchConfig(grid=grid, block=block, shmem_size=smem), kernel,
+               *(_as_kernel_arg(a) for a in args))
+        self.launches[name] = LaunchRecord(grid, block, smem)
+
+    def _raise_smem_limit(self, kernel, smem: int) -> None:
+        from cuda.bindings import driver
+
+        attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        handle = kernel.handle
+        if isinstance(handle, driver.CUkernel):
+            _, dev = driver.cuDeviceGet(self._device.device_id)
+            (err,) = driver.cuKernelSetAttribute(attribute, smem, handle, dev)
+        else:
+            (err,) = driver.cuFuncSetAttribute(handle, attribute, smem)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cannot give a kernel {smem} bytes of shared memory: {err.name}")
+
+    def occupancy(self, name: str) -> dict:
+        """Blocks per SM and the fraction of the SM's warp slots the last launch of `name` fills."""
+        record = self.launches[name]
+        threads = int(np.prod(record.block))
+        blocks = self._kernels[name].occupancy.max_active_blocks_per_multiprocessor(threads, record.smem)
+        max_threads = self._device.properties.max_threads_per_multiprocessor
+        return {"blocks_per_sm": blocks, "warps_per_sm": blocks * threads // 32,
+                "occupancy": round(blocks * threads / max_threads, 3)}

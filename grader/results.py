@@ -1,0 +1,101 @@
+"""The results files, results/<gpu>.json: what a grader run measured, with where and on what.
+
+A stage's entry records `source_sha256`, the digest of everything that decides what its kernel
+does and how fast (the .cu file, the local headers it includes, the stage's launch code); a test
+fails when the committed results no longer match the sources, so a changed kernel is measured again.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import re
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+from grader.compiler import COMMON_INCLUDE, REPO, nvrtc_version
+
+RESULTS_DIR = REPO / "results"
+
+
+def source_files(stage, kernel_path: Path | None = None) -> list[Path]:
+    kernel_path = Path(kernel_path or stage.source_path)
+    files, todo = [kernel_path, stage.folder / "__init__.py"], [kernel_path]
+    while todo:
+        for name in re.findall(r'^\s*#\s*include\s*"([^"]+)"', todo.pop().read_text(), re.MULTILINE):
+            for base in (kernel_path.parent, COMMON_INCLUDE):
+                path = (base / name).resolve()
+                if path.is_file():
+                    if path not in files:
+                        files.append(path)
+                        todo.append(path)
+                    break
+    return files
+
+
+def source_digest(stage, kernel_path: Path | None = None) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(source_files(stage, kernel_path), key=lambda p: p.name):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def provenance(gpu) -> dict:
+    def version(package):
+        try:
+            return metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return None
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return None
+
+    import torch
+    return {
+        "gpu": gpu.name if gpu else None,
+        "compute_capability": f"{gpu.major}.{gpu.minor}" if gpu else None,
+        "sms": gpu.sms if gpu else None,
+        "sm_clock_mhz": gpu.sm_clock_mhz if gpu else None,
+        "driver_cuda": gpu.driver if gpu else None,
+        "driver": _driver_version(),
+        "nvrtc": nvrtc_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_core": version("cuda-core"),
+        "cuda_bindings": version("cuda-bindings"),
+        "commit": git("rev-parse", "HEAD"),
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _driver_version() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def load_all() -> dict[str, dict]:
+    """{file stem: results} for every results/*.json."""
+    return {p.stem: json.loads(p.read_text()) for p in sorted(RESULTS_DIR.glob("*.json"))}
+
+
+def write(path: Path, gpu_name: str, prov: dict, stage_results: dict) -> None:
+    """Write (or update: other stages' entries are kept when the GPU is the same) a results file."""
+    path = Path(path)
+    data = {"gpu": gpu_name, "provenance": prov, "stages": {}}
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old.get("gpu") == gpu_name:
+            data["stages"] = old.get("stages", {})
+    data["stages"].update(stage_results)
+    data["stages"] = dict(sorted(data["stages"].items(), key=lambda kv: int(re.match(r"stage(\d+)", kv[0]).group(1))))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, default=float) + "\n")

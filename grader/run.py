@@ -1,0 +1,160 @@
+"""Grade one stage: compile, check on every case, time the benchmarks, grade. No printing here:
+`report.py` shows what this returns, and `progress` (a callback) hears how far it is."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import reference
+from grader import grading, sass
+from grader.compiler import REPO, CompileError, compile_cubin
+from grader.gpus import spec_for
+from grader.isolation import run_items
+from grader.results import source_digest
+from grader.worker import variant_key
+
+
+class GraderError(Exception):
+    """A one-line problem with what the learner asked for (unknown stage, missing file, ...)."""
+
+
+def relative(path: Path) -> str:
+    path = Path(path).resolve()
+    try:
+        return str(path.relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def signature_checks(kernels: dict[str, str]) -> str:
+    """C++ appended to the kernel's source: each kernel must have the parameter list the stage launches with."""
+    lines = ["template <class A, class B> struct grader_same_type { static constexpr bool value = false; };",
+             "template <class A> struct grader_same_type<A, A> { static constexpr bool value = true; };"]
+    for name, params in kernels.items():
+        lines.append(f'static_assert(grader_same_type<decltype(&{name}), void (*)({params})>::value, '
+                     f'"GRADER-SIGNATURE {name}");')
+    return "\n".join(lines)
+
+
+def compile_stage(stage, kernel_path: Path, arch: str) -> dict:
+    """{variant key: Cubin} for every dtype × specialization; GraderError for a signature problem."""
+    problem = reference.load(stage.problem)
+    cubins = {}
+    for defines in stage.variants(problem.dtypes):
+        try:
+            cubins[variant_key(defines)] = compile_cubin(kernel_path, arch, defines, signature_checks(stage.kernels))
+        except CompileError as error:
+            raise _explain_signature_error(error, stage, kernel_path) or error
+    return cubins
+
+
+def _explain_signature_error(error: CompileError, stage, kernel_path) -> GraderError | None:
+    """A compile error in the grader's signature check, said in one line; None for the learner's own errors."""
+    own_errors = [l for l in error.log.splitlines() if "error" in l and "grader-signature-check" not in l]
+    if own_errors:
+        return None
+    for name, params in stage.kernels.items():
+        expected = f'extern "C" __global__ void {name}({params})'
+        if f"GRADER-SIGNATURE {name}\"" in error.log or f"GRADER-SIGNATURE {name}" in error.log:
+            return GraderError(f"{relative(kernel_path)}: kernel {name} does not have the signature the stage launches: {expected}")
+        if re.search(rf'identifier "{name}" is undefined', error.log):
+            return GraderError(f"{relative(kernel_path)}: no kernel named {name} (expected {expected})")
+    return None
+
+
+def resources(cubins: dict) -> dict:
+    """{variant: {kernel: registers, shared memory, spills, key SASS instruction counts}}."""
+    out = {}
+    for key, cubin in cubins.items():
+        mix = sass.instruction_mix(cubin.path)
+        out[key] = {kernel: dict(info, sass=sass.key_counts(mix.get(kernel, {})))
+                    for kernel, info in sass.resources(cubin.ptxas_log).items()}
+    return out
+
+
+def check_cases(stage, cubins, seed: int, trials: int, timeout_s: float, progress) -> dict:
+    problem = reference.load(stage.problem)
+    cases = problem.cases(seed)
+    results: dict[int, dict] = {}
+
+    def on_done(event):
+        results[event["index"]] = event
+        progress("case", len(results), len(cases), cases[event["index"]].name, event["passed"])
+
+    job = _job(stage, cubins, "correctness", trials=trials)
+    failures = run_items(job, "cases", [(i, vars(c)) for i, c in enumerate(cases)], on_done, timeout_s)
+    rows = []
+    for i, case in enumerate(cases):
+        if i in failures:
+            progress("case", len(results) + 1, len(cases), case.name, False)
+            rows.append({"name": case.name, "seed": case.seed, "passed": False,
+                         "failure": f"{failures[i].kind}: {failures[i].message}"})
+        elif i in results:
+            event = results[i]
+            rows.append({"name": case.name, "seed": case.seed, "passed": event["passed"],
+                         "inputs_unmodified": event["inputs_unmodified"], "checks": event["checks"]})
+        else:
+            rows.append({"name": case.name, "seed": case.seed, "passed": False, "failure": "not run"})
+    passed = sum(r["passed"] for r in rows)
+    return {"passed": passed, "failed": len(rows) - passed, "seed": seed, "trials": trials, "cases": rows}
+
+
+def benchmark(stage, cubins, gpu, timeout_s: float, budget_s: float, progress) -> list[dict]:
+    problem = reference.load(stage.problem)
+    shapes = problem.benchmarks()
+    spec = spec_for(gpu.name)
+    rows: dict[int, dict] = {}
+
+    def on_done(event):
+        shape = shapes[event["index"]]
+        timings = event["timings"]
+        baseline_ms = {n: t["ms"] for n, t in timings.items() if n != "kernel"}
+        baseline_ms.update({n: None for n in event["skipped"]})
+        kernel = timings["kernel"]
+        row = {"shape": {k: v for k, v in shape.items() if k != "dtype"}, "label": problem.shape_label(shape),
+               "dtype": shape["dtype"], "ms_min": kernel["ms_min"], "spread": kernel["spread"],
+               "reps": kernel["reps"], "baselines": baseline_ms, "skipped": event["skipped"],
+               "baseline_timings": {n: t for n, t in timings.items() if n != "kernel"},
+               "extra_memory_bytes": event["memory"]["kernel"],
+               "baseline_extra_memory_bytes": {n: m for n, m in event["memory"].items() if n != "kernel"},
+               "output_written": event["output_written"], "launches": event["launches"]}
+        row.update(grading.benchmark_figures(shape, kernel["ms"], baseline_ms, problem.flops(shape),
+                                             problem.min_bytes(shape), spec))
+        if not event["output_written"]:
+            row["flags"].append("output not fully written (NaN left) at this shape")
+        rows[event["index"]] = row
+        progress("bench", len(rows), len(shapes), row["label"], True)
+
+    job = _job(stage, cubins, "benchmark", l2_bytes=gpu.l2_bytes, budget_s=budget_s)
+    failures = run_items(job, "shapes", list(enumerate(shapes)), on_done, timeout_s)
+    for index, failure in failures.items():
+        rows[index] = {"shape": {k: v for k, v in shapes[index].items() if k != "dtype"},
+                       "label": problem.shape_label(shapes[index]), "dtype": shapes[index]["dtype"],
+                       "failure": f"{failure.kind}: {failure.message}"}
+    return [rows[i] for i in sorted(rows)]
+
+
+def _job(stage, cubins, phase: str, **extra) -> dict:
+    return {"stage": stage.name, "phase": phase, "kernel_names": list(stage.kernels),
+            "cubins": {key: str(c.path) for key, c in cubins.items()}, **extra}
+
+
+def grade_stage(stage, kernel_path: Path, gpu, arch: str, *, seed=0, trials=2, timeout_s=60.0,
+                budget_s=4.0, bench=True, progress=lambda *a: None) -> dict:
+    cubins = compile_stage(stage, kernel_path, arch)
+    progress("compiled", len(cubins), len(cubins), arch, True)
+    result = {"title": stage.title, "problem": stage.problem, "kernel_path": relative(kernel_path),
+              "source_sha256": source_digest(stage, kernel_path), "arch": arch, "resources": resources(cubins)}
+    if gpu is None:
+        return result
+    result["correctness"] = check_cases(stage, cubins, seed, trials, timeout_s, progress)
+    if not bench or result["correctness"]["failed"]:
+        result["benchmarks"] = []
+        return result
+    result["benchmarks"] = benchmark(stage, cubins, gpu, timeout_s=max(timeout_s, 120.0), budget_s=budget_s,
+                                     progress=progress)
+    timed = [b for b in result["benchmarks"] if "ms" in b]
+    result.update(grading.grade(stage.goal, timed) if timed else {"grade": "?"})
+    if len(timed) < len(result["benchmarks"]):
+        result["grade"] = "F"  # a benchmark shape crashed or hung
+    return result

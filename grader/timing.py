@@ -1,0 +1,79 @@
+"""Time GPU work with CUDA events, side by side, with a cold L2 (used in the worker process only).
+
+Every candidate (the kernel, each library baseline) runs in the same loop, one after the other, so
+that clocks and temperature drift hit them alike. Before each launch a buffer twice the size of
+L2 is written, outside the timed event pair, so no candidate finds its inputs left in L2 by the
+previous one. Rounds repeat until each candidate's standard error is under 0.5% of its mean,
+or the time budget ends.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    min_ms: float
+    spread: float        # (p90 - p10) / median
+    rel_std_err: float
+    reps: int
+
+    def as_dict(self) -> dict:
+        return dict(ms=self.median_ms, ms_min=self.min_ms, spread=self.spread, rel_std_err=self.rel_std_err, reps=self.reps)
+
+
+def _summary(times: list[float]) -> Timing:
+    ordered = sorted(times)
+    median = statistics.median(ordered)
+    mean = statistics.fmean(ordered)
+    se = statistics.stdev(ordered) / len(ordered) ** 0.5 if len(ordered) > 1 else float("inf")
+    p10, p90 = ordered[int(0.1 * (len(ordered) - 1))], ordered[int(0.9 * (len(ordered) - 1))]
+    return Timing(median, ordered[0], (p90 - p10) / median if median else 0.0, se / mean if mean else 0.0, len(ordered))
+
+
+def time_side_by_side(candidates: dict, l2_bytes: int, budget_s: float = 4.0, target_rel_se: float = 0.005,
+                      min_reps: int = 5, max_reps: int = 500) -> dict[str, Timing]:
+    """{name: Timing} for each callable in `candidates`; each is called with no arguments."""
+    flush = torch.empty(2 * l2_bytes // 4, dtype=torch.float32, device="cuda")
+    for run in candidates.values():  # warm-up: module loads, library heuristics, allocator
+        run()
+    torch.cuda.synchronize()
+
+    times = {name: [] for name in candidates}
+    active = set(candidates)
+    deadline = time.perf_counter() + budget_s
+    while active:
+        pending = []
+        for name in [n for n in candidates if n in active]:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            flush.zero_()
+            start.record()
+            candidates[name]()
+            end.record()
+            pending.append((name, start, end))
+        torch.cuda.synchronize()
+        for name, start, end in pending:
+            times[name].append(start.elapsed_time(end))
+        for name in list(active):
+            t = times[name]
+            if len(t) >= max_reps or (len(t) >= min_reps and _summary(t).rel_std_err < target_rel_se):
+                active.discard(name)
+        if time.perf_counter() > deadline and all(len(times[n]) >= 3 for n in active):
+            break
+    return {name: _summary(t) for name, t in times.items()}
+
+
+def extra_memory(run) -> int:
+    """Device memory `run` allocates beyond what it returns (its workspace), in bytes."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    result = run()
+    torch.cuda.synchronize()
+    returned = result.numel() * result.element_size() if isinstance(result, torch.Tensor) else 0
+    return max(torch.cuda.max_memory_allocated() - before - returned, 0)

@@ -1,0 +1,132 @@
+"""The child process that runs a kernel: `python -m grader.worker JOB.json`.
+
+It prints one JSON object per line (an "event") as it goes, so that the grader, reading them with
+a time limit, knows which case was running if this process crashes or hangs. A CUDA error
+is reported as an event, then the process exits: after an illegal address the CUDA context is
+unusable, and the grader starts a new worker for the remaining cases.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+
+
+def emit(event: str, **fields) -> None:
+    print(json.dumps({"event": event, **fields}, default=float), flush=True)
+
+
+def variant_key(defines: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(defines.items()))
+
+
+class Worker:
+    def __init__(self, job: dict):
+        import torch
+
+        import reference
+        import stages
+
+        torch.cuda.init()
+        from cuda.core import Device
+        Device().set_current()  # the primary context, the same one PyTorch uses
+        self.job = job
+        self.stage = stages.load(job["stage"])
+        self.problem = reference.load(self.stage.problem)
+        self._kernel_sets = {}
+
+    def kernels_for(self, inputs: dict):
+        from grader.launcher import KernelSet
+
+        key = variant_key(self.problem.variant(inputs))
+        if key not in self._kernel_sets:
+            if key not in self.job["cubins"]:
+                raise ValueError(f"this stage was not compiled for {key}")
+            self._kernel_sets[key] = KernelSet(self.job["cubins"][key], self.job["kernel_names"])
+        return self._kernel_sets[key]
+
+    def run_kernel(self, inputs: dict, outputs: dict):
+        import torch
+
+        kernels = self.kernels_for(inputs)
+        self.problem.run_stage(self.stage, kernels, inputs, outputs)
+        torch.cuda.synchronize()  # a fault in the kernel surfaces here
+        return kernels
+
+    # ---- correctness --------------------------------------------------------------------------
+    def correctness(self) -> None:
+        for index, case in self.job["cases"]:
+            emit("case_start", index=index)
+            worst = None
+            for trial in range(self.job["trials"]):
+                checks, unmodified = self.check_once(case, case["seed"] * 100 + trial)
+                if worst is None or not all(c["passed"] for c in checks):
+                    worst = checks
+                if not unmodified:
+                    break
+            emit("case_done", index=index, checks=worst, inputs_unmodified=unmodified,
+                 passed=unmodified and all(c["passed"] for c in worst))
+
+    def check_once(self, case: dict, seed: int):
+        import torch
+
+        inputs = self.problem.make_inputs(case["shape"], case["dtype"], seed, case["input_scale"])
+        saved = {k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+        outputs = self.problem.allocate_outputs(inputs)  # poisoned with NaN
+        self.run_kernel(inputs, outputs)
+        exact = self.problem.reference(inputs)
+        library = self.problem.library_output(inputs)
+        checks = [c.as_dict() for c in self.problem.check(outputs, exact, library)]
+        unmodified = all(torch.equal(saved[k], inputs[k]) for k in saved)
+        return checks, unmodified
+
+    # ---- benchmarks ---------------------------------------------------------------------------
+    def benchmark(self) -> None:
+        import torch
+
+        from grader.timing import extra_memory, time_side_by_side
+
+        for index, shape in self.job["shapes"]:
+            emit("bench_start", index=index)
+            dtype = shape["dtype"]
+            inputs = self.problem.make_inputs(shape, dtype, seed=index)
+            outputs = self.problem.allocate_outputs(inputs)
+            kernels = self.run_kernel(inputs, outputs)
+            written = all(bool(torch.isfinite(t).all()) for t in outputs.values())
+
+            def ours():
+                self.problem.run_stage(self.stage, kernels, inputs, outputs)
+
+            candidates = {"kernel": ours}
+            skipped = {}
+            for name, run in self.problem.baselines(inputs).items():
+                try:
+                    run()
+                    torch.cuda.synchronize()
+                    candidates[name] = run
+                except torch.cuda.OutOfMemoryError:
+                    skipped[name] = "out of memory"
+                torch.cuda.empty_cache()
+            memory = {name: extra_memory(run) for name, run in candidates.items()}
+            timings = time_side_by_side(candidates, self.job["l2_bytes"], budget_s=self.job["budget_s"])
+            occupancy = {name: kernels.occupancy(name) | vars(kernels.launches[name]) for name in kernels.launches}
+            emit("bench_done", index=index, timings={n: t.as_dict() for n, t in timings.items()},
+                 memory=memory, skipped=skipped, output_written=written, launches=occupancy)
+            del inputs, outputs, candidates
+            torch.cuda.empty_cache()
+
+
+def main(path: str) -> int:
+    job = json.loads(open(path).read())
+    try:
+        worker = Worker(job)
+        emit("ready")
+        getattr(worker, job["phase"])()
+    except Exception as error:  # noqa: BLE001  (every failure goes back to the grader as an event)
+        emit("error", kind=type(error).__name__, message=str(error).strip(), traceback=traceback.format_exc())
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,196 @@
+"""The attention problem: O = softmax(scale · Q Kᵀ [causal mask]) V, and the LSE of each row.
+
+Q: [B, H, Sq, D], K and V: [B, H, Skv, D], O: [B, H, Sq, D], all contiguous, float16 or bfloat16;
+LSE: [B, H, Sq] float32, lse_i = log Σ_j exp(scale · q_i · k_j) over the keys row i sees (natural log).
+scale is 1/√D. Causal masking is top-left aligned, as in PyTorch: query i sees keys j <= i.
+
+Work: 4·D flops for each (query, key) pair a row sees (2·D for q·k, 2·D for p·v): 4·B·H·S²·D, about
+half that when causal. Fewest bytes: Q, K, V read once, O and the LSE written once.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from reference import tolerance
+
+DTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+LSE_RTOL = 4e-5  # fp32 scores over D <= 128 terms: a few ulp of Σ|q·k|, relative to 1 + |lse|
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    shape: dict          # B, H, Sq, Skv, D, causal
+    dtype: str           # "float16" | "bfloat16"
+    input_scale: float   # 1, or 10 for large scores
+    seed: int
+
+
+def _case(index, B, H, Sq, Skv, D, causal, dtype, input_scale=1.0, base_seed=0) -> Case:
+    mask = "causal" if causal else "full"
+    scaled = f" x{input_scale:g}" if input_scale != 1 else ""
+    name = f"B{B} H{H} Sq{Sq} Skv{Skv} D{D} {mask} {'fp16' if dtype == 'float16' else 'bf16'}{scaled}"
+    shape = dict(B=B, H=H, Sq=Sq, Skv=Skv, D=D, causal=causal)
+    return Case(name, shape, dtype, input_scale, base_seed * 1000 + index)
+
+
+# (B, H, Sq, Skv, D, causal, dtype, input scale): single rows, lengths that are no multiple of any
+# tile, Sq != Skv both ways, both masks, both dtypes, large scores, many heads, a long sequence.
+_CASES = [
+    (1, 1, 1, 1, 64, False, "float16", 1), (1, 1, 1, 1, 128, True, "bfloat16", 1),
+    (2, 3, 17, 17, 64, True, "float16", 1), (1, 2, 17, 17, 128, False, "bfloat16", 1),
+    (2, 2, 64, 64, 64, True, "bfloat16", 1), (1, 4, 128, 128, 128, False, "float16", 1),
+    (2, 2, 239, 239, 64, True, "bfloat16", 1), (1, 3, 239, 239, 128, True, "float16", 1),
+    (1, 2, 1000, 1000, 64, False, "float16", 1), (1, 2, 1000, 1000, 128, True, "bfloat16", 1),
+    (1, 1, 2047, 2047, 64, False, "bfloat16", 1), (1, 1, 2047, 2047, 128, True, "float16", 1),
+    (2, 2, 1, 1000, 64, False, "float16", 1), (1, 2, 100, 333, 128, True, "bfloat16", 1),
+    (1, 2, 333, 100, 64, True, "float16", 1), (1, 1, 77, 1, 128, False, "float16", 1),
+    (2, 2, 512, 512, 64, False, "float16", 10), (1, 2, 1000, 1000, 128, True, "bfloat16", 10),
+    (1, 1, 2047, 2047, 64, True, "float16", 10), (1, 1, 1, 1, 128, False, "bfloat16", 10),
+    (4, 8, 256, 256, 64, True, "bfloat16", 1), (8, 1, 96, 96, 64, True, "float16", 1),
+    (3, 5, 4096, 4096, 128, False, "float16", 1), (1, 1, 4096, 4096, 64, True, "bfloat16", 10),
+]
+
+_BENCHMARKS = [
+    dict(B=16, H=16, Sq=2048, Skv=2048, D=64, causal=False),
+    dict(B=16, H=16, Sq=2048, Skv=2048, D=64, causal=True),
+    dict(B=4, H=16, Sq=8192, Skv=8192, D=128, causal=False),
+    dict(B=4, H=16, Sq=8192, Skv=8192, D=128, causal=True),
+]
+
+
+@dataclass
+class AttentionProblem:
+    name: str = "attention"
+    dtypes: dict = field(default_factory=lambda: dict(DTYPES))
+    outputs: tuple = ("o", "lse")
+
+    # ---- cases and shapes -------------------------------------------------------------------
+    def cases(self, seed: int = 0) -> list[Case]:
+        return [_case(i, *c, base_seed=seed) for i, c in enumerate(_CASES)]
+
+    def benchmarks(self) -> list[dict]:
+        return [dict(shape, dtype="float16") for shape in _BENCHMARKS]
+
+    @staticmethod
+    def shape_label(shape: dict) -> str:
+        seq = f"S{shape['Sq']}" if shape["Sq"] == shape["Skv"] else f"Sq{shape['Sq']} Skv{shape['Skv']}"
+        return f"B{shape['B']} H{shape['H']} {seq} D{shape['D']}{' causal' if shape['causal'] else ''}"
+
+    # ---- inputs and outputs -------------------------------------------------------------------
+    def make_inputs(self, shape: dict, dtype: str, seed: int, input_scale: float = 1.0, device="cuda") -> dict:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        B, H, Sq, Skv, D = (shape[k] for k in ("B", "H", "Sq", "Skv", "D"))
+        dt = getattr(torch, dtype)
+
+        def rand(S):
+            return (torch.randn(B, H, S, D, generator=gen, device=device) * input_scale).to(dt)
+
+        return dict(q=rand(Sq), k=rand(Skv), v=rand(Skv), scale=1.0 / math.sqrt(D), causal=bool(shape["causal"]))
+
+    def allocate_outputs(self, inputs: dict) -> dict:
+        q = inputs["q"]
+        return dict(o=torch.full_like(q, float("nan")),
+                    lse=torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device))
+
+    def variant(self, inputs: dict) -> dict:
+        return {"ELEM_T": self.dtypes[str(inputs["q"].dtype).removeprefix("torch.")], "HEAD_DIM": str(inputs["q"].shape[-1])}
+
+    def run_stage(self, stage, kernels, inputs: dict, outputs: dict) -> None:
+        stage.launch(kernels, inputs["q"], inputs["k"], inputs["v"], outputs["o"], outputs["lse"],
+                     inputs["scale"], inputs["causal"])
+
+    # ---- the exact result and the check ------------------------------------------------------
+    def reference(self, inputs: dict) -> dict:
+        q, k, v = (inputs[n].to(torch.float64) for n in "qkv")
+        scores = (q @ k.transpose(-1, -2)) * inputs["scale"]
+        if inputs["causal"]:
+            scores = scores.masked_fill(causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        return dict(o=torch.exp(scores - lse[..., None]) @ v, lse=lse)
+
+    def library_output(self, inputs: dict) -> dict:
+        """PyTorch's own attention in the inputs' dtype: what the tolerance rule measures against."""
+        return dict(o=sdpa(inputs))
+
+    def check(self, outputs: dict, exact: dict, library: dict) -> list[tolerance.OutputCheck]:
+        return [tolerance.relative_to_library("o", outputs["o"], exact["o"], library["o"]),
+                tolerance.absolute_and_relative("lse", outputs["lse"], exact["lse"], LSE_RTOL)]
+
+    # ---- baselines timed beside the kernel -------------------------------------------------------
+    def baselines(self, inputs: dict) -> dict:
+        """Each SDPA backend this GPU runs on these inputs, and naive PyTorch; name -> callable."""
+        found = {}
+        for name, backend in sdpa_backends().items():
+            run = (lambda b=backend: sdpa(inputs, b))
+            try:
+                run()
+            except RuntimeError:  # this backend does not support these inputs or this GPU
+                continue
+            found[name] = run
+        S2 = inputs["q"].shape[0] * inputs["q"].shape[1] * inputs["q"].shape[2] * inputs["k"].shape[2]
+        if "math" in found and S2 > 2**31:  # the math backend's fp32 S×S copies would not fit
+            del found["math"]
+        found["naive"] = lambda: naive_attention(inputs)
+        return found
+
+    # ---- work -----------------------------------------------------------------------------
+    @staticmethod
+    def flops(shape: dict) -> float:
+        return 4.0 * shape["B"] * shape["H"] * shape["D"] * visible_pairs(shape["Sq"], shape["Skv"], shape["causal"])
+
+    @staticmethod
+    def min_bytes(shape: dict, element_bytes: int = 2) -> float:
+        B, H, Sq, Skv, D = (shape[k] for k in ("B", "H", "Sq", "Skv", "D"))
+        return B * H * ((2 * Sq + 2 * Skv) * D * element_bytes + Sq * 4)
+
+
+def visible_pairs(seq_q: int, seq_kv: int, causal: bool) -> int:
+    """How many (query, key) pairs are not masked: Σ_i min(i + 1, Skv) when causal."""
+    if not causal:
+        return seq_q * seq_kv
+    full_rows = max(seq_q - seq_kv, 0)              # rows i >= Skv see every key
+    ramp = min(seq_q, seq_kv)                        # rows 0..ramp-1 see i + 1 keys
+    return ramp * (ramp + 1) // 2 + full_rows * seq_kv
+
+
+def causal_mask(seq_q: int, seq_kv: int, device) -> torch.Tensor:
+    """True where key j is hidden from query i (j > i)."""
+    return torch.ones(seq_q, seq_kv, dtype=torch.bool, device=device).triu(1)
+
+
+def sdpa_backends() -> dict:
+    from torch.nn.attention import SDPBackend
+    names = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+    return {name: getattr(SDPBackend, attr) for name, attr in names.items() if hasattr(SDPBackend, attr)}
+
+
+def sdpa(inputs: dict, backend=None) -> torch.Tensor:
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    causal = inputs["causal"]
+    # PyTorch's is_causal is top-left aligned like ours; an explicit mask says so for Sq != Skv too.
+    mask = ~causal_mask(q.shape[2], k.shape[2], q.device) if causal and q.shape[2] != k.shape[2] else None
+    context = contextlib.nullcontext()
+    if backend is not None:
+        from torch.nn.attention import sdpa_kernel
+        context = sdpa_kernel(backend)
+    with context:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                              scale=inputs["scale"])
+
+
+def naive_attention(inputs: dict) -> torch.Tensor:
+    """Naive PyTorch: matmul, softmax, matmul, in the inputs' dtype, the S×S scores in memory."""
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    scores = (q @ k.transpose(-1, -2)) * inputs["scale"]
+    if inputs["causal"]:
+        scores.masked_fill_(causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+PROBLEM = AttentionProblem()

@@ -1,0 +1,84 @@
+"""The stages of the course: one folder each, `stageN_<name>/`, holding a kernel and its launch.
+
+A stage's `__init__.py` has a docstring whose first line is its title and defines `STAGE`, a `Stage`
+saying which problem it solves (see `reference/`), which `.cu` file holds its kernels, the architectures
+it compiles for, the kernels' C signatures, how to launch them, and what speed it is graded against.
+"""
+from __future__ import annotations
+
+import importlib
+import itertools
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+STAGES_DIR = Path(__file__).resolve().parent
+ALL_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a")
+
+
+@dataclass(frozen=True)
+class Goal:
+    """What 100% means for a stage's grade: `fraction` of a baseline's speed.
+
+    `baseline` names a baseline of the problem ("naive", "flash", "cudnn", ...) or "reference",
+    the fastest library baseline on this GPU.
+    """
+
+    baseline: str = "reference"
+    fraction: float = 1.0
+
+    @property
+    def text(self) -> str:
+        who = "the fastest library baseline" if self.baseline == "reference" else f"the {self.baseline} baseline"
+        return who if self.fraction == 1.0 else f"{self.fraction:g} × {who}"
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str                       # the folder, e.g. "stage0_naive"
+    problem: str                    # a problem of reference/, e.g. "attention"
+    source: str                     # the .cu file in the folder
+    kernels: dict[str, str]         # kernel name -> its C parameter list, checked at compile time
+    launch: Callable                # launch(kernels, *problem tensors and parameters)
+    archs: tuple[str, ...] = ALL_ARCHS
+    specializations: dict[str, tuple] = field(default_factory=dict)  # -D macros compiled in, e.g. HEAD_DIM
+    goal: Goal = Goal()
+
+    @property
+    def number(self) -> int:
+        return int(re.match(r"stage(\d+)", self.name).group(1))
+
+    @property
+    def folder(self) -> Path:
+        return STAGES_DIR / self.name
+
+    @property
+    def source_path(self) -> Path:
+        return self.folder / self.source
+
+    @property
+    def title(self) -> str:
+        doc = importlib.import_module(f"stages.{self.name}").__doc__ or self.name
+        return doc.strip().splitlines()[0]
+
+    def variants(self, dtype_macros: dict[str, str]) -> list[dict[str, str]]:
+        """Every combination of -D macros to compile: the problem's dtypes × the stage's specializations."""
+        names = list(self.specializations)
+        combos = itertools.product(*(self.specializations[n] for n in names))
+        return [{"ELEM_T": elem, **{n: str(v) for n, v in zip(names, combo)}}
+                for elem in dtype_macros.values() for combo in combos]
+
+
+def stage_names() -> list[str]:
+    return sorted((p.name for p in STAGES_DIR.glob("stage*_*") if (p / "__init__.py").exists()),
+                  key=lambda n: int(re.match(r"stage(\d+)", n).group(1)))
+
+
+def load(name: str) -> Stage:
+    """A stage by folder name ("stage0_naive") or by short name ("stage0", "0")."""
+    wanted = name if name.startswith("stage") else f"stage{name}"
+    for full in stage_names():
+        if full == wanted or full.split("_")[0] == wanted:
+            return importlib.import_module(f"stages.{full}").STAGE
+    raise KeyError(name)
