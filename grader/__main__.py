@@ -23,6 +23,7 @@ def parse(argv):
     p.add_argument("--seed", type=int, default=0, help="base seed of the correctness cases (default 0, the public seeds)")
     p.add_argument("--trials", type=int, default=2, help="fresh random inputs per case (default 2)")
     p.add_argument("--no-bench", action="store_true", help="check correctness only")
+    p.add_argument("--cases", metavar="REGEX", help="only the correctness cases whose name matches (no benchmarks)")
     p.add_argument("--budget", type=float, default=4.0, help="seconds of timing per benchmark shape (default 4)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds without progress before a kernel counts as hung")
     p.add_argument("--json", type=Path, help="write the results here (updates the stages it holds)")
@@ -72,7 +73,7 @@ def cmd_init(name: str | None, force: bool) -> int:
         return fail(f"unknown stage {name!r}; python -m grader list shows them")
     except (FileExistsError, exercise.MarkerError) as error:
         return fail(str(error))
-    console.print(f"Wrote {path.relative_to(exercise.REPO)}: fill in the TODO(exercise) blocks, then run "
+    console.print(f"Wrote {exercise.shown(path)}: fill in the TODO(exercise) blocks, then run "
                   f"[bold]python -m grader {stage.name.split('_')[0]}[/bold] (it grades your copy; --solution grades ours).")
     return 0
 
@@ -121,12 +122,13 @@ def grade(names: list[str], args) -> int:
 
                 result = grade_stage(stage, kernel_path, gpu, arch, seed=args.seed, trials=args.trials,
                                      timeout_s=args.timeout, budget_s=args.budget, bench=not args.no_bench,
-                                     progress=progress)
+                                     only=args.cases, progress=progress)
         except (GraderError, FileNotFoundError, ValueError) as error:
             status = fail(f"{stage.name}: {error}")
             continue
         except CompileError as error:
-            console.print(f"[red]{stage.name}: compile error for {error.arch}[/red]\n{error.log}", markup=False)
+            console.print(f"[red]{stage.name}: compile error for {error.arch}[/red]")
+            console.print(error.log, markup=False)
             status = 1
             continue
         report.print_stage(result, gpu.name if gpu else None)

@@ -40,13 +40,11 @@ def include_dirs() -> tuple[str, ...]:
     """The header folders NVRTC needs: our common headers, cuda_fp16.h/cuda_bf16.h, and CCCL."""
     from cuda.pathfinder import find_nvidia_header_directory
 
-    dirs = [str(COMMON_INCLUDE)]
-    for lib in ("cudart", "cccl"):
-        found = find_nvidia_header_directory(lib)
-        if found is None:
-            raise RuntimeError(f"CUDA headers for {lib!r} not found: pip install nvidia-cuda-runtime nvidia-cuda-cccl")
-        dirs.append(str(found))
-    return tuple(dirs)
+    cudart = find_nvidia_header_directory("cudart")
+    if cudart is None:
+        raise RuntimeError("cuda_fp16.h not found: pip install nvidia-cuda-runtime")
+    cccl = find_nvidia_header_directory("cccl")  # cuda/barrier, cuda/pipeline: only some kernels need it
+    return tuple(str(d) for d in (COMMON_INCLUDE, cudart, cccl) if d)
 
 
 @cache

@@ -61,6 +61,10 @@ def count_exercises(source: str) -> int:
     return sum(1 for line in source.splitlines() if BEGIN.match(line))
 
 
+def shown(path: Path) -> str:
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
 def workspace_path(stage) -> Path:
     return WORKSPACE / stage.name / stage.source
 
@@ -68,10 +72,10 @@ def workspace_path(stage) -> Path:
 def init(stage, force: bool = False) -> Path:
     path = workspace_path(stage)
     if path.exists() and not force:
-        raise FileExistsError(f"{path.relative_to(REPO)} exists (your work); --force overwrites it")
+        raise FileExistsError(f"{shown(path)} exists (your work); --force overwrites it")
     source = stage.source_path.read_text()
     if count_exercises(source) == 0:
-        raise MarkerError(f"{stage.source_path.relative_to(REPO)} has no EXERCISE markers")
+        raise MarkerError(f"{shown(stage.source_path)} has no EXERCISE markers")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(make_exercise(source))
     return path

@@ -50,15 +50,15 @@ def compile_stage(stage, kernel_path: Path, arch: str) -> dict:
 
 def _explain_signature_error(error: CompileError, stage, kernel_path) -> GraderError | None:
     """A compile error in the grader's signature check, said in one line; None for the learner's own errors."""
-    own_errors = [l for l in error.log.splitlines() if "error" in l and "grader-signature-check" not in l]
+    own_errors = [l for l in error.log.splitlines() if "): error" in l and not l.startswith("grader-signature-check")]
     if own_errors:
         return None
     for name, params in stage.kernels.items():
         expected = f'extern "C" __global__ void {name}({params})'
-        if f"GRADER-SIGNATURE {name}\"" in error.log or f"GRADER-SIGNATURE {name}" in error.log:
-            return GraderError(f"{relative(kernel_path)}: kernel {name} does not have the signature the stage launches: {expected}")
         if re.search(rf'identifier "{name}" is undefined', error.log):
             return GraderError(f"{relative(kernel_path)}: no kernel named {name} (expected {expected})")
+        if f'"GRADER-SIGNATURE {name}"' in error.log:
+            return GraderError(f"{relative(kernel_path)}: kernel {name} does not have the signature the stage launches: {expected}")
     return None
 
 
@@ -72,9 +72,11 @@ def resources(cubins: dict) -> dict:
     return out
 
 
-def check_cases(stage, cubins, seed: int, trials: int, timeout_s: float, progress) -> dict:
+def check_cases(stage, cubins, seed: int, trials: int, timeout_s: float, progress, only: str | None = None) -> dict:
     problem = reference.load(stage.problem)
-    cases = problem.cases(seed)
+    cases = [c for c in problem.cases(seed) if only is None or re.search(only, c.name)]
+    if not cases:
+        raise GraderError(f"no correctness case matches {only!r}")
     results: dict[int, dict] = {}
 
     def on_done(event):
@@ -140,15 +142,17 @@ def _job(stage, cubins, phase: str, **extra) -> dict:
 
 
 def grade_stage(stage, kernel_path: Path, gpu, arch: str, *, seed=0, trials=2, timeout_s=60.0,
-                budget_s=4.0, bench=True, progress=lambda *a: None) -> dict:
+                budget_s=4.0, bench=True, only: str | None = None, progress=lambda *a: None) -> dict:
+    """Everything the report shows; without a GPU, compile only. `only` keeps the cases whose
+    name matches that regular expression (and skips the benchmarks)."""
     cubins = compile_stage(stage, kernel_path, arch)
     progress("compiled", len(cubins), len(cubins), arch, True)
     result = {"title": stage.title, "problem": stage.problem, "kernel_path": relative(kernel_path),
               "source_sha256": source_digest(stage, kernel_path), "arch": arch, "resources": resources(cubins)}
     if gpu is None:
         return result
-    result["correctness"] = check_cases(stage, cubins, seed, trials, timeout_s, progress)
-    if not bench or result["correctness"]["failed"]:
+    result["correctness"] = check_cases(stage, cubins, seed, trials, timeout_s, progress, only)
+    if not bench or only or result["correctness"]["failed"]:
         result["benchmarks"] = []
         return result
     result["benchmarks"] = benchmark(stage, cubins, gpu, timeout_s=max(timeout_s, 120.0), budget_s=budget_s,

@@ -6,6 +6,7 @@ nvidia-cuda-nvdisasm wheel) lists the SASS of a cubin.
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 from collections import Counter
 from functools import cache
@@ -40,7 +41,7 @@ def resources(ptxas_log: str) -> dict[str, dict]:
 def _nvdisasm() -> str:
     from cuda.pathfinder import find_nvidia_binary_utility
 
-    path = find_nvidia_binary_utility("nvdisasm")
+    path = find_nvidia_binary_utility("nvdisasm") or shutil.which("nvdisasm")
     if path is None:
         raise RuntimeError("nvdisasm not found: pip install nvidia-cuda-nvdisasm")
     return path

@@ -1,0 +1,284 @@
+"""The documentation site: it builds with --strict, every stage has its lesson, the charts and tables
+come from results/*.json (through docs/hooks/course.py), and the pages work in a real browser.
+
+The browser test needs Chromium and chromedriver (Debian: apt-get install chromium chromium-driver) and
+selenium; it is skipped, with the reason, where they are missing, and fails instead when $CI is set.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+STAGE_DIRS = sorted((d for d in (ROOT / "stages").glob("stage*_*") if d.is_dir() and re.fullmatch(r"stage\d+_\w+", d.name)),
+                    key=lambda d: int(re.match(r"stage(\d+)", d.name)[1]))
+
+
+def stage_page(stage_dir: Path) -> str:
+    """stages/stage3_pipeline -> "stages/stage3" (docs/stages/stage3.md, built to site/stages/stage3/)."""
+    return "stages/" + re.match(r"stage\d+", stage_dir.name)[0]
+
+
+# ---------------------------------------------------------------- a fake results file
+# In the form grader/results.py writes (stage 0, stage 2), and the older flat form (stage 6).
+
+def _bench(shape, label, ms, tflops, pct_ref, baselines, ref=("cudnn", 0.5, 600.0)):
+    return {"shape": shape, "label": label, "dtype": "float16", "ms": ms, "ms_min": round(ms * 0.98, 3), "spread": 0.012,
+            "tflops": tflops, "pct_peak": round(tflops / 9.894, 1), "pct_bandwidth": 3.0, "pct_of_reference": pct_ref,
+            "speedup_vs_naive": 2.5, "extra_memory_bytes": 0, "flags": [],
+            "reference": {"name": ref[0], "ms": ref[1], "tflops": ref[2]}, "baselines": baselines}
+
+
+def _stage(key, title, grade, benches, goal="the naive baseline"):
+    check = {"output": "o", "passed": True, "tolerance": 9.8e-4, "quality": "acceptable",
+             "kernel": {"max_abs": 1.2e-4, "mean_abs": 3e-5, "max_rel": 2e-4, "finite": True}}
+    return {"title": title, "problem": "attention", "kernel_path": f"stages/{key}/attention.cu", "source_sha256": "0" * 64,
+            "grade": grade, "score": 0.734, "goal": {"baseline": "naive", "fraction": 1.0, "text": goal},
+            "correctness": {"passed": 23, "failed": 1, "seed": 0, "trials": 2, "cases": [
+                {"name": "B1 H1 Sq1 Skv1 D64 full fp16", "seed": 0, "passed": True, "inputs_unmodified": True,
+                 "checks": [check, dict(check, output="lse", quality="n/a")]},
+                {"name": "B2 H3 Sq17 Skv17 D64 causal fp16", "seed": 2, "passed": False,
+                 "failure": "error: CUDA error (illegal memory address)"}]},
+            "resources": {"ELEM_T=__half,HEAD_DIM=64": {"attention_fwd": {
+                "registers": 168, "shared_bytes": 49152, "stack_bytes": 0, "spill_stores": 0, "spill_loads": 0,
+                "sass": {"HMMA": 64, "LDSM": 24}}}},
+            "benchmarks": benches}
+
+
+ATTN = {"B": 16, "H": 16, "Sq": 2048, "Skv": 2048, "D": 64, "causal": False}
+FAKE = {
+    "gpu": "NVIDIA H100 80GB HBM3",
+    "provenance": {"gpu": "NVIDIA H100 80GB HBM3", "sm_clock_mhz": 1980, "driver": "580.65.06", "driver_cuda": "13.0",
+                   "nvrtc": "13.0", "torch": "2.9.0", "cuda_core": "0.4.0", "commit": "0123456789abcdef", "dirty": False,
+                   "date": "2025-01-01T00:00:00+00:00"},
+    "stages": {
+        "stage0_naive": _stage("stage0_naive", "Stage 0 — naive attention: three kernels", "D", [
+            _bench(ATTN, "B16 H16 S2048 D64", 12.345, 11.1, 1.9,
+                   {"cudnn": 0.5, "flash": 0.61, "efficient": 1.1, "math": None, "naive": 14.2}),
+            _bench({**ATTN, "causal": True}, "B16 H16 S2048 D64 causal", 7.5, 9.4, 2.2,
+                   {"cudnn": 0.3, "flash": 0.36, "efficient": 0.7, "math": None, "naive": 9.9})]),
+        "stage2_warp": _stage("stage2_warp", "Stage 2 — tensor cores", "B", [
+            _bench(ATTN, "B16 H16 S2048 D64", 0.734, 187.3, 68.1,
+                   {"cudnn": 0.5, "flash": 0.61, "efficient": 1.1, "math": 20.0, "naive": 14.2})],
+            goal="0.6 × the flash baseline"),
+        "stage6_grouped_gemm": {
+            "title": "Stage 6 — grouped GEMM", "problem": "moe", "grade": "C", "score": 0.65,
+            "goal": {"baseline": "reference", "fraction": 1.0, "text": "the fastest library baseline"},
+            "correctness": {"passed": 20, "failed": 0, "cases": [
+                {"name": "tokens 17", "passed": True, "max_abs": 1e-3, "mean_abs": 1e-4, "max_rel": 1e-3,
+                 "tolerance": 2e-3, "quality": "acceptable"}]},
+            "resources": {"grouped_gemm": {"registers": 90, "shared_bytes": 1024, "spill_stores": 0, "spill_loads": 0}},
+            "benchmarks": [
+                {"shape": {"tokens": 4096, "hidden": 4096, "inter": 14336, "experts": 8, "top_k": 2}, "dtype": "bfloat16",
+                 "ms": 3.21, "ms_min": 3.2, "spread": 0.01, "tflops": 321.9, "pct_peak": 32.5, "pct_bandwidth": None,
+                 "pct_of_reference": 77.7, "speedup_vs_naive": None, "extra_memory_bytes": None,
+                 "reference": {"name": "torch_grouped_mm", "ms": 2.5, "tflops": 413.0},
+                 "baselines": {"torch_grouped_mm": 2.5}}]},
+    },
+}
+
+
+def load_hook():
+    spec = importlib.util.spec_from_file_location("course_hook", ROOT / "docs" / "hooks" / "course.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def build(out: Path, results_dir: Path | None = None) -> Path:
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    env.pop("FLASHMOE_RESULTS_DIR", None)
+    if results_dir is not None:
+        env["FLASHMOE_RESULTS_DIR"] = str(results_dir)
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"), "-d", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout}\n{done.stderr}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The site as CI builds it, from the committed results/."""
+    return build(tmp_path_factory.mktemp("site"))
+
+
+@pytest.fixture(scope="module")
+def fake_results(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("results")
+    (folder / "h100-sxm.json").write_text(json.dumps(FAKE))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def fake_site(tmp_path_factory, fake_results):
+    return build(tmp_path_factory.mktemp("fake_site"), fake_results)
+
+
+@pytest.fixture(scope="module")
+def empty_site(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("empty_site"), tmp_path_factory.mktemp("no_results"))
+
+
+# ---------------------------------------------------------------- the build
+
+def test_site_builds_strictly(site):
+    """--strict turns every warning into an error: a broken link, a missing snippet file or section,
+    a page named in the nav that does not exist."""
+    for page in ["", "setup/", "grading/", "glossary/"] + [stage_page(d) + "/" for d in STAGE_DIRS]:
+        assert (site / page / "index.html").is_file(), page
+
+
+def test_every_stage_has_a_lesson_in_the_nav(site):
+    assert STAGE_DIRS, "no stages/stage<N>_*/ directory found"
+    nav = (site / "index.html").read_text()
+    for d in STAGE_DIRS:
+        assert (ROOT / "docs" / f"{stage_page(d)}.md").is_file(), f"{d.name} has no lesson: write docs/{stage_page(d)}.md"
+        assert f'href="{stage_page(d)}/"' in nav, f"{d.name}'s lesson is not in the nav"
+
+
+def test_lessons_include_the_real_kernels(site):
+    for d in STAGE_DIRS:
+        markdown = (ROOT / "docs" / f"{stage_page(d)}.md").read_text()
+        assert f'--8<-- "stages/{d.name}/' in markdown, f"{stage_page(d)}.md includes no code from stages/{d.name}/"
+        assert f"<!-- results:{d.name} -->" in markdown, f"{stage_page(d)}.md has no results placeholder"
+        html = (site / stage_page(d) / "index.html").read_text()
+        assert "--8<--" not in html and 'class="highlight"' in html
+
+
+# ---------------------------------------------------------------- the results, through the hook
+
+def test_ladder_and_tables_show_the_recorded_numbers(fake_site):
+    home = (fake_site / "index.html").read_text()
+    assert '<svg class="fm-chart fm-ladder"' in home
+    for number in ("11.1", "187.3", "321.9", "Stage 6"):  # TFLOP/s of three stages, and the MoE stage's label
+        assert number in home, number
+    for d in STAGE_DIRS:
+        html = (fake_site / stage_page(d) / "index.html").read_text()
+        if d.name in FAKE["stages"]:
+            bench = FAKE["stages"][d.name]["benchmarks"][0]
+            assert f"{bench['ms']:.3f}" in html and f"{bench['tflops']:.1f}" in html
+            assert '<svg class="fm-chart fm-stage"' in html
+        else:
+            assert "not measured yet" in html
+
+
+def test_results_markdown_from_the_hook(fake_results, monkeypatch):
+    monkeypatch.setenv("FLASHMOE_RESULTS_DIR", str(fake_results))
+    hook = load_hook()
+    runs = hook.load_runs()
+    stage0 = hook.results_md("stage0_naive", runs)
+    assert "12.345" in stage0 and "Grade D" in stage0 and "NVIDIA H100 80GB HBM3" in stage0
+    assert "B16 H16 S2048 D64 causal" in stage0 and "fp16 D64" in stage0 and "`HMMA` 64" in stage0
+    assert "| 1.100 | — | 14.200 |" in stage0  # efficient, the math baseline that did not run, naive
+    assert "illegal memory address" in stage0 and "1.2 %" in stage0  # a failed case; the spread
+    moe = hook.results_md("stage6_grouped_gemm", runs)
+    assert "tokens4096 hidden4096 inter14336 experts8 top_k2 bf16" in moe and "321.9" in moe
+    assert "not measured yet" in hook.results_md("stage9_missing", runs)
+    ladder = hook.ladder_md(runs)
+    assert "<svg" in ladder and "187.3" in ladder and "Grade" in ladder
+
+
+def test_nulls_and_a_second_gpu(tmp_path, monkeypatch):
+    other = copy.deepcopy(FAKE)
+    other["gpu"] = "NVIDIA A100-SXM4-80GB"
+    bench = other["stages"]["stage2_warp"]["benchmarks"][0]
+    bench.update(tflops=None, reference=None, baselines={"flash": None})
+    (tmp_path / "a100.json").write_text(json.dumps(other))
+    (tmp_path / "h100.json").write_text(json.dumps(FAKE))
+    monkeypatch.setenv("FLASHMOE_RESULTS_DIR", str(tmp_path))
+    hook = load_hook()
+    runs = hook.load_runs()
+    assert [r["gpu"] for r in runs] == ["NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"]  # the H100 first
+    text = hook.results_md("stage2_warp", runs) + hook.ladder_md(runs)
+    assert "On the NVIDIA A100-SXM4-80GB" in text and "On the NVIDIA H100 80GB HBM3" in text
+
+
+def test_without_results_the_pages_say_not_measured(empty_site):
+    assert "not measured yet" in (empty_site / "index.html").read_text()
+    assert "fm-ladder" not in (empty_site / "index.html").read_text()
+    for d in STAGE_DIRS:
+        assert "not measured yet" in (empty_site / stage_page(d) / "index.html").read_text(), d.name
+
+
+# ---------------------------------------------------------------- in a browser
+
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--disable-dev-shm-usage", "--window-size=1400,1000"]
+
+
+def missing(reason: str):
+    """Skip with the reason locally; in CI, which installs Chromium, fail instead."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason} (CI is set: the browser test must run)")
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def browser(tmp_path):
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver_path = shutil.which("chromedriver")
+    if not chromium or not driver_path:
+        missing("Chromium or chromedriver not found: apt-get install chromium chromium-driver")
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        missing("selenium is not installed: pip install 'selenium>=4.20'")
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in CHROMIUM_FLAGS + [f"--user-data-dir={tmp_path / 'profile'}"]:
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture
+def served(fake_site):
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    handler = functools.partial(Quiet, directory=str(fake_site))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.browser
+def test_pages_in_a_browser(browser, served):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(served + "/")
+    bars = browser.find_elements(By.CSS_SELECTOR, "svg.fm-ladder rect")
+    assert bars and bars[0].size["height"] > 0, "the ladder chart is missing or not drawn"
+
+    if STAGE_DIRS:
+        browser.get(f"{served}/{stage_page(STAGE_DIRS[0])}/")
+        code = " ".join(block.text for block in browser.find_elements(By.CSS_SELECTOR, ".highlight code"))
+        assert "__global__" in code, "no kernel code rendered from the snippets"
+        diagrams = browser.find_elements(By.CSS_SELECTOR, "svg.fm-diagram")
+        assert diagrams and diagrams[0].size["width"] > 100, "no diagram drawn"
+
+    box = browser.find_element(By.CSS_SELECTOR, "input.md-search__input")
+    box.click()
+    box.send_keys("softmax")
+    WebDriverWait(browser, 20).until(lambda b: b.find_elements(By.CSS_SELECTOR, ".md-search-result__item"),
+                                     "search gave no results")

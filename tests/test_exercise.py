@@ -1,0 +1,54 @@
+"""Exercise copies: generated from the solutions by markers, and they compile."""
+import pytest
+
+import stages
+from grader import exercise
+from grader.run import compile_stage
+
+SOURCE = """int a;
+    // EXERCISE: compute b from a,
+    // then double it.
+    // STUB: int b = 0;
+    int b = a + 1;
+    b *= 2;
+    // END EXERCISE
+int c = b;
+"""
+
+
+def test_markers_remove_the_solution_and_keep_hint_and_stub():
+    out = exercise.make_exercise(SOURCE)
+    assert "// TODO(exercise): compute b from a," in out
+    assert "then double it." in out
+    assert "    int b = 0;" in out
+    assert "a + 1" not in out and "b *= 2" not in out
+    assert out.startswith("int a;") and out.rstrip().endswith("int c = b;")
+
+
+@pytest.mark.parametrize("bad", [SOURCE.replace("// END EXERCISE", ""), SOURCE + "// END EXERCISE\n",
+                                 SOURCE.replace("int b = a + 1;", "// EXERCISE: nested")])
+def test_broken_markers_are_errors(bad):
+    with pytest.raises(exercise.MarkerError):
+        exercise.make_exercise(bad)
+
+
+@pytest.mark.parametrize("name", stages.stage_names())
+def test_every_stage_has_an_exercise_that_compiles(name, tmp_path):
+    stage = stages.load(name)
+    source = stage.source_path.read_text()
+    assert exercise.count_exercises(source) >= 1
+    made = exercise.make_exercise(source)
+    assert "TODO(exercise)" in made and made != source
+    path = tmp_path / stage.source
+    path.write_text(made)
+    compile_stage(stage, path, stage.archs[-1])
+
+
+def test_init_writes_the_workspace_copy_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(exercise, "WORKSPACE", tmp_path)
+    stage = stages.load("stage0")
+    path = exercise.init(stage)
+    assert path == tmp_path / stage.name / stage.source and "TODO(exercise)" in path.read_text()
+    with pytest.raises(FileExistsError):
+        exercise.init(stage)
+    exercise.init(stage, force=True)

@@ -1,0 +1,60 @@
+"""On a GPU: every stage passes every correctness case, the wrong kernels fail, and a crashing or
+hanging kernel is reported without taking the grader down. Skipped, with the reason, without a GPU."""
+import pytest
+
+import stages
+from conftest import gpu
+from grader import device
+from grader.run import grade_stage
+from mutations import mutate
+
+pytestmark = pytest.mark.gpu
+
+
+def _grade(stage, path, **kw):
+    found, _ = gpu()
+    return grade_stage(stage, path, found, device.arch_for(found, stage.archs), bench=False, **kw)
+
+
+def _runnable(name):
+    found, _ = gpu()
+    try:
+        device.arch_for(found, stages.load(name).archs)
+        return True
+    except ValueError:
+        return False
+
+
+@pytest.mark.parametrize("name", stages.stage_names())
+def test_stage_passes_every_case(name):
+    if not _runnable(name):
+        pytest.skip(f"{name} does not run on this GPU")
+    stage = stages.load(name)
+    result = _grade(stage, stage.source_path)
+    failed = [c["name"] for c in result["correctness"]["cases"] if not c["passed"]]
+    assert not failed, f"{name} fails {failed}"
+
+
+@pytest.mark.parametrize("mutation,cases", [("no_max_subtraction", "x10"), ("half_written_output", "Sq17|Sq239"),
+                                            ("causal_off_by_one", "causal")])
+def test_wrong_kernels_fail(mutation, cases, tmp_path):
+    stage, path = mutate(mutation, tmp_path)
+    result = _grade(stage, path, only=cases)
+    assert result["correctness"]["failed"] > 0
+    failed = [c for c in result["correctness"]["cases"] if not c["passed"]]
+    assert all("failure" not in c for c in failed), "a wrong result must fail the check, not crash"
+
+
+def test_a_crashing_kernel_is_reported_and_the_next_case_still_runs(tmp_path):
+    stage, path = mutate("crash", tmp_path)
+    result = _grade(stage, path, only="Skv17 |Skv239 ")
+    cases = result["correctness"]["cases"]
+    assert len(cases) >= 3 and all(not c["passed"] for c in cases)
+    assert all("illegal memory address" in c["failure"] or "CUDA error" in c["failure"] for c in cases), cases
+
+
+def test_a_hanging_kernel_is_killed_and_reported(tmp_path):
+    stage, path = mutate("hang", tmp_path)
+    result = _grade(stage, path, only="Sq17 Skv17 D64", timeout_s=20)
+    (case,) = result["correctness"]["cases"]
+    assert not case["passed"] and case["failure"].startswith("timeout")

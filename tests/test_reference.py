@@ -1,0 +1,75 @@
+"""The attention problem's exact reference against an independent numpy implementation."""
+import numpy as np
+import pytest
+import torch
+
+from reference import load
+from reference.attention import visible_pairs
+
+P = load("attention")
+
+
+def numpy_attention(q, k, v, scale, causal):
+    out = np.zeros(q.shape[:3] + (v.shape[-1],))
+    lse = np.zeros(q.shape[:3])
+    for b in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            for i in range(q.shape[2]):
+                s = scale * k[b, h] @ q[b, h, i]
+                if causal:
+                    s[np.arange(k.shape[2]) > i] = -np.inf
+                m = s.max()
+                w = np.exp(s - m)
+                lse[b, h, i] = m + np.log(w.sum())
+                out[b, h, i] = w @ v[b, h] / w.sum()
+    return out, lse
+
+
+@pytest.mark.parametrize("Sq,Skv,causal", [(5, 5, False), (7, 7, True), (3, 9, True), (9, 3, True), (1, 4, False)])
+def test_reference_matches_numpy(Sq, Skv, causal):
+    shape = dict(B=2, H=3, Sq=Sq, Skv=Skv, D=64, causal=causal)
+    inputs = P.make_inputs(shape, "float16", seed=Sq * 31 + Skv, input_scale=3.0, device="cpu")
+    exact = P.reference(inputs)
+    q, k, v = (inputs[n].double().numpy() for n in "qkv")
+    out, lse = numpy_attention(q, k, v, inputs["scale"], causal)
+    np.testing.assert_allclose(exact["o"].numpy(), out, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(exact["lse"].numpy(), lse, rtol=1e-12)
+
+
+@pytest.mark.parametrize("Sq,Skv", [(1, 1), (5, 5), (3, 9), (9, 3), (2048, 2048)])
+def test_visible_pairs_counts_the_mask(Sq, Skv):
+    from reference.attention import causal_mask
+    assert visible_pairs(Sq, Skv, True) == int((~causal_mask(Sq, Skv, "cpu")).sum())
+    assert visible_pairs(Sq, Skv, False) == Sq * Skv
+
+
+def test_flops_and_bytes():
+    shape = dict(B=16, H=16, Sq=2048, Skv=2048, D=64, causal=False)
+    assert P.flops(shape) == 4 * 16 * 16 * 2048 * 2048 * 64
+    assert P.flops(dict(shape, causal=True)) == pytest.approx(P.flops(shape) / 2, rel=1e-3)
+    assert P.min_bytes(shape) == 16 * 16 * (4 * 2048 * 64 * 2 + 2048 * 4)
+
+
+def test_cases_cover_what_the_spec_asks():
+    cases = P.cases()
+    assert len(cases) >= 20
+    shapes = [c.shape for c in cases]
+    assert any(s["Sq"] == 1 for s in shapes)
+    assert {17, 239, 1000, 2047} <= {s["Sq"] for s in shapes}
+    assert any(s["Sq"] != s["Skv"] for s in shapes)
+    assert {True, False} == {s["causal"] for s in shapes}
+    assert {"float16", "bfloat16"} == {c.dtype for c in cases}
+    assert any(c.input_scale == 10 for c in cases)
+    assert len({c.seed for c in cases}) == len(cases)
+    assert [c.seed for c in P.cases(seed=7)] != [c.seed for c in cases]
+
+
+def test_inputs_are_seeded_and_outputs_poisoned():
+    shape = dict(B=1, H=2, Sq=5, Skv=6, D=64, causal=True)
+    a = P.make_inputs(shape, "bfloat16", seed=3, device="cpu")
+    b = P.make_inputs(shape, "bfloat16", seed=3, device="cpu")
+    c = P.make_inputs(shape, "bfloat16", seed=4, device="cpu")
+    assert torch.equal(a["q"], b["q"]) and not torch.equal(a["q"], c["q"])
+    out = P.allocate_outputs(a)
+    assert out["o"].isnan().all() and out["lse"].isnan().all()
+    assert P.variant(a) == {"ELEM_T": "__nv_bfloat16", "HEAD_DIM": "64"}

@@ -1,0 +1,55 @@
+"""The committed results: measured by the grader on a GPU, for the kernels as they are now."""
+import json
+
+import pytest
+
+import stages
+from grader import results
+
+RECORDED = results.load_all()
+
+
+def test_there_are_recorded_results():
+    assert RECORDED, "no results/*.json: run python -m grader all --json results/<gpu>.json on a GPU"
+
+
+@pytest.mark.parametrize("gpu", sorted(RECORDED))
+def test_results_match_the_current_sources(gpu):
+    data = RECORDED[gpu]
+    for name, entry in data["stages"].items():
+        stage = stages.load(name)
+        assert entry["source_sha256"] == results.source_digest(stage), (
+            f"{name} changed since it was measured on {data['gpu']}: measure it again "
+            f"(python -m grader {name.split('_')[0]} --json results/{gpu}.json)")
+
+
+@pytest.mark.parametrize("gpu", sorted(RECORDED))
+def test_results_have_the_fields_other_tools_read(gpu):
+    data = RECORDED[gpu]
+    assert data["gpu"] and data["stages"]
+    for name, entry in data["stages"].items():
+        assert entry["correctness"]["passed"] > 0 and entry["correctness"]["failed"] == 0, name
+        assert entry["grade"] in "ABCDF"
+        assert entry["benchmarks"], name
+        for bench in entry["benchmarks"]:
+            assert {"B", "H", "D", "causal"} <= set(bench["shape"]) or "tokens" in bench["shape"]
+            assert bench["dtype"] and bench["ms"] > 0 and bench["tflops"] > 0
+            assert {"name", "ms", "tflops"} <= set(bench["reference"])
+            assert "naive" in bench["baselines"]
+        assert entry["measured"]["gpu"] == data["gpu"]
+
+
+def test_write_keeps_other_stages_of_the_same_gpu(tmp_path):
+    path = tmp_path / "r.json"
+    results.write(path, "GPU X", {"p": 1}, {"stage1_a": {"grade": "A"}})
+    results.write(path, "GPU X", {"p": 2}, {"stage0_b": {"grade": "B"}})
+    data = json.loads(path.read_text())
+    assert list(data["stages"]) == ["stage0_b", "stage1_a"] and data["provenance"] == {"p": 2}
+    results.write(path, "GPU Y", {}, {"stage2_c": {}})
+    assert list(json.loads(path.read_text())["stages"]) == ["stage2_c"]
+
+
+def test_digest_follows_the_kernel_its_headers_and_launch_code():
+    stage = stages.load("stage0")
+    names = {p.name for p in results.source_files(stage)}
+    assert names == {"attention.cu", "__init__.py", "attention.cuh"}
