@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import os
 import re
 import subprocess
 from importlib import metadata
@@ -67,7 +68,7 @@ def provenance(gpu) -> dict:
         "torch_cuda": torch.version.cuda,
         "cuda_core": version("cuda-core"),
         "cuda_bindings": version("cuda-bindings"),
-        "commit": git("rev-parse", "HEAD"),
+        "commit": git("rev-parse", "HEAD") or os.environ.get("FLASHMOE_COMMIT"),
         "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

@@ -91,6 +91,8 @@ def check_cases(stage, cubins, seed: int, trials: int, timeout_s: float, progres
             progress("case", len(results) + 1, len(cases), case.name, False)
             rows.append({"name": case.name, "seed": case.seed, "passed": False,
                          "failure": f"{failures[i].kind}: {failures[i].message}"})
+        elif i in results and "failure" in results[i]:
+            rows.append({"name": case.name, "seed": case.seed, "passed": False, "failure": results[i]["failure"]})
         elif i in results:
             event = results[i]
             rows.append({"name": case.name, "seed": case.seed, "passed": event["passed"],

@@ -16,6 +16,12 @@ def emit(event: str, **fields) -> None:
     print(json.dumps({"event": event, **fields}, default=float), flush=True)
 
 
+def is_cuda_error(error: Exception) -> bool:
+    """A fault of the kernel that leaves the CUDA context unusable (as opposed to a Python error)."""
+    text = f"{type(error).__name__} {error}"
+    return "CUDA" in text or "cuda" in text
+
+
 def variant_key(defines: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(defines.items()))
 
@@ -59,13 +65,20 @@ class Worker:
             emit("case_start", index=index)
             worst = None
             for trial in range(self.job["trials"]):
-                checks, unmodified = self.check_once(case, case["seed"] * 100 + trial)
+                try:
+                    checks, unmodified = self.check_once(case, case["seed"] * 100 + trial)
+                except Exception as error:  # noqa: BLE001
+                    if is_cuda_error(error):
+                        raise  # the CUDA context is gone: this worker cannot go on
+                    emit("case_done", index=index, passed=False, failure=f"{type(error).__name__}: {error}")
+                    break
                 if worst is None or not all(c["passed"] for c in checks):
                     worst = checks
                 if not unmodified:
                     break
-            emit("case_done", index=index, checks=worst, inputs_unmodified=unmodified,
-                 passed=unmodified and all(c["passed"] for c in worst))
+            else:
+                emit("case_done", index=index, checks=worst, inputs_unmodified=unmodified,
+                     passed=unmodified and all(c["passed"] for c in worst))
 
     def check_once(self, case: dict, seed: int):
         import torch

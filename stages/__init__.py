@@ -65,7 +65,7 @@ class Stage:
     def variants(self, dtype_macros: dict[str, str]) -> list[dict[str, str]]:
         """Every combination of -D macros to compile: the problem's dtypes × the stage's specializations."""
         names = list(self.specializations)
-        combos = itertools.product(*(self.specializations[n] for n in names))
+        combos = list(itertools.product(*(self.specializations[n] for n in names)))
         return [{"ELEM_T": elem, **{n: str(v) for n, v in zip(names, combo)}}
                 for elem in dtype_macros.values() for combo in combos]
 
