@@ -9,19 +9,18 @@ import stages
 
 MUTATIONS = {
     # softmax without subtracting the row max: exp() overflows on large scores (the x10 cases)
-    "no_max_subtraction": ("stage0", [("expf(row[j] - row_max)", "expf(row[j])"),
+    "no_max_subtraction": ("stage0", [("row_sum += expf(row[j] - row_max)", "row_sum += expf(row[j])"),
+                                      ("row[j] = expf(row[j] - row_max)", "row[j] = expf(row[j])"),
                                       ("lse[blockIdx.x] = row_max + logf(row_sum)", "lse[blockIdx.x] = logf(row_sum)")]),
     # only the first half of each output row is written: the rest stays NaN-poisoned
-    "half_written_output": ("stage0", [("for (int d = threadIdx.x; d < HEAD_DIM; d += blockDim.x)",
-                                        "for (int d = threadIdx.x; d < HEAD_DIM / 2; d += blockDim.x)")]),
+    "half_written_output": ("stage0", [("for (int c = 0; c < COLS_PER_THREAD; ++c)\n            o[",
+                                        "for (int c = 0; c < COLS_PER_THREAD / 2; ++c)\n            o[")]),
     # the causal mask off by one: each query also sees the next key
     "causal_off_by_one": ("stage0", [("const bool masked = causal && j > i;", "const bool masked = causal && j > i + 1;")]),
     # a write far outside any buffer: an illegal address
-    "crash": ("stage0", [("    if (i >= seq_q || j >= seq_kv) return;\n",
-                          "    if (i >= seq_q || j >= seq_kv) return;\n    scores[(size_t)1 << 40] = 1.0f;\n")]),
+    "crash": ("stage0", [("    __syncthreads();\n\n    float dot", "    __syncthreads();\n    scores[(size_t)1 << 40] = 1.0f;\n\n    float dot")]),
     # a kernel that never finishes
-    "hang": ("stage0", [("    if (i >= seq_q || j >= seq_kv) return;\n",
-                         "    if (i >= seq_q || j >= seq_kv) return;\n    volatile int spin = 1;\n    while (spin) {}\n")]),
+    "hang": ("stage0", [("    __syncthreads();\n\n    float dot", "    __syncthreads();\n    while (true) __nanosleep(1000);\n\n    float dot")]),
 }
 
 

@@ -155,6 +155,7 @@ def test_lessons_include_the_real_kernels(site):
         assert f"<!-- results:{d.name} -->" in markdown, f"{stage_page(d)}.md has no results placeholder"
         html = (site / stage_page(d) / "index.html").read_text()
         assert "--8<--" not in html and 'class="highlight"' in html
+        assert '<svg class="fm-diagram"' in html, f"{stage_page(d)}.md has no diagram"
 
 
 # ---------------------------------------------------------------- the results, through the hook

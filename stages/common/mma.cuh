@@ -130,6 +130,16 @@ __device__ __forceinline__ float quad_sum(float x) {
 }
 // --8<-- [end:quad_reduce]
 
+// 2^x on the MUFU unit: ex2.approx, with results below 2^-126 flushed to 0. exp2f() compiles to
+// the same instruction plus, without --use_fast_math, three more to keep such tiny results
+// (an FSETP and two predicated FMULs per call); next to the row's largest term, exp2(0) = 1,
+// they change nothing, and they would round to 0 in elem_t anyway. exp2(-inf) = 0.
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // --8<-- [start:softmax_update]
 // The online softmax of one warp over one tile of keys, on the accumulator fragments.
 //   s[N_FRAGS][4]  raw scores q·k of the warp's 16 rows (masked ones -inf); becomes P
@@ -138,7 +148,7 @@ __device__ __forceinline__ float quad_sum(float x) {
 //   row_sum[r]     running Σ exp of the row -- only over this thread's columns: the quad's
 //                  4 partial sums share the same max, so they are added once, at the end
 // exp(scale·(s - m)) = exp2(s·scale_log2 - m·scale_log2): log2(e) is folded into the scale so
-// that the exponential is one FFMA and one ex2 (the MUFU unit) per score.
+// that the exponential is one FFMA and one MUFU.EX2 per score.
 template <int N_FRAGS, int D_FRAGS>
 __device__ __forceinline__ void online_softmax(float (&s)[N_FRAGS][4], float (&o)[D_FRAGS][4],
                                                float (&row_max)[2], float (&row_sum)[2], float scale_log2) {
@@ -151,7 +161,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[N_FRAGS][4], float (&o
         // A row that has seen only masked keys keeps max = -inf; subtracting 0 instead keeps
         // exp2(-inf - (-inf)) = NaN out (every p is then exp2(-inf) = 0).
         const float max_scaled = new_max == -INFINITY ? 0.0f : new_max * scale_log2;
-        const float correction = exp2f(row_max[r] * scale_log2 - max_scaled);  // 0 on the first tile
+        const float correction = fast_exp2(row_max[r] * scale_log2 - max_scaled);  // 0 on the first tile
         row_max[r] = new_max;
 
         float tile_sum = 0.0f;
@@ -159,7 +169,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[N_FRAGS][4], float (&o
         for (int n = 0; n < N_FRAGS; ++n) {
 #pragma unroll
             for (int c = 2 * r; c < 2 * r + 2; ++c) {
-                s[n][c] = exp2f(s[n][c] * scale_log2 - max_scaled);
+                s[n][c] = fast_exp2(s[n][c] * scale_log2 - max_scaled);
                 tile_sum += s[n][c];
             }
         }

@@ -9,29 +9,52 @@
 // 3. attention_pv      multiplies the probabilities by V.
 //
 // Simple and correct, and slow for the reason the next stage removes: the score matrix is
-// Sq × Skv floats per head (16 GiB for B4 H16 S8192), written once and read twice.
+// Sq × Skv floats per head (16 GiB for B4 H16 S8192), written once and read four times.
+// The two matrix products are tiled through shared memory like a textbook matmul (on CUDA cores,
+// in fp32): the lesson here is the algorithm, not the arithmetic.
 //
 // Tensors are [B, H, S, D], contiguous; blockIdx.z walks the B·H (batch, head) pairs.
 // Causal masking is top-left aligned, as in PyTorch: query i sees keys j <= i.
 #include "attention.cuh"
 
 // --8<-- [start:scores]
-// One thread per score. Neighbouring threads take neighbouring keys j, so their writes to
-// scores[i][j] are contiguous (coalesced); every thread of a row re-reads the same q_i.
+// A block computes a TILE × TILE block of scores: 32 queries × 32 keys, from q and k rows it first
+// copies into shared memory (so each global element is read once per block, not once per score).
+// Thread (tx, ty) owns key tx and queries ty, ty+8, ty+16, ty+24: the k value it reads is reused
+// four times, and neighbouring threads write neighbouring scores (coalesced).
+#define TILE 32
+#define ROWS_PER_THREAD (TILE / 8)
+
+__device__ void load_rows(float (*tile)[HEAD_DIM + 1], const elem_t* rows, int first, int count) {
+    for (int e = threadIdx.y * blockDim.x + threadIdx.x; e < TILE * HEAD_DIM; e += blockDim.x * blockDim.y) {
+        const int r = e / HEAD_DIM, d = e % HEAD_DIM;   // consecutive threads: consecutive d
+        tile[r][d] = first + r < count ? to_float(rows[(size_t)(first + r) * HEAD_DIM + d]) : 0.0f;
+    }
+}
+
 extern "C" __global__ void attention_scores(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
                                             float* __restrict__ scores, int seq_q, int seq_kv,
                                             float scale, int causal) {
-    const int j = blockIdx.x * blockDim.x + threadIdx.x;  // key
-    const int i = blockIdx.y * blockDim.y + threadIdx.y;  // query
-    if (i >= seq_q || j >= seq_kv) return;
+    // +1 column: k_tile[tx][d] for 32 consecutive tx would otherwise all sit in one bank.
+    __shared__ float q_tile[TILE][HEAD_DIM + 1], k_tile[TILE][HEAD_DIM + 1];
+    const int first_q = blockIdx.y * TILE, first_k = blockIdx.x * TILE;
+    load_rows(q_tile, q + (size_t)blockIdx.z * seq_q * HEAD_DIM, first_q, seq_q);
+    load_rows(k_tile, k + (size_t)blockIdx.z * seq_kv * HEAD_DIM, first_k, seq_kv);
+    __syncthreads();
 
-    const elem_t* q_row = q + ((size_t)blockIdx.z * seq_q + i) * HEAD_DIM;
-    const elem_t* k_row = k + ((size_t)blockIdx.z * seq_kv + j) * HEAD_DIM;
-    float dot = 0.0f;
-    for (int d = 0; d < HEAD_DIM; ++d) dot += to_float(q_row[d]) * to_float(k_row[d]);
+    float dot[ROWS_PER_THREAD] = {};
+    for (int d = 0; d < HEAD_DIM; ++d) {
+        const float k_value = k_tile[threadIdx.x][d];
+        for (int r = 0; r < ROWS_PER_THREAD; ++r) dot[r] += q_tile[threadIdx.y + 8 * r][d] * k_value;
+    }
 
-    const bool masked = causal && j > i;
-    scores[((size_t)blockIdx.z * seq_q + i) * seq_kv + j] = masked ? -INFINITY : dot * scale;
+    const int j = first_k + threadIdx.x;
+    for (int r = 0; r < ROWS_PER_THREAD; ++r) {
+        const int i = first_q + threadIdx.y + 8 * r;
+        if (i >= seq_q || j >= seq_kv) continue;
+        const bool masked = causal && j > i;
+        scores[((size_t)blockIdx.z * seq_q + i) * seq_kv + j] = masked ? -INFINITY : dot[r] * scale;
+    }
 }
 // --8<-- [end:scores]
 
@@ -69,33 +92,53 @@ extern "C" __global__ void attention_softmax(float* __restrict__ scores, float* 
     // END EXERCISE
 
     float row_sum = 0.0f;
-    for (int j = threadIdx.x; j < seq_kv; j += blockDim.x) {
-        const float p = expf(row[j] - row_max);  // masked scores (-inf) give exactly 0
-        row[j] = p;
-        row_sum += p;
-    }
+    for (int j = threadIdx.x; j < seq_kv; j += blockDim.x) row_sum += expf(row[j] - row_max);  // exp(-inf) = 0
     row_sum = block_reduce(row_sum, false);
 
     const float inv_sum = 1.0f / row_sum;
-    for (int j = threadIdx.x; j < seq_kv; j += blockDim.x) row[j] *= inv_sum;
+    for (int j = threadIdx.x; j < seq_kv; j += blockDim.x) row[j] = expf(row[j] - row_max) * inv_sum;
     if (threadIdx.x == 0) lse[blockIdx.x] = row_max + logf(row_sum);
 }
 // --8<-- [end:softmax]
 
 // --8<-- [start:pv]
-// One block per query row, one thread per output column d: o_id = Σ_j p_ij · v_jd.
-// All threads read the same p_ij (a broadcast) and neighbouring v_jd (coalesced).
+// O = P·V, tiled like the scores: a block computes 32 query rows × all HEAD_DIM columns, walking
+// the keys TILE at a time through shared memory. Thread (tx, ty) owns rows ty + 8r and columns
+// tx + 32c; a warp reads one p value (a broadcast) and 32 consecutive v values (no bank conflict).
+#define COLS_PER_THREAD (HEAD_DIM / 32)
+
 extern "C" __global__ void attention_pv(const float* __restrict__ probs, const elem_t* __restrict__ v,
                                         elem_t* __restrict__ o, int seq_q, int seq_kv) {
-    const int row = blockIdx.x;                 // in [0, B·H·Sq)
-    const size_t head = row / seq_q;            // which (batch, head)
-    const float* p_row = probs + (size_t)row * seq_kv;
-    const elem_t* v_head = v + head * seq_kv * HEAD_DIM;
+    __shared__ float p_tile[TILE][TILE], v_tile[TILE][HEAD_DIM];
+    const int first_q = blockIdx.x * TILE;
+    const float* p_head = probs + (size_t)blockIdx.y * seq_q * seq_kv;
+    const elem_t* v_head = v + (size_t)blockIdx.y * seq_kv * HEAD_DIM;
+    const int thread = threadIdx.y * blockDim.x + threadIdx.x, threads = blockDim.x * blockDim.y;
 
-    for (int d = threadIdx.x; d < HEAD_DIM; d += blockDim.x) {
-        float acc = 0.0f;
-        for (int j = 0; j < seq_kv; ++j) acc += p_row[j] * to_float(v_head[(size_t)j * HEAD_DIM + d]);
-        o[(size_t)row * HEAD_DIM + d] = from_float<elem_t>(acc);
+    float acc[ROWS_PER_THREAD][COLS_PER_THREAD] = {};
+    for (int first_k = 0; first_k < seq_kv; first_k += TILE) {
+        for (int e = thread; e < TILE * TILE; e += threads) {      // P tile, zero outside the matrix
+            const int r = e / TILE, c = e % TILE;
+            const bool inside = first_q + r < seq_q && first_k + c < seq_kv;
+            p_tile[r][c] = inside ? p_head[(size_t)(first_q + r) * seq_kv + first_k + c] : 0.0f;
+        }
+        for (int e = thread; e < TILE * HEAD_DIM; e += threads) {  // V tile
+            const int r = e / HEAD_DIM, d = e % HEAD_DIM;
+            v_tile[r][d] = first_k + r < seq_kv ? to_float(v_head[(size_t)(first_k + r) * HEAD_DIM + d]) : 0.0f;
+        }
+        __syncthreads();
+        for (int jj = 0; jj < TILE; ++jj)
+            for (int r = 0; r < ROWS_PER_THREAD; ++r)
+                for (int c = 0; c < COLS_PER_THREAD; ++c)
+                    acc[r][c] += p_tile[threadIdx.y + 8 * r][jj] * v_tile[jj][threadIdx.x + 32 * c];
+        __syncthreads();  // before the next tile overwrites what others may still read
+    }
+
+    for (int r = 0; r < ROWS_PER_THREAD; ++r) {
+        const int i = first_q + threadIdx.y + 8 * r;
+        if (i >= seq_q) continue;
+        for (int c = 0; c < COLS_PER_THREAD; ++c)
+            o[((size_t)blockIdx.y * seq_q + i) * HEAD_DIM + threadIdx.x + 32 * c] = from_float<elem_t>(acc[r][c]);
     }
 }
 // --8<-- [end:pv]

@@ -1,0 +1,34 @@
+"""Stage 2 — tensor cores with mma.sync (FlashAttention-2 split)
+
+One kernel: each warp owns 16 query rows and computes S = QKᵀ and O += PV with mma.sync on the
+tensor cores, the online softmax on the accumulator fragments, P kept in registers.
+"""
+from stages import Goal, Stage
+
+BLOCK_M = 64  # query rows per block (4 warps × 16), as in attention.cu
+BLOCK_N = 64  # keys per K/V tile
+THREADS = 128
+
+
+def shared_bytes(head_dim: int, element_size: int) -> int:
+    """Q, K and V tiles of 64 rows, each row padded by 8 elements (attention.cu, load_tile)."""
+    return (BLOCK_M + 2 * BLOCK_N) * (head_dim + 8) * element_size
+
+
+def launch(kernels, q, k, v, o, lse, scale, causal):
+    batch, heads, seq_q, head_dim = q.shape
+    seq_kv = k.shape[2]
+    grid = ((seq_q + BLOCK_M - 1) // BLOCK_M, batch * heads)
+    kernels.attention_fwd(grid, (THREADS,), q, k, v, o, lse, seq_q, seq_kv, scale, int(causal),
+                          smem=shared_bytes(head_dim, q.element_size()))
+
+
+STAGE = Stage(
+    name="stage2_warp",
+    problem="attention",
+    source="attention.cu",
+    kernels={"attention_fwd": "const elem_t*, const elem_t*, const elem_t*, elem_t*, float*, int, int, float, int"},
+    launch=launch,
+    specializations={"HEAD_DIM": (64, 128)},
+    goal=Goal("flash", 0.6),
+)

@@ -1,0 +1,227 @@
+// Stage 3 — an asynchronous cp.async pipeline with swizzled shared memory.
+//
+// New here: tiles are copied global -> shared by cp.async, which needs no registers and does
+// not stall the thread, in a ring of KV_STAGES buffers: K and V of tile j+1 are in flight while
+// tile j is multiplied, so after the first tile no warp waits for memory (the copies were issued
+// a whole tile of math earlier -- the V copy included, long before the softmax that precedes
+// P·V). Shared memory is unpadded and swizzled instead: the 16-byte chunk index of each row is
+// XORed with the row, so both the cp.async stores and the ldmatrix reads hit 8 distinct groups
+// of banks. The warp-level math is stage 2's (mma.cuh); blocks grow to 8 warps × 16 rows so that
+// each K/V tile fetched from L2 serves 128 query rows.
+//
+// Per block: BLOCK_M = 128 query rows (8 warps × 16), tiles of BLOCK_N = 64 keys.
+//   per K/V tile: 4·128·64·D FLOPs (2.1 M at D=64, 4.2 M at D=128) for 2·64·D·2 bytes of K and V
+//                 (16 KB, 32 KB): 128 FLOPs per byte from L2; in shared memory every warp reads
+//                 the whole tile through ldmatrix, 16 FLOPs per byte -- the budget that binds.
+//   registers:    as stage 2 (O D/2, Q fragments D/4, S 32, fragments in flight): 128 at D=64,
+//                 the cap that lets 2 blocks fit (no spills); 209 at D=128, 1 block
+//   shared:       Q 128·D·2 + KV_STAGES·2·64·D·2 bytes = 48 KB at D=64, 96 KB at D=128
+//   occupancy:    2 blocks = 16 warps per SM at D=64; 1 block = 8 warps at D=128
+// Predicted on an H100 (fp16, non-causal): ~230 TFLOP/s at B16 H16 S2048 D64 and ~275 at
+// B4 H16 S8192 D128 (85-90% of SDPA's flash backend, which reads half as much shared memory per
+// FLOP -- its warps own 32 rows each -- and at D=128 runs 2 blocks per SM where this runs 1).
+//
+// Tensors are [B, H, S, D], contiguous; blockIdx.y walks the B·H (batch, head) pairs.
+// Causal masking is top-left aligned, as in PyTorch: query i sees keys j <= i.
+#include "mma.cuh"
+
+constexpr int BLOCK_M = 128;                  // query rows per block
+constexpr int BLOCK_N = 64;                   // keys per K/V tile
+constexpr int KV_STAGES = 2;                  // K/V buffers in the ring: tile j+1 loads during tile j
+constexpr int NUM_WARPS = BLOCK_M / 16;       // one warp per 16 query rows
+constexpr int NUM_THREADS = NUM_WARPS * 32;
+constexpr int MIN_BLOCKS_PER_SM = HEAD_DIM == 64 ? 2 : 1;  // caps registers at 128 for D=64
+constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;  // 16-byte chunks in a row of D elements
+constexpr int ROW_BYTES = HEAD_DIM * 2;       // rows are not padded: the swizzle does that job
+constexpr int Q_TILE_BYTES = BLOCK_M * ROW_BYTES;
+constexpr int KV_TILE_BYTES = BLOCK_N * ROW_BYTES;
+constexpr int D_STEPS = HEAD_DIM / 16;        // k-steps of Q·Kᵀ (16 columns of d each)
+constexpr int S_FRAGS = BLOCK_N / 8;          // n8 fragments of a warp's 16 × BLOCK_N scores
+constexpr int O_FRAGS = HEAD_DIM / 8;         // n8 fragments of a warp's 16 × D output
+static_assert(sizeof(elem_t) == 2, "ldmatrix and the chunk arithmetic assume 16-bit elements");
+static_assert(CHUNKS_PER_ROW >= 8, "the swizzle permutes chunks in groups of 8");
+
+// --8<-- [start:swizzle]
+// Byte offset of 16-byte chunk `chunk` (elements 8·chunk .. 8·chunk+7) of row `row` of a tile.
+//
+// Shared memory has 32 banks of 4 bytes: a 16-byte chunk covers 4 banks, and a 128-byte line
+// holds the 8 possible groups of 4 banks. Rows here are 128 or 256 bytes, so without a swizzle
+// chunk c of every row sits in the same bank group, and ldmatrix -- which reads one chunk from
+// each of 8 consecutive rows at a time -- would be served one row after another, 8 times slower.
+// XORing the chunk index with row % 8 moves chunk c of row r to position c ^ r:
+//
+//              position:  0  1  2  3  4  5  6  7        (D = 64: one 128-byte line per row)
+//     row 0 holds chunk   0  1  2  3  4  5  6  7
+//     row 1               1  0  3  2  5  4  7  6
+//     row 2               2  3  0  1  6  7  4  5
+//     row 3               3  2  1  0  7  6  5  4
+//      ...                                              (row 7: 7 6 5 4 3 2 1 0)
+//
+// Chunk c of rows 0..7 now lies in 8 different positions (one column of the picture has every
+// number once): ldmatrix reads are conflict-free. A row still occupies whole 128-byte lines, so
+// cp.async stores of consecutive chunks of a row are conflict-free too. At D = 128 a row is two
+// lines and the XOR, on the low 3 bits of the chunk index, permutes within each line.
+__device__ __forceinline__ unsigned swizzle(int row, int chunk) {
+    return row * ROW_BYTES + ((chunk ^ (row % 8)) * 16);
+}
+// --8<-- [end:swizzle]
+
+// Issues the cp.async copies of rows [0, rows) of a row-major [*, HEAD_DIM] global tile into a
+// swizzled tile of TILE_ROWS rows at shared address `tile`; rows past `rows` are zero-filled (a
+// key row of zeros still meets p = 0 in P·V, but 0 × garbage can be NaN). Neighbouring threads
+// copy neighbouring chunks of a row: coalesced reads, conflict-free writes.
+template <int TILE_ROWS>
+__device__ __forceinline__ void load_tile_async(unsigned tile, const elem_t* source, int rows) {
+    static_assert(TILE_ROWS * CHUNKS_PER_ROW % NUM_THREADS == 0, "every thread copies as many chunks");
+#pragma unroll
+    for (int step = 0; step < TILE_ROWS * CHUNKS_PER_ROW / NUM_THREADS; ++step) {
+        const int i = step * NUM_THREADS + threadIdx.x;
+        const int row = i / CHUNKS_PER_ROW, chunk = i % CHUNKS_PER_ROW;
+        const bool valid = row < rows;
+        const elem_t* from = source + (size_t)(valid ? row : 0) * HEAD_DIM + chunk * 8;  // row 0 exists
+        cp_async_16(tile + swizzle(row, chunk), from, valid);
+    }
+}
+
+// Issues the copies of K and V tile `tile` into ring buffer tile % KV_STAGES.
+__device__ __forceinline__ void load_kv_tile_async(unsigned k_ring, unsigned v_ring, const elem_t* k_head,
+                                                   const elem_t* v_head, int tile, int seq_kv) {
+    const int n0 = tile * BLOCK_N;
+    const unsigned buffer = (tile % KV_STAGES) * KV_TILE_BYTES;
+    load_tile_async<BLOCK_N>(k_ring + buffer, k_head + (size_t)n0 * HEAD_DIM, seq_kv - n0);
+    load_tile_async<BLOCK_N>(v_ring + buffer, v_head + (size_t)n0 * HEAD_DIM, seq_kv - n0);
+}
+
+// The warp-level math of stage 2, reading swizzled tiles: the lane -> (row, chunk) mapping of
+// ldmatrix is unchanged (mma.cuh), only the address of a chunk is now swizzle(row, chunk).
+__device__ __forceinline__ void load_q_fragments(unsigned (&q_frag)[D_STEPS][4], unsigned q_tile, int warp, int lane) {
+    const int row = warp * 16 + a_order_row(lane), chunk = a_order_chunk(lane);
+#pragma unroll
+    for (int kk = 0; kk < D_STEPS; ++kk) ldmatrix_x4(q_frag[kk], q_tile + swizzle(row, 2 * kk + chunk));
+}
+
+// S[16 × BLOCK_N] = Q[16 × D] · Kᵀ (see stage 2).
+__device__ __forceinline__ void warp_scores(float (&s)[S_FRAGS][4], const unsigned (&q_frag)[D_STEPS][4],
+                                            unsigned k_tile, int lane) {
+    const int row = b_order_row(lane), chunk = b_order_chunk(lane);
+#pragma unroll
+    for (int n = 0; n < S_FRAGS; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+    for (int n16 = 0; n16 < BLOCK_N / 16; ++n16) {
+#pragma unroll
+        for (int kk = 0; kk < D_STEPS; ++kk) {
+            unsigned k_frag[4];
+            ldmatrix_x4(k_frag, k_tile + swizzle(16 * n16 + row, 2 * kk + chunk));
+            mma_m16n8k16<elem_t>(s[2 * n16], q_frag[kk], k_frag[0], k_frag[1]);
+            mma_m16n8k16<elem_t>(s[2 * n16 + 1], q_frag[kk], k_frag[2], k_frag[3]);
+        }
+    }
+}
+
+// O[16 × D] += P[16 × BLOCK_N] · V, P straight from the registers of S (see stage 2).
+__device__ __forceinline__ void warp_pv(float (&o)[O_FRAGS][4], const float (&p)[S_FRAGS][4], unsigned v_tile,
+                                        int lane) {
+    const int row = a_order_row(lane), chunk = a_order_chunk(lane);
+#pragma unroll
+    for (int k16 = 0; k16 < BLOCK_N / 16; ++k16) {
+        unsigned p_frag[4];
+        p_as_a_operand(p, k16, p_frag);
+#pragma unroll
+        for (int d16 = 0; d16 < D_STEPS; ++d16) {
+            unsigned v_frag[4];
+            ldmatrix_x4_trans(v_frag, v_tile + swizzle(16 * k16 + row, 2 * d16 + chunk));
+            mma_m16n8k16<elem_t>(o[2 * d16], p_frag, v_frag[0], v_frag[1]);
+            mma_m16n8k16<elem_t>(o[2 * d16 + 1], p_frag, v_frag[2], v_frag[3]);
+        }
+    }
+}
+
+// Sets to -inf the scores of keys past the end (key >= seq_kv) and, if causal, above the
+// diagonal (key > query). `row` is the query row of c[0], c[1]; c[2], c[3] are row + 8.
+__device__ __forceinline__ void apply_mask(float (&s)[S_FRAGS][4], int first_key, int row, int seq_kv,
+                                           int causal, int lane) {
+#pragma unroll
+    for (int n = 0; n < S_FRAGS; ++n) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int key = first_key + 8 * n + 2 * (lane % 4) + c % 2;
+            const int query = row + 8 * (c / 2);
+            if (key >= seq_kv || (causal && key > query)) s[n][c] = -INFINITY;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
+attention_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
+              elem_t* __restrict__ o, float* __restrict__ lse, int seq_q, int seq_kv, float scale, int causal) {
+    // [Q tile][K ring: KV_STAGES tiles][V ring: KV_STAGES tiles], all swizzled. The swizzle
+    // assumes every tile starts on a 128-byte boundary: the tiles are multiples of 128 bytes.
+    extern __shared__ __align__(128) unsigned char shared_bytes[];
+    const unsigned q_tile = shared_address(shared_bytes);
+    const unsigned k_ring = q_tile + Q_TILE_BYTES;
+    const unsigned v_ring = k_ring + KV_STAGES * KV_TILE_BYTES;
+
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int m0 = blockIdx.x * BLOCK_M;      // first query row of the block
+    const int warp_m0 = m0 + warp * 16;       // first query row of this warp
+    const size_t head = blockIdx.y;
+    const elem_t* k_head = k + head * seq_kv * HEAD_DIM;
+    const elem_t* v_head = v + head * seq_kv * HEAD_DIM;
+
+    // Causal: keys from m0 + BLOCK_M on are masked for every row of the block: never loaded.
+    const int kv_end = causal ? min(seq_kv, m0 + BLOCK_M) : seq_kv;
+    const int num_tiles = (kv_end + BLOCK_N - 1) / BLOCK_N;
+
+    // --8<-- [start:pipeline]
+    // Prologue: Q, then the first KV_STAGES - 1 K/V tiles, each its own commit group.
+    load_tile_async<BLOCK_M>(q_tile, q + (head * seq_q + m0) * HEAD_DIM, seq_q - m0);
+    cp_async_commit();
+    for (int tile = 0; tile < KV_STAGES - 1; ++tile) {
+        if (tile < num_tiles) load_kv_tile_async(k_ring, v_ring, k_head, v_head, tile, seq_kv);
+        cp_async_commit();  // committed even when empty, so that group counts stay uniform
+    }
+    cp_async_wait<KV_STAGES - 1>();  // the oldest group, Q, has landed (K/V may still be in flight)
+    __syncthreads();                 // ... for every thread's copies, not only this thread's
+    unsigned q_frag[D_STEPS][4];
+    load_q_fragments(q_frag, q_tile, warp, lane);
+
+    float o_acc[O_FRAGS][4] = {};
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+    const float scale_log2 = scale * LOG2E;
+
+    for (int tile = 0; tile < num_tiles; ++tile) {
+        // EXERCISE: keep the ring full. Wait until this thread's copies of `tile` have landed
+        // (cp_async_wait: of the groups committed so far, only the newest KV_STAGES - 2 may
+        // still be in flight), then __syncthreads(): all threads' copies are visible, and every
+        // warp is done with tile - 1, whose buffer is the one to refill. Then issue the copies of
+        // tile + KV_STAGES - 1 (if it exists) with load_kv_tile_async, and commit the group --
+        // also when it is empty, so that the count in the wait above stays right.
+        // STUB: __syncthreads();  // synchronous fallback: every warp is done with this buffer's last tile
+        // STUB: if (tile >= KV_STAGES - 1) load_kv_tile_async(k_ring, v_ring, k_head, v_head, tile, seq_kv);
+        // STUB: cp_async_commit();
+        // STUB: cp_async_wait<0>();
+        // STUB: __syncthreads();
+        cp_async_wait<KV_STAGES - 2>();
+        __syncthreads();
+        const int next = tile + KV_STAGES - 1;
+        if (next < num_tiles) load_kv_tile_async(k_ring, v_ring, k_head, v_head, next, seq_kv);
+        cp_async_commit();
+        // END EXERCISE
+
+        // Tile `tile` is in shared memory and stays there until the next iteration's barrier.
+        const int n0 = tile * BLOCK_N;
+        if (causal && n0 > warp_m0 + 15) continue;  // above the diagonal for all 16 rows of this warp
+        const unsigned buffer = (tile % KV_STAGES) * KV_TILE_BYTES;
+        float s[S_FRAGS][4];
+        warp_scores(s, q_frag, k_ring + buffer, lane);
+        const bool crosses_end = n0 + BLOCK_N > seq_kv;
+        const bool crosses_diagonal = causal && n0 + BLOCK_N - 1 > warp_m0;
+        if (crosses_end || crosses_diagonal) apply_mask(s, n0, warp_m0 + lane / 4, seq_kv, causal, lane);
+        online_softmax(s, o_acc, row_max, row_sum, scale_log2);
+        warp_pv(o_acc, s, v_ring + buffer, lane);
+    }
+    // --8<-- [end:pipeline]
+
+    write_output(o_acc, row_max, row_sum, scale, o + head * seq_q * HEAD_DIM, lse + head * seq_q, warp_m0,
+                 seq_q, lane);
+}
