@@ -32,13 +32,16 @@ def _reader(stream, lines: queue.Queue) -> None:
     lines.put(None)
 
 
-def run_job(job: dict, on_event, timeout_s: float) -> Failure | None:
-    """Run one worker; None if it finished cleanly, else the Failure that ended it."""
+WORKER = [sys.executable, "-m", "grader.worker"]
+
+
+def run_job(job: dict, on_event, timeout_s: float, worker: list[str] = WORKER) -> Failure | None:
+    """Run one worker (`worker` + the job file); None if it finished cleanly, else the Failure that ended it."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
     stderr = tempfile.TemporaryFile("w+")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    child = subprocess.Popen([sys.executable, "-m", "grader.worker", f.name], cwd=REPO, env=env,
+    child = subprocess.Popen([*worker, f.name], cwd=REPO, env=env,
                              stdout=subprocess.PIPE, stderr=stderr, text=True)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_reader, args=(child.stdout, lines), daemon=True).start()
@@ -85,7 +88,7 @@ def _describe_error(event: dict) -> str:
     return f"{event['kind']}: {message.splitlines()[0] if message else ''}"
 
 
-def run_items(job: dict, key: str, items: list, on_done, timeout_s: float) -> dict[int, Failure]:
+def run_items(job: dict, key: str, items: list, on_done, timeout_s: float, worker: list[str] = WORKER) -> dict[int, Failure]:
     """Run a job over `items` ([(index, item)] under job[key]); a crash fails that item and a new
     worker carries on with the next. Returns {index: Failure} for the items that did not finish."""
     failures: dict[int, Failure] = {}
@@ -100,7 +103,7 @@ def run_items(job: dict, key: str, items: list, on_done, timeout_s: float) -> di
                 state["done"].add(event["index"])
                 on_done(event)
 
-        failure = run_job(dict(job, **{key: remaining}), on_event, timeout_s)
+        failure = run_job(dict(job, **{key: remaining}), on_event, timeout_s, worker)
         if failure is None:
             break
         if state["current"] is None or state["current"] in state["done"]:

@@ -75,7 +75,7 @@ def print_benchmarks(result: dict, gpu_name: str) -> None:
                       _mib(bench["extra_memory_bytes"]), occupancy)
     console.print(table)
     baselines = Table(title="Baselines (ms; extra memory)", title_justify="left")
-    names = sorted({n for b in result["benchmarks"] for n in b.get("baselines", {})})
+    names = sorted({n for b in result["benchmarks"] for n in [*b.get("baselines", {}), *b.get("skipped", {})]})
     baselines.add_column("shape")
     for name in names:
         baselines.add_column(name, justify="right")

@@ -62,3 +62,22 @@ def test_figures_and_suspect_flags():
                                        ("NVIDIA GeForce RTX 4090", "rtx-4090"), ("Some Future GPU", "some-future-gpu")])
 def test_gpu_table(name, slug):
     assert slug_for(name) == slug
+
+
+def test_arch_choice_and_too_old_gpus():
+    from grader.device import GpuInfo, arch_for
+    every = ("sm_80", "sm_86", "sm_89", "sm_90a")
+
+    def gpu(major, minor):
+        return GpuInfo("GPU", major, minor, 100, 1 << 20, 1500, 1 << 30, "13.0")
+
+    assert arch_for(gpu(9, 0), every) == "sm_90a"
+    assert arch_for(gpu(8, 6), every) == "sm_86"
+    assert arch_for(gpu(8, 7), every) == "sm_87"          # newer than sm_80: runs
+    assert arch_for(gpu(12, 0), every) == "sm_120"
+    with pytest.raises(ValueError, match="needs sm_90a"):
+        arch_for(gpu(8, 0), ("sm_90a",))
+    with pytest.raises(ValueError, match="needs sm_90a"):
+        arch_for(gpu(10, 0), ("sm_90a",))
+    with pytest.raises(ValueError, match="sm_80 or newer"):
+        arch_for(gpu(7, 5), every)
