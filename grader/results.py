@@ -1,7 +1,8 @@
 """The results files, results/<gpu>.json: what a grader run measured, with where and on what.
 
 A stage's entry records `source_sha256`, the digest of everything that decides what its kernel
-does and how fast (the .cu file, the local headers it includes, the stage's launch code); a test
+does and how fast (the .cu file, the local headers it includes, the stage's launch code and the
+shared launch code it imports from stages.common); a test
 fails when the committed results no longer match the sources, so a changed kernel is measured again.
 """
 from __future__ import annotations
@@ -22,7 +23,9 @@ RESULTS_DIR = REPO / "results"
 
 def source_files(stage, kernel_path: Path | None = None) -> list[Path]:
     kernel_path = Path(kernel_path or stage.source_path)
-    files, todo = [kernel_path, stage.folder / "__init__.py"], [kernel_path]
+    launch_code = stage.folder / "__init__.py"
+    shared_launch = [COMMON_INCLUDE / f"{m}.py" for m in re.findall(r"^from stages\.common\.(\w+) import", launch_code.read_text(), re.MULTILINE)]
+    files, todo = [kernel_path, launch_code, *shared_launch], [kernel_path]
     while todo:
         for name in re.findall(r'^\s*#\s*include\s*"([^"]+)"', todo.pop().read_text(), re.MULTILINE):
             for base in (kernel_path.parent, COMMON_INCLUDE):

@@ -4,6 +4,7 @@ One kernel: each warp owns 16 query rows and computes S = QKᵀ and O += PV with
 tensor cores, the online softmax on the accumulator fragments, P kept in registers.
 """
 from stages import Goal, Stage
+from stages.common.fused_attention import KERNELS, launch_fused
 
 BLOCK_M = 64  # query rows per block (4 warps × 16), as in attention.cu
 BLOCK_N = 64  # keys per K/V tile
@@ -16,18 +17,15 @@ def shared_bytes(head_dim: int, element_size: int) -> int:
 
 
 def launch(kernels, q, k, v, o, lse, scale, causal):
-    batch, heads, seq_q, head_dim = q.shape
-    seq_kv = k.shape[2]
-    grid = ((seq_q + BLOCK_M - 1) // BLOCK_M, batch * heads)
-    kernels.attention_fwd(grid, (THREADS,), q, k, v, o, lse, seq_q, seq_kv, scale, int(causal),
-                          smem=shared_bytes(head_dim, q.element_size()))
+    launch_fused(kernels, q, k, v, o, lse, scale, causal, block_m=BLOCK_M, threads=THREADS,
+                 smem=shared_bytes(q.shape[-1], q.element_size()))
 
 
 STAGE = Stage(
     name="stage2_warp",
     problem="attention",
     source="attention.cu",
-    kernels={"attention_fwd": "const elem_t*, const elem_t*, const elem_t*, elem_t*, float*, int, int, float, int"},
+    kernels=KERNELS,
     launch=launch,
     specializations={"HEAD_DIM": (64, 128)},
     goal=Goal("flash", 0.6),
