@@ -37,8 +37,8 @@ def test_arch_option_compiles_for_that_arch():
 
 def test_compile_error_points_at_the_learners_file_and_line(tmp_path):
     stage_source = (REPO / "stages/stage0_naive/attention.cu").read_text().splitlines()
-    line = next(i for i, l in enumerate(stage_source) if "float dot = 0.0f;" in l)
-    stage_source[line] = "    float dot = 0.0f +;"
+    line = next(i for i, l in enumerate(stage_source) if "float row_sum = 0.0f;" in l)
+    stage_source[line] = "    float row_sum = 0.0f +;"
     bad = tmp_path / "mine.cu"
     bad.write_text("\n".join(stage_source))
     r = grader("stage0", "--kernel", str(bad))
