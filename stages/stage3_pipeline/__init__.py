@@ -5,22 +5,26 @@ is computed, into XOR-swizzled shared memory that ldmatrix reads without bank co
 """
 from stages import Goal, Stage
 
-BLOCK_M = 128   # query rows per block (8 warps × 16), as in attention.cu
-BLOCK_N = 64    # keys per K/V tile
-KV_STAGES = 2   # K/V buffers in the cp.async ring
-THREADS = 256
+BLOCK_M = 128   # query rows per block, as in attention.cu
+
+
+def config(head_dim: int) -> tuple[int, int, int]:
+    """(threads, BLOCK_N, KV_STAGES) per head dimension, as in attention.cu: 8 warps × 16 rows,
+    64-key tiles, 2 buffers at D=64; 4 warps × 32 rows, 32-key tiles, 3 buffers at D=128."""
+    return (256, 64, 2) if head_dim == 64 else (128, 32, 3)
 
 
 def shared_bytes(head_dim: int, element_size: int) -> int:
     """The Q tile and KV_STAGES K and V tiles, unpadded (attention.cu)."""
-    return (BLOCK_M + 2 * KV_STAGES * BLOCK_N) * head_dim * element_size
+    _, block_n, kv_stages = config(head_dim)
+    return (BLOCK_M + 2 * kv_stages * block_n) * head_dim * element_size
 
 
 def launch(kernels, q, k, v, o, lse, scale, causal):
     batch, heads, seq_q, head_dim = q.shape
     seq_kv = k.shape[2]
     grid = ((seq_q + BLOCK_M - 1) // BLOCK_M, batch * heads)
-    kernels.attention_fwd(grid, (THREADS,), q, k, v, o, lse, seq_q, seq_kv, scale, int(causal),
+    kernels.attention_fwd(grid, (config(head_dim)[0],), q, k, v, o, lse, seq_q, seq_kv, scale, int(causal),
                           smem=shared_bytes(head_dim, q.element_size()))
 
 

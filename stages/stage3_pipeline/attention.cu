@@ -1,43 +1,62 @@
 // Stage 3 — an asynchronous cp.async pipeline with swizzled shared memory.
 //
 // New here: tiles are copied global -> shared by cp.async, which needs no registers and does
-// not stall the thread, in a ring of KV_STAGES buffers: K and V of tile j+1 are in flight while
-// tile j is multiplied, so after the first tile no warp waits for memory (the copies were issued
-// a whole tile of math earlier -- the V copy included, long before the softmax that precedes
-// P·V). Shared memory is unpadded and swizzled instead: the 16-byte chunk index of each row is
-// XORed with the row, so both the cp.async stores and the ldmatrix reads hit 8 distinct groups
-// of banks. The warp-level math is stage 2's (mma.cuh); blocks grow to 8 warps × 16 rows so that
-// each K/V tile fetched from L2 serves 128 query rows.
+// not stall the thread, in a ring of KV_STAGES buffers: K and V of the next tiles are in flight
+// while tile j is multiplied, so after the first tile no warp waits for memory (the copies were
+// issued a whole tile of math earlier -- the V copy included, long before the softmax that
+// precedes P·V). Shared memory is unpadded and swizzled instead: the 16-byte chunk index of each
+// row is XORed with the row, so both the cp.async stores and the ldmatrix reads hit 8 distinct
+// groups of banks. The warp-level math is stage 2's (mma.cuh); blocks grow to 128 query rows so
+// that each K/V tile fetched from L2 serves 128 rows.
 //
-// Per block: BLOCK_M = 128 query rows (8 warps × 16), tiles of BLOCK_N = 64 keys.
-//   per K/V tile: 4·128·64·D FLOPs (2.1 M at D=64, 4.2 M at D=128) for 2·64·D·2 bytes of K and V
-//                 (16 KB, 32 KB): 128 FLOPs per byte from L2; in shared memory every warp reads
-//                 the whole tile through ldmatrix, 16 FLOPs per byte -- the budget that binds.
-//   registers:    as stage 2 (O D/2, Q fragments D/4, S 32, fragments in flight): 128 at D=64,
-//                 the cap that lets 2 blocks fit (no spills); 209 at D=128, 1 block
-//   shared:       Q 128·D·2 + KV_STAGES·2·64·D·2 bytes = 48 KB at D=64, 96 KB at D=128
-//   occupancy:    2 blocks = 16 warps per SM at D=64; 1 block = 8 warps at D=128
-// Predicted on an H100 (fp16, non-causal): ~230 TFLOP/s at B16 H16 S2048 D64 and ~275 at
-// B4 H16 S8192 D128 (85-90% of SDPA's flash backend, which reads half as much shared memory per
-// FLOP -- its warps own 32 rows each -- and at D=128 runs 2 blocks per SM where this runs 1).
+// Per block: BLOCK_M = 128 query rows; the rest depends on D (see the configuration below).
+//   D = 64:  8 warps × 16 rows, BLOCK_N = 64, 2 buffers. Every warp reads the whole K/V tile
+//            through ldmatrix for its 16 rows: 16 FLOPs per byte of shared memory, the budget
+//            that binds. Registers 128 (the cap for 2 blocks), shared 48 KB: 2 blocks = 16 warps
+//            per SM.
+//   D = 128: 4 warps × 32 rows (two m16 tiles that share every K/V fragment), BLOCK_N = 32,
+//            3 buffers. Q is re-read from shared memory each tile (its 64 registers do not fit
+//            beside O's 128): per warp and tile 48 ldmatrix.x4 (Q 16, K 16, V 16) for 128 mma,
+//            21 FLOPs per byte where 16 rows per warp gave 16. Registers 251-254 (the cap of 255
+//            for 2 blocks of 128 threads; no spills), shared 32 + 48 = 80 KB: 2 blocks = 8 warps
+//            per SM, in two independent blocks -- one block's barrier wait is the other's turn.
+// Predicted on an H100 (fp16, non-causal): ~275 TFLOP/s at B16 H16 S2048 D64 (measured 277) and
+// ~345 at B4 H16 S8192 D128 (~6.4 ms, ~3.35 ms causal), 90-95% of SDPA's flash backend, whose
+// hdim-128 kernel has this shape (4 warps × 32 rows, Q in shared memory) with 64-key tiles: at
+// BLOCK_N = 64 ptxas needs a few more than 255 registers here and spills.
 //
 // Tensors are [B, H, S, D], contiguous; blockIdx.y walks the B·H (batch, head) pairs.
 // Causal masking is top-left aligned, as in PyTorch: query i sees keys j <= i.
 #include "mma.cuh"
 
-constexpr int BLOCK_M = 128;                  // query rows per block
-constexpr int BLOCK_N = 64;                   // keys per K/V tile
-constexpr int KV_STAGES = 2;                  // K/V buffers in the ring: tile j+1 loads during tile j
-constexpr int NUM_WARPS = BLOCK_M / 16;       // one warp per 16 query rows
+// The tile configuration, per head dimension. A warp owns M_TILES m16 tiles (16 query rows each)
+// and keeps, in fp32 registers, O (M_TILES·D/2) and S (M_TILES·BLOCK_N/2) -- the count decides.
+//   D = 64:  8 warps × 1 m-tile, 64-key tiles. O 32 + S 32 + Q fragments 16 (kept for the whole
+//            loop) fit the cap of 128 registers that 2 blocks of 256 threads per SM impose.
+//   D = 128: 4 warps × 2 m-tiles (32 rows each, as FlashAttention-2), so that each K/V fragment
+//            read by ldmatrix feeds the mma of 32 rows, not 16. O alone is 128 registers, and
+//            2 blocks of 128 threads cap a thread at 255: Q's fragments (64 more) stay in shared
+//            memory, re-read one k-step at a time every tile, and the K/V tiles shrink to 32 keys
+//            (S 32) -- with 64 (S 64) ptxas spills. Shared memory, 32 KB of Q + 3 buffers × 16 KB
+//            of K and V = 80 KB, lets 2 blocks share an SM; the third buffer keeps two tiles in
+//            flight, as much data ahead as two buffers of 64 keys.
+constexpr int M_TILES = HEAD_DIM == 64 ? 1 : 2;     // m16 tiles per warp
+constexpr int NUM_WARPS = HEAD_DIM == 64 ? 8 : 4;
+constexpr int WARP_ROWS = 16 * M_TILES;             // query rows per warp
+constexpr int BLOCK_M = NUM_WARPS * WARP_ROWS;      // query rows per block: 128 either way
+constexpr int BLOCK_N = HEAD_DIM == 64 ? 64 : 32;   // keys per K/V tile
+constexpr int KV_STAGES = HEAD_DIM == 64 ? 2 : 3;   // K/V buffers in the ring: tiles j+1.. load during tile j
 constexpr int NUM_THREADS = NUM_WARPS * 32;
-constexpr int MIN_BLOCKS_PER_SM = HEAD_DIM == 64 ? 2 : 1;  // caps registers at 128 for D=64
+constexpr int MIN_BLOCKS_PER_SM = 2;                // caps registers at 65536 / (2 · NUM_THREADS)
+constexpr bool Q_IN_REGISTERS = M_TILES == 1;       // else re-read from shared memory every tile
+constexpr int Q_HELD_STEPS = Q_IN_REGISTERS ? HEAD_DIM / 16 : 1;  // k-steps of Q fragments held at once
 constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;  // 16-byte chunks in a row of D elements
 constexpr int ROW_BYTES = HEAD_DIM * 2;       // rows are not padded: the swizzle does that job
 constexpr int Q_TILE_BYTES = BLOCK_M * ROW_BYTES;
 constexpr int KV_TILE_BYTES = BLOCK_N * ROW_BYTES;
 constexpr int D_STEPS = HEAD_DIM / 16;        // k-steps of Q·Kᵀ (16 columns of d each)
-constexpr int S_FRAGS = BLOCK_N / 8;          // n8 fragments of a warp's 16 × BLOCK_N scores
-constexpr int O_FRAGS = HEAD_DIM / 8;         // n8 fragments of a warp's 16 × D output
+constexpr int S_FRAGS = BLOCK_N / 8;          // n8 fragments of an m-tile's 16 × BLOCK_N scores
+constexpr int O_FRAGS = HEAD_DIM / 8;         // n8 fragments of an m-tile's 16 × D output
 static_assert(sizeof(elem_t) == 2, "ldmatrix and the chunk arithmetic assume 16-bit elements");
 static_assert(CHUNKS_PER_ROW >= 8, "the swizzle permutes chunks in groups of 8");
 
@@ -94,44 +113,68 @@ __device__ __forceinline__ void load_kv_tile_async(unsigned k_ring, unsigned v_r
 
 // The warp-level math of stage 2, reading swizzled tiles: the lane -> (row, chunk) mapping of
 // ldmatrix is unchanged (mma.cuh), only the address of a chunk is now swizzle(row, chunk).
-__device__ __forceinline__ void load_q_fragments(unsigned (&q_frag)[D_STEPS][4], unsigned q_tile, int warp, int lane) {
-    const int row = warp * 16 + a_order_row(lane), chunk = a_order_chunk(lane);
-#pragma unroll
-    for (int kk = 0; kk < D_STEPS; ++kk) ldmatrix_x4(q_frag[kk], q_tile + swizzle(row, 2 * kk + chunk));
+// The A operand of Q for k-step kk of the 16 rows from tile row `row0` on.
+__device__ __forceinline__ void load_q_fragment(unsigned (&a)[4], unsigned q_tile, int row0, int kk, int lane) {
+    ldmatrix_x4(a, q_tile + swizzle(row0 + a_order_row(lane), 2 * kk + a_order_chunk(lane)));
 }
 
-// S[16 × BLOCK_N] = Q[16 × D] · Kᵀ (see stage 2).
-__device__ __forceinline__ void warp_scores(float (&s)[S_FRAGS][4], const unsigned (&q_frag)[D_STEPS][4],
-                                            unsigned k_tile, int lane) {
+// S[WARP_ROWS × BLOCK_N] = Q · Kᵀ for the warp's M_TILES m-tiles (see stage 2),
+// each K fragment read once and used by every m-tile. Q's fragments come from
+// q_frag (Q_IN_REGISTERS) or are read from the warp's rows of the Q tile, starting at q_row0.
+__device__ __forceinline__ void warp_scores(float (&s)[M_TILES][S_FRAGS][4],
+                                            const unsigned (&q_frag)[M_TILES][Q_HELD_STEPS][4], unsigned q_tile,
+                                            int q_row0, unsigned k_tile, int lane) {
     const int row = b_order_row(lane), chunk = b_order_chunk(lane);
 #pragma unroll
-    for (int n = 0; n < S_FRAGS; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+    for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-    for (int n16 = 0; n16 < BLOCK_N / 16; ++n16) {
+        for (int n = 0; n < S_FRAGS; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.0f;
+    // Loops over the k-steps kk and the 16-key blocks n16, in one of two orders. Q in registers
+    // (D = 64): n16 outer, as in stage 2. Q re-read (D = 128): kk outer, so that each Q fragment
+    // is read from shared memory once per tile and used for all BLOCK_N keys.
+    constexpr int OUTER = Q_IN_REGISTERS ? BLOCK_N / 16 : D_STEPS;
+    constexpr int INNER = Q_IN_REGISTERS ? D_STEPS : BLOCK_N / 16;
 #pragma unroll
-        for (int kk = 0; kk < D_STEPS; ++kk) {
-            unsigned k_frag[4];
+    for (int i = 0; i < OUTER; ++i) {
+        unsigned q_read[M_TILES][4];  // k-step kk = i of Q, when it is read from shared memory
+        if (!Q_IN_REGISTERS) {
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt) load_q_fragment(q_read[mt], q_tile, q_row0 + 16 * mt, i, lane);
+        }
+#pragma unroll
+        for (int j = 0; j < INNER; ++j) {
+            const int n16 = Q_IN_REGISTERS ? i : j, kk = Q_IN_REGISTERS ? j : i;
+            unsigned k_frag[4];  // b[0], b[1] of keys 16·n16 + 0..7, then of keys + 8..15
             ldmatrix_x4(k_frag, k_tile + swizzle(16 * n16 + row, 2 * kk + chunk));
-            mma_m16n8k16<elem_t>(s[2 * n16], q_frag[kk], k_frag[0], k_frag[1]);
-            mma_m16n8k16<elem_t>(s[2 * n16 + 1], q_frag[kk], k_frag[2], k_frag[3]);
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt) {
+                const unsigned (&a)[4] = *(Q_IN_REGISTERS ? &q_frag[mt][kk % Q_HELD_STEPS] : &q_read[mt]);
+                mma_m16n8k16<elem_t>(s[mt][2 * n16], a, k_frag[0], k_frag[1]);
+                mma_m16n8k16<elem_t>(s[mt][2 * n16 + 1], a, k_frag[2], k_frag[3]);
+            }
         }
     }
 }
 
-// O[16 × D] += P[16 × BLOCK_N] · V, P straight from the registers of S (see stage 2).
-__device__ __forceinline__ void warp_pv(float (&o)[O_FRAGS][4], const float (&p)[S_FRAGS][4], unsigned v_tile,
-                                        int lane) {
+// O[WARP_ROWS × D] += P · V, P straight from the registers of S (see stage 2); each V fragment
+// is read once and used by every m-tile.
+__device__ __forceinline__ void warp_pv(float (&o)[M_TILES][O_FRAGS][4], const float (&p)[M_TILES][S_FRAGS][4],
+                                        unsigned v_tile, int lane) {
     const int row = a_order_row(lane), chunk = a_order_chunk(lane);
 #pragma unroll
     for (int k16 = 0; k16 < BLOCK_N / 16; ++k16) {
-        unsigned p_frag[4];
-        p_as_a_operand(p, k16, p_frag);
+        unsigned p_frag[M_TILES][4];
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) p_as_a_operand(p[mt], k16, p_frag[mt]);
 #pragma unroll
         for (int d16 = 0; d16 < D_STEPS; ++d16) {
             unsigned v_frag[4];
             ldmatrix_x4_trans(v_frag, v_tile + swizzle(16 * k16 + row, 2 * d16 + chunk));
-            mma_m16n8k16<elem_t>(o[2 * d16], p_frag, v_frag[0], v_frag[1]);
-            mma_m16n8k16<elem_t>(o[2 * d16 + 1], p_frag, v_frag[2], v_frag[3]);
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt) {
+                mma_m16n8k16<elem_t>(o[mt][2 * d16], p_frag[mt], v_frag[0], v_frag[1]);
+                mma_m16n8k16<elem_t>(o[mt][2 * d16 + 1], p_frag[mt], v_frag[2], v_frag[3]);
+            }
         }
     }
 }
@@ -163,7 +206,8 @@ attention_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int m0 = blockIdx.x * BLOCK_M;      // first query row of the block
-    const int warp_m0 = m0 + warp * 16;       // first query row of this warp
+    const int q_row0 = warp * WARP_ROWS;      // first row of this warp in the Q tile
+    const int warp_m0 = m0 + q_row0;          // first query row of this warp
     const size_t head = blockIdx.y;
     const elem_t* k_head = k + head * seq_kv * HEAD_DIM;
     const elem_t* v_head = v + head * seq_kv * HEAD_DIM;
@@ -182,11 +226,21 @@ attention_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     }
     cp_async_wait<KV_STAGES - 1>();  // the oldest group, Q, has landed (K/V may still be in flight)
     __syncthreads();                 // ... for every thread's copies, not only this thread's
-    unsigned q_frag[D_STEPS][4];
-    load_q_fragments(q_frag, q_tile, warp, lane);
+    unsigned q_frag[M_TILES][Q_HELD_STEPS][4];
+    if (Q_IN_REGISTERS) {  // load them once, for good; else warp_scores reads them tile by tile
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int kk = 0; kk < Q_HELD_STEPS; ++kk) load_q_fragment(q_frag[mt][kk], q_tile, q_row0 + 16 * mt, kk, lane);
+    }
 
-    float o_acc[O_FRAGS][4] = {};
-    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+    float o_acc[M_TILES][O_FRAGS][4] = {};
+    float row_max[M_TILES][2], row_sum[M_TILES][2];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+        row_max[mt][0] = row_max[mt][1] = -INFINITY;
+        row_sum[mt][0] = row_sum[mt][1] = 0.0f;
+    }
     const float scale_log2 = scale * LOG2E;
 
     for (int tile = 0; tile < num_tiles; ++tile) {
@@ -210,18 +264,23 @@ attention_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 
         // Tile `tile` is in shared memory and stays there until the next iteration's barrier.
         const int n0 = tile * BLOCK_N;
-        if (causal && n0 > warp_m0 + 15) continue;  // above the diagonal for all 16 rows of this warp
+        if (causal && n0 > warp_m0 + WARP_ROWS - 1) continue;  // above the diagonal for all rows of this warp
         const unsigned buffer = (tile % KV_STAGES) * KV_TILE_BYTES;
-        float s[S_FRAGS][4];
-        warp_scores(s, q_frag, k_ring + buffer, lane);
+        float s[M_TILES][S_FRAGS][4];
+        warp_scores(s, q_frag, q_tile, q_row0, k_ring + buffer, lane);
         const bool crosses_end = n0 + BLOCK_N > seq_kv;
         const bool crosses_diagonal = causal && n0 + BLOCK_N - 1 > warp_m0;
-        if (crosses_end || crosses_diagonal) apply_mask(s, n0, warp_m0 + lane / 4, seq_kv, causal, lane);
-        online_softmax(s, o_acc, row_max, row_sum, scale_log2);
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+            if (crosses_end || crosses_diagonal) apply_mask(s[mt], n0, warp_m0 + 16 * mt + lane / 4, seq_kv, causal, lane);
+            online_softmax(s[mt], o_acc[mt], row_max[mt], row_sum[mt], scale_log2);
+        }
         warp_pv(o_acc, s, v_ring + buffer, lane);
     }
     // --8<-- [end:pipeline]
 
-    write_output(o_acc, row_max, row_sum, scale, o + head * seq_q * HEAD_DIM, lse + head * seq_q, warp_m0,
-                 seq_q, lane);
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+        write_output(o_acc[mt], row_max[mt], row_sum[mt], scale, o + head * seq_q * HEAD_DIM, lse + head * seq_q,
+                     warp_m0 + 16 * mt, seq_q, lane);
 }

@@ -1,0 +1,84 @@
+"""Stage 4 — Hopper: TMA, wgmma and warp specialization (FlashAttention-3 style)
+
+sm_90a only. A producer warpgroup copies Q, K and V tiles with TMA into 128-byte-swizzled shared
+memory, through a ring of mbarrier-guarded slots; two consumer warpgroups multiply with wgmma (Q·Kᵀ
+from shared memory, P·V with P from registers) and take turns on the tensor cores (ping-pong), each
+overlapping its softmax with its own P·V product.
+
+The tensor maps TMA needs are built here, on the host, by cuda.core (`as_tensor_map`) and passed by
+value to the kernel as `const __grid_constant__` parameters.
+"""
+from stages import Goal, Stage
+
+BLOCK_M = 128   # query rows per block (2 consumer warpgroups × 64), as in attention.cu
+BLOCK_N = 128   # keys per K/V tile
+THREADS = 384   # producer warpgroup + 2 consumer warpgroups
+ATOM_COLS = 64  # a TMA box with the 128-byte swizzle is at most 64 16-bit elements wide
+
+
+def kv_stages(head_dim: int) -> int:
+    return 3 if head_dim == 64 else 2
+
+
+def shared_bytes(head_dim: int, element_size: int) -> int:
+    """Q tile, the K and V rings, the mbarriers, and 1 KB to align the tiles to 1024 bytes (attention.cu)."""
+    stages = kv_stages(head_dim)
+    tiles = (BLOCK_M + 2 * stages * BLOCK_N) * head_dim * element_size
+    return tiles + 8 * (1 + 4 * stages) + 1024
+
+
+_MAPS: dict = {}  # (address, shape, dtype, box rows) -> (TensorMapDescriptor, tensor): encoding costs host time
+
+
+def _tensor_map(x, box_rows: int):
+    """A TMA descriptor over x [B, H, S, D] viewed as 3-D [B·H, S, D]: boxes of 1 × box_rows × 64 with the
+    128-byte swizzle. Rows past S inside a head read as zeros, so a box never mixes two heads."""
+    import importlib
+
+    import torch
+    import torch.nn.functional as F
+    from cuda.core.utils import StridedMemoryView
+
+    key = (x.data_ptr(), tuple(x.shape), x.dtype, box_rows)
+    if key in _MAPS:
+        return _MAPS[key][0]
+    batch, heads, seq, head_dim = x.shape
+    source = x
+    if seq < box_rows:  # cuda.core refuses a box longer than the tensor: pad with zero rows (never read)
+        source = F.pad(x, (0, 0, 0, box_rows - seq))
+        seq = box_rows
+    tm = importlib.import_module("cuda.core._tensor_map")
+    data_type = tm.TensorMapDataType.BFLOAT16 if x.dtype == torch.bfloat16 else tm.TensorMapDataType.FLOAT16
+    # Through DLPack as int16 (NumPy, which cuda.core maps dtypes through, has no bfloat16); the
+    # element type the tensor map records is given explicitly.
+    view = StridedMemoryView.from_any_interface(source.reshape(batch * heads, seq, head_dim).view(torch.int16),
+                                                stream_ptr=-1)
+    descriptor = view.as_tensor_map(box_dim=(1, box_rows, ATOM_COLS), data_type=data_type,
+                                    swizzle=tm.TensorMapSwizzle.SWIZZLE_128B)
+    if len(_MAPS) >= 12:  # a few launches' worth
+        _MAPS.clear()
+    # The entry keeps x (and the padded copy, through the descriptor) alive: while it is cached, no
+    # other tensor can get x's address, so a hit is always the same tensor.
+    _MAPS[key] = (descriptor, x, source)
+    return descriptor
+
+
+def launch(kernels, q, k, v, o, lse, scale, causal):
+    batch, heads, seq_q, head_dim = q.shape
+    seq_kv = k.shape[2]
+    q_map, k_map, v_map = _tensor_map(q, BLOCK_M), _tensor_map(k, BLOCK_N), _tensor_map(v, BLOCK_N)
+    grid = ((seq_q + BLOCK_M - 1) // BLOCK_M, batch * heads)
+    kernels.attention_fwd(grid, (THREADS,), q_map, k_map, v_map, o, lse, seq_q, seq_kv, scale, int(causal),
+                          smem=shared_bytes(head_dim, q.element_size()))
+
+
+STAGE = Stage(
+    name="stage4_hopper",
+    problem="attention",
+    source="attention.cu",
+    kernels={"attention_fwd": "const TmaMap, const TmaMap, const TmaMap, elem_t*, float*, int, int, float, int"},
+    launch=launch,
+    archs=("sm_90a",),
+    specializations={"HEAD_DIM": (64, 128)},
+    goal=Goal("cudnn", 1.0),
+)

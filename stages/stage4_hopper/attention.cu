@@ -1,0 +1,307 @@
+// Stage 4 — Hopper: TMA, wgmma and warp specialization (FlashAttention-3 style). sm_90a only.
+//
+// New here, after stage 3's cp.async ring and mma.sync warps:
+//   TMA      one thread copies a whole K or V tile (a "box" of a tensor map built on the host) into
+//            128-byte-swizzled shared memory; the copy counts its bytes on an mbarrier.
+//   wgmma    a warpgroup (4 warps) multiplies 64 query rows at once, reading Q, K and V straight
+//            from shared memory through matrix descriptors -- no ldmatrix, no register copies of
+//            K or V -- asynchronously: the warps go on while the tensor cores work.
+//   warp specialization   one producer warpgroup only issues TMA copies (and gives its registers
+//            away with setmaxnreg); two consumer warpgroups only compute. They talk through
+//            mbarriers: full[stage] (the tile has landed) and empty[stage] (every consumer is done
+//            with it) -- a ring of KV_STAGES buffers, each with its phase bit.
+//   ping-pong  the two consumers take turns on the tensor cores (named barriers 1 and 2): while one
+//            runs its softmax on the CUDA cores, the other's GEMMs run, so neither unit idles.
+//   intra-warpgroup overlap  a consumer issues S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1} together and
+//            runs the softmax of S_j while the P·V product is still in flight.
+//
+// Per block: BLOCK_M = 128 query rows (consumer c owns rows 64c .. 64c+63), tiles of BLOCK_N = 128
+// keys, 384 threads = 3 warpgroups:
+//
+//   producer  | TMA Q | TMA K0 V0 | K1 V1 | K2 V2 (when a slot is empty) ...
+//   consumer0 | S0 |softmax0| S1 PV0 |softmax1| S2 PV1 |softmax2| ...
+//   consumer1 |    | S0 |softmax0| S1 PV0 |softmax1| S2 PV1 |softmax2| ...
+//   tensor    | S0 | S0 | S1 PV0 | S1 PV0 | S2 PV1 | S2 PV1 | ...   (the two consumers alternate)
+//
+// FLOPs and bytes per K/V tile: 4·128·128·D FLOPs (4.2 M at D=64, 8.4 M at D=128) for 2·128·D·2
+//   bytes of K and V from L2 (32 KB, 64 KB): 128 FLOPs per byte. Shared memory is read by the
+//   tensor cores only: per consumer and tile Q 64·D·2 + K 128·D·2 + V 128·D·2 bytes for 2·64·128·D·2
+//   FLOPs, ~51 FLOPs per byte (stage 3 read 16), well within Hopper's shared-memory bandwidth.
+// Registers: consumers setmaxnreg 240 -- S 64 floats, P 32, O D/2 (32 or 64), the softmax's row
+//   state; the producer keeps 24 (240·256 + 24·128 = 64512 <= 65536, one block per SM).
+// Shared memory: Q 128·D·2 + KV_STAGES·2·128·D·2 (+ barriers, + 1 KB to align to 1024 bytes):
+//   D=64: 16 + 3·32 = 112 KB; D=128: 32 + 2·64 = 160 KB. One block per SM.
+// Predicted on an H100 SXM (fp16, non-causal): ~420 TFLOP/s at B16 H16 S2048 D64 (the short
+//   head dimension makes the softmax -- exp2 on 16 MUFU lanes per SM quarter -- as long as the
+//   GEMMs) and ~560 at B4 H16 S8192 D128, about 90-95% of cuDNN (446 and ~590-600).
+//
+// Tensors are [B, H, S, D] contiguous; the host builds 3-D tensor maps over [B·H, S, D], so a box
+// never crosses into the next head: rows past S read as zeros. Causal masking is top-left
+// aligned: query i sees keys j <= i.
+#include "hopper.cuh"
+
+constexpr int BLOCK_M = 128;                          // query rows per block
+constexpr int BLOCK_N = 128;                          // keys per K/V tile
+constexpr int KV_STAGES = HEAD_DIM == 64 ? 3 : 2;     // K/V ring slots (shared memory allows 3 at D=64)
+constexpr int CONSUMERS = 2;                          // consumer warpgroups, 64 query rows each
+constexpr int NUM_THREADS = (1 + CONSUMERS) * 128;    // + the producer warpgroup
+constexpr int CONSUMER_THREADS = CONSUMERS * 128;
+constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+constexpr int ATOM_COLS = 64;                         // elements in a 128-byte swizzle row
+constexpr int COL_BLOCKS = HEAD_DIM / ATOM_COLS;      // 128-byte column blocks of a D-wide row
+constexpr int Q_TILE_BYTES = BLOCK_M * HEAD_DIM * 2;
+constexpr int KV_TILE_BYTES = BLOCK_N * HEAD_DIM * 2;
+constexpr int S_FRAGS = BLOCK_N / 8;                  // n8 fragments of a warp's 16 × BLOCK_N scores
+constexpr int O_FRAGS = HEAD_DIM / 8;                 // n8 fragments of a warp's 16 × D output
+constexpr int P_STEPS = BLOCK_N / 16;                 // k-steps of P·V (16 keys each)
+constexpr int TURN_BARRIER = 1;                       // named barriers 1, 2: consumer c's turn
+// Layout of the dynamic shared memory, from a 1024-byte-aligned base.
+constexpr int K_RING = Q_TILE_BYTES;
+constexpr int V_RING = K_RING + KV_STAGES * KV_TILE_BYTES;
+constexpr int BARRIERS = V_RING + KV_STAGES * KV_TILE_BYTES;  // then 8-byte mbarriers:
+constexpr int Q_FULL = 0, K_FULL = 1, V_FULL = 1 + KV_STAGES, K_EMPTY = 1 + 2 * KV_STAGES,
+              V_EMPTY = 1 + 3 * KV_STAGES, NUM_BARRIERS = 1 + 4 * KV_STAGES;
+constexpr int SHARED_BYTES = BARRIERS + 8 * NUM_BARRIERS + 1024;  // as __init__.py computes
+static_assert(SHARED_BYTES <= 227 * 1024, "an H100 block has at most 227 KB of shared memory");
+static_assert(sizeof(elem_t) == 2, "16-bit elements");
+static_assert(HEAD_DIM % ATOM_COLS == 0, "D is a whole number of 128-byte swizzle rows");
+
+// --8<-- [start:tma]
+// Issues the TMA copy of rows [row0, row0 + ROWS) of head `head` into a tile at shared address
+// `tile`, as COL_BLOCKS boxes of ROWS × 64 elements (a 128-byte-swizzled box is at most 128 bytes
+// wide): column block b lands at tile + b·ROWS·128, so every block is an array of swizzle atoms
+// (8 rows × 128 bytes, 1024-byte aligned) -- the layout wgmma's descriptors describe.
+template <int ROWS>
+__device__ __forceinline__ void load_tile(unsigned tile, const TmaMap& map, unsigned full_barrier, int row0, int head) {
+#pragma unroll
+    for (int b = 0; b < COL_BLOCKS; ++b) tma_load_3d(tile + b * ROWS * 128, map, full_barrier, b * ATOM_COLS, row0, head);
+}
+// --8<-- [end:tma]
+
+// --8<-- [start:wgmma]
+// S[64 × BLOCK_N] = Q[64 × D] · Kᵀ for consumer `consumer`'s 64 rows of the Q tile: D/16 wgmmas,
+// both operands K-major. Step kk covers d = 16kk .. 16kk+15: column block kk / 4, 32 bytes further
+// into the 128-byte swizzled row per step inside it (the hardware applies the XOR on the address).
+__device__ __forceinline__ void issue_scores(float (&s)[S_FRAGS][4], unsigned q_tile, unsigned k_tile, int consumer) {
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        const unsigned column = (kk / 4) , offset = (kk % 4) * 32;
+        const u64 a = make_smem_desc(q_tile + column * BLOCK_M * 128 + consumer * 64 * 128 + offset, 16, 1024);
+        const u64 b = make_smem_desc(k_tile + column * BLOCK_N * 128 + offset, 16, 1024);
+        wgmma_ss<elem_t, BLOCK_N>(s, a, b, kk > 0);
+    }
+}
+
+// O[64 × D] += P[64 × BLOCK_N] · V[BLOCK_N × D], P from registers, V MN-major (d contiguous in a
+// row of keys): step ks covers keys 16ks .. 16ks+15 = two 8-row groups (SBO = 1024 bytes apart)
+// starting 16·128 bytes further down; the 64-column blocks of d are LBO = BLOCK_N·128 bytes apart.
+__device__ __forceinline__ void issue_pv(float (&o)[O_FRAGS][4], const unsigned (&p)[P_STEPS][4], unsigned v_tile) {
+#pragma unroll
+    for (int ks = 0; ks < P_STEPS; ++ks) {
+        const u64 b = make_smem_desc(v_tile + ks * 16 * 128, BLOCK_N * 128, 1024);
+        wgmma_rs<elem_t, HEAD_DIM>(o, p[ks], b, 1);
+    }
+}
+// --8<-- [end:wgmma]
+
+// Sets to -inf the scores of keys past the end (key >= seq_kv) and, if causal, above the
+// diagonal (key > query). `row` is the query row of c[0], c[1]; c[2], c[3] are row + 8.
+__device__ __forceinline__ void apply_mask(float (&s)[S_FRAGS][4], int first_key, int row, int seq_kv, int causal,
+                                           int lane) {
+#pragma unroll
+    for (int n = 0; n < S_FRAGS; ++n) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int key = first_key + 8 * n + 2 * (lane % 4) + c % 2;
+            const int query = row + 8 * (c / 2);
+            if (key >= seq_kv || (causal && key > query)) s[n][c] = -INFINITY;
+        }
+    }
+}
+
+// The online softmax of mma.cuh, split in two: this half turns the scores into P and returns the
+// factor by which O must be rescaled; rescale_output() applies it once the P·V product that is
+// still accumulating into O (intra-warpgroup overlap) has completed.
+__device__ __forceinline__ void softmax_update(float (&s)[S_FRAGS][4], float (&row_max)[2], float (&row_sum)[2],
+                                               float (&correction)[2], float scale_log2) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // r = 0: row g (c[0], c[1]); r = 1: row g+8 (c[2], c[3])
+        float tile_max = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < S_FRAGS; ++n) tile_max = fmaxf(tile_max, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+        const float new_max = fmaxf(row_max[r], quad_max(tile_max));
+        const float max_scaled = new_max == -INFINITY ? 0.0f : new_max * scale_log2;
+        correction[r] = fast_exp2(row_max[r] * scale_log2 - max_scaled);  // 0 on the first tile
+        row_max[r] = new_max;
+        float tile_sum = 0.0f;
+#pragma unroll
+        for (int n = 0; n < S_FRAGS; ++n) {
+#pragma unroll
+            for (int c = 2 * r; c < 2 * r + 2; ++c) {
+                s[n][c] = fast_exp2(s[n][c] * scale_log2 - max_scaled);
+                tile_sum += s[n][c];
+            }
+        }
+        row_sum[r] = row_sum[r] * correction[r] + tile_sum;
+    }
+}
+
+__device__ __forceinline__ void rescale_output(float (&o)[O_FRAGS][4], const float (&correction)[2]) {
+#pragma unroll
+    for (int d = 0; d < O_FRAGS; ++d) {
+        o[d][0] *= correction[0];
+        o[d][1] *= correction[0];
+        o[d][2] *= correction[1];
+        o[d][3] *= correction[1];
+    }
+}
+
+// P (fp32 in the registers of S) -> the 16-bit A operands of the P_STEPS wgmmas of P·V.
+__device__ __forceinline__ void convert_p(const float (&s)[S_FRAGS][4], unsigned (&p)[P_STEPS][4]) {
+#pragma unroll
+    for (int ks = 0; ks < P_STEPS; ++ks) p_as_a_operand(s, ks, p[ks]);
+}
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
+attention_fwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
+              const __grid_constant__ TmaMap v_map, elem_t* __restrict__ o, float* __restrict__ lse, int seq_q,
+              int seq_kv, float scale, int causal) {
+    extern __shared__ __align__(1024) unsigned char shared_raw[];
+    // TMA's 128-byte swizzle and the descriptors' base offset 0 assume 1024-byte-aligned tiles.
+    const unsigned base = (shared_address(shared_raw) + 1023) & ~1023u;
+    const unsigned q_tile = base, k_ring = base + K_RING, v_ring = base + V_RING;
+    auto barrier = [&](int index) { return base + BARRIERS + 8 * index; };
+
+    // Heaviest blocks first when causal: the last query blocks see the most keys.
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;
+    const int head = blockIdx.y;
+    const int kv_end = causal ? min(seq_kv, m0 + BLOCK_M) : seq_kv;  // keys past it are masked for every row
+    const int num_tiles = (kv_end + BLOCK_N - 1) / BLOCK_N;          // >= 1: key 0 is seen by every row
+
+    if (threadIdx.x == 0) {
+        mbarrier_init(barrier(Q_FULL), 1);
+        for (int s = 0; s < KV_STAGES; ++s) {
+            mbarrier_init(barrier(K_FULL + s), 1);  // the producer's arrive.expect_tx, then the bytes
+            mbarrier_init(barrier(V_FULL + s), 1);
+            mbarrier_init(barrier(K_EMPTY + s), CONSUMER_THREADS);  // every consumer thread releases
+            mbarrier_init(barrier(V_EMPTY + s), CONSUMER_THREADS);
+        }
+        mbarrier_init_fence();
+    }
+    __syncthreads();
+
+    const int warpgroup = threadIdx.x / 128;
+    // --8<-- [start:warp_specialization]
+    if (warpgroup == 0) {
+        // Producer: one thread issues every copy; the warpgroup keeps 24 registers per thread.
+        setmaxnreg_dec<PRODUCER_REGS>();
+        if (threadIdx.x == 0) {
+            tma_prefetch_map(q_map);
+            tma_prefetch_map(k_map);
+            tma_prefetch_map(v_map);
+            mbarrier_arrive_expect_tx(barrier(Q_FULL), Q_TILE_BYTES);
+            load_tile<BLOCK_M>(q_tile, q_map, barrier(Q_FULL), m0, head);
+            for (int tile = 0; tile < num_tiles; ++tile) {
+                const int stage = tile % KV_STAGES;
+                const unsigned parity = (tile / KV_STAGES) & 1;  // which use of this slot
+                mbarrier_wait(barrier(K_EMPTY + stage), parity ^ 1);  // slot free (a fresh barrier: at once)
+                // EXERCISE: fill ring slot `stage` with K, then V, of `tile`. K: tell its full barrier how
+                // many bytes are coming (mbarrier_arrive_expect_tx -- the producer's one arrival, and
+                // KV_TILE_BYTES: rows past seq_kv are zero-filled and counted too), then issue the TMA copy
+                // (load_tile<BLOCK_N>) of rows tile·BLOCK_N onwards of head `head`, completing on that same
+                // barrier. V: wait for its own empty barrier as K's was waited for above, then the same.
+                // STUB: mbarrier_arrive_expect_tx(barrier(K_FULL + stage), 0);  // arrives but loads nothing:
+                // STUB: mbarrier_wait(barrier(V_EMPTY + stage), parity ^ 1);   // wrong results, no hang
+                // STUB: mbarrier_arrive_expect_tx(barrier(V_FULL + stage), 0);
+                mbarrier_arrive_expect_tx(barrier(K_FULL + stage), KV_TILE_BYTES);
+                load_tile<BLOCK_N>(k_ring + stage * KV_TILE_BYTES, k_map, barrier(K_FULL + stage), tile * BLOCK_N, head);
+                mbarrier_wait(barrier(V_EMPTY + stage), parity ^ 1);
+                mbarrier_arrive_expect_tx(barrier(V_FULL + stage), KV_TILE_BYTES);
+                load_tile<BLOCK_N>(v_ring + stage * KV_TILE_BYTES, v_map, barrier(V_FULL + stage), tile * BLOCK_N, head);
+                // END EXERCISE
+            }
+        }
+    } else {
+        // --8<-- [end:warp_specialization]
+        // Consumers: 240 registers per thread for S, P and O.
+        setmaxnreg_inc<CONSUMER_REGS>();
+        const int consumer = warpgroup - 1;
+        const int lane = threadIdx.x % 32, warp_in_group = threadIdx.x / 32 % 4;
+        const int warp_m0 = m0 + consumer * 64 + warp_in_group * 16;  // this warp's 16 rows
+        const int my_turn = TURN_BARRIER + consumer, other_turn = TURN_BARRIER + 1 - consumer;
+        const float scale_log2 = scale * LOG2E;
+
+        // --8<-- [start:pipeline]
+        // Ping-pong: consumer 0 goes first, consumer 1 hands it the first turn.
+        if (consumer == 1) named_barrier_arrive(TURN_BARRIER + 0, CONSUMER_THREADS);
+
+        float o_acc[O_FRAGS][4] = {};
+        float s[S_FRAGS][4];
+        unsigned p[P_STEPS][4];
+        float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f}, correction[2];
+
+        mbarrier_wait(barrier(Q_FULL), 0);
+
+        // Round 0: S_0 alone.
+        mbarrier_wait(barrier(K_FULL + 0), 0);
+        named_barrier_sync(my_turn, CONSUMER_THREADS);
+        wgmma_fence();
+        issue_scores(s, q_tile, k_ring, consumer);
+        wgmma_commit();
+        named_barrier_arrive(other_turn, CONSUMER_THREADS);
+        wgmma_wait<0>();
+        fence_registers(s);
+        mbarrier_arrive(barrier(K_EMPTY + 0));
+        if (BLOCK_N > seq_kv || (causal && BLOCK_N - 1 > warp_m0)) apply_mask(s, 0, warp_m0 + lane / 4, seq_kv, causal, lane);
+        softmax_update(s, row_max, row_sum, correction, scale_log2);  // O is still 0: no rescale
+        convert_p(s, p);
+
+        // Rounds 1 .. num_tiles - 1: S_j and P_{j-1}·V_{j-1} together, softmax of S_j meanwhile.
+        for (int tile = 1; tile < num_tiles; ++tile) {
+            const int stage = tile % KV_STAGES, prev = (tile - 1) % KV_STAGES;
+            mbarrier_wait(barrier(K_FULL + stage), (tile / KV_STAGES) & 1);
+            mbarrier_wait(barrier(V_FULL + prev), ((tile - 1) / KV_STAGES) & 1);
+            named_barrier_sync(my_turn, CONSUMER_THREADS);
+            wgmma_fence();
+            issue_scores(s, q_tile, k_ring + stage * KV_TILE_BYTES, consumer);
+            wgmma_commit();
+            issue_pv(o_acc, p, v_ring + prev * KV_TILE_BYTES);
+            wgmma_commit();
+            named_barrier_arrive(other_turn, CONSUMER_THREADS);
+
+            wgmma_wait<1>();  // S_j is ready (P·V may still run)
+            fence_registers(s);
+            mbarrier_arrive(barrier(K_EMPTY + stage));
+            const int n0 = tile * BLOCK_N;
+            if (n0 + BLOCK_N > seq_kv || (causal && n0 + BLOCK_N - 1 > warp_m0))
+                apply_mask(s, n0, warp_m0 + lane / 4, seq_kv, causal, lane);
+            softmax_update(s, row_max, row_sum, correction, scale_log2);
+
+            wgmma_wait<0>();  // P_{j-1}·V_{j-1} is done: O may be rescaled, P overwritten
+            fence_registers(o_acc);
+            fence_registers(p);
+            mbarrier_arrive(barrier(V_EMPTY + prev));
+            rescale_output(o_acc, correction);
+            convert_p(s, p);
+        }
+
+        // Last round: P·V of the last tile.
+        const int last = (num_tiles - 1) % KV_STAGES;
+        mbarrier_wait(barrier(V_FULL + last), ((num_tiles - 1) / KV_STAGES) & 1);
+        named_barrier_sync(my_turn, CONSUMER_THREADS);
+        wgmma_fence();
+        issue_pv(o_acc, p, v_ring + last * KV_TILE_BYTES);
+        wgmma_commit();
+        // Consumer 1 still needs its last turn; consumer 0 will not sync again, so 1 does not arrive.
+        if (consumer == 0) named_barrier_arrive(other_turn, CONSUMER_THREADS);
+        wgmma_wait<0>();
+        fence_registers(o_acc);
+        fence_registers(p);
+        mbarrier_arrive(barrier(V_EMPTY + last));
+
+        // --8<-- [end:pipeline]
+
+        write_output(o_acc, row_max, row_sum, scale, o + (size_t)head * seq_q * HEAD_DIM, lse + (size_t)head * seq_q,
+                     warp_m0, seq_q, lane);
+    }
+}
