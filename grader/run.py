@@ -105,7 +105,7 @@ def check_cases(stage, cubins, seed: int, trials: int, timeout_s: float, progres
 
 def benchmark(stage, cubins, gpu, timeout_s: float, budget_s: float, progress) -> list[dict]:
     problem = reference.load(stage.problem)
-    shapes = problem.benchmarks()
+    shapes = problem.benchmarks() + list(stage.extra_benchmarks)
     spec = spec_for(gpu.name)
     rows: dict[int, dict] = {}
 
@@ -124,6 +124,8 @@ def benchmark(stage, cubins, gpu, timeout_s: float, budget_s: float, progress) -
                "output_written": event["output_written"], "launches": event["launches"]}
         row.update(grading.benchmark_figures(shape, kernel["ms"], baseline_ms, problem.flops(shape),
                                              problem.min_bytes(shape), spec))
+        if hasattr(problem, "notes"):  # a problem's own remarks on the timings (e.g. % of the whole MoE layer)
+            row["notes"] = problem.notes(shape, kernel["ms"], baseline_ms)
         if not event["output_written"]:
             row["flags"].append("output not fully written (NaN left) at this shape")
         rows[event["index"]] = row

@@ -44,6 +44,7 @@ class Stage:
     archs: tuple[str, ...] = ALL_ARCHS
     specializations: dict[str, tuple] = field(default_factory=dict)  # -D macros compiled in, e.g. HEAD_DIM
     goal: Goal = Goal()
+    extra_benchmarks: tuple = ()    # shapes timed after the problem's own (dicts as problem.benchmarks())
 
     @property
     def number(self) -> int:

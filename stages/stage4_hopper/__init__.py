@@ -81,4 +81,7 @@ STAGE = Stage(
     archs=("sm_90a",),
     specializations={"HEAD_DIM": (64, 128)},
     goal=Goal("cudnn", 1.0),
+    # Long sequences at D128, B·H chosen to fill the 132 SMs with 128-row query tiles.
+    extra_benchmarks=tuple(dict(B=B, H=16, Sq=S, Skv=S, D=128, causal=causal, dtype="float16")
+                           for B, S in ((8, 4096), (2, 16384)) for causal in (False, True)),
 )
