@@ -90,6 +90,8 @@ def print_benchmarks(result: dict, gpu_name: str) -> None:
             baselines.add_row(bench["label"], *cells)
     console.print(baselines)
     for bench in result["benchmarks"]:
+        for note in bench.get("notes", []):
+            console.print(f"[cyan]note[/cyan] {bench['label']}: {note}")
         for flag in bench.get("flags", []):
             console.print(f"[yellow]suspect[/yellow] {bench['label']}: {flag}")
 

@@ -8,6 +8,8 @@ of the largest output (the output itself is rounded to the dtype):
     max|kernel - exact| <= 2 · max|library - exact| + 2 · u · max|exact|
 
 with u the unit roundoff: 2^-11 for float16, 2^-8 for bfloat16 (2^-24 for float32 outputs).
+Integer outputs (indices, counts) must be exact, and a problem may judge an output by its own rule
+(a permutation that may come in any order): `exact_match` and `rule`.
 """
 from __future__ import annotations
 
@@ -82,3 +84,17 @@ def absolute_and_relative(name: str, out: torch.Tensor, exact: torch.Tensor, rto
     worst = (err / (1 + exact.abs())).max().item() if err.numel() else 0.0
     passed = kernel.finite and worst <= rtol
     return OutputCheck(name, passed, rtol, kernel, None, "n/a")
+
+
+def rule(name: str, wrong: int, total: int, why: str) -> OutputCheck:
+    """For an output judged by a rule rather than a distance (a permutation, exact integers):
+    `wrong` of `total` elements break it; `why` (shown as the quality) says how, or that it holds."""
+    frac = wrong / total if total else 0.0
+    stats = ErrorStats(float(wrong), frac, frac, True)
+    return OutputCheck(name, wrong == 0, 0.0, stats, None, why)
+
+
+def exact_match(name: str, out: torch.Tensor, exact: torch.Tensor) -> OutputCheck:
+    """For integer outputs (indices, counts): every element equal to the exact one."""
+    wrong = int((out.to(torch.int64) != exact.to(torch.int64)).sum())
+    return rule(name, wrong, out.numel(), f"{wrong} wrong" if wrong else "exact")

@@ -1,0 +1,41 @@
+// What the MoE kernels share: the element type (that of attention.cuh: the grader compiles every
+// kernel with -DELEM_T=__half or __nv_bfloat16), the limits of the routing, and 16-byte vectors of
+// elem_t converted to and from fp32 with bit operations, so that they never leave registers.
+#pragma once
+#include "attention.cuh"
+
+#define MAX_EXPERTS 256    // a lane of a warp holds at most MAX_EXPERTS / 32 logits of a token
+#define MAX_TOP_K 8
+#define FULL_MASK 0xffffffffu
+
+// The 16 bits of an element, and back.
+__device__ __forceinline__ unsigned short elem_bits(__half x) { return __half_as_ushort(x); }
+__device__ __forceinline__ unsigned short elem_bits(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
+
+template <typename T> __device__ __forceinline__ float bits_to_float(unsigned bits);
+template <> __device__ __forceinline__ float bits_to_float<__half>(unsigned bits) {
+    return __half2float(__ushort_as_half((unsigned short)bits));
+}
+template <> __device__ __forceinline__ float bits_to_float<__nv_bfloat16>(unsigned bits) {
+    return __uint_as_float(bits << 16);  // a bfloat16 is the top half of a float
+}
+
+// 8 consecutive elements (16 bytes, so `p` must be 16-byte aligned) as fp32, in one load.
+__device__ __forceinline__ void load8(const elem_t* p, float (&out)[8]) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        out[2 * i] = bits_to_float<elem_t>(words[i] & 0xffffu);  // the lower address in the low half
+        out[2 * i + 1] = bits_to_float<elem_t>(words[i] >> 16);
+    }
+}
+
+// 8 fp32 values rounded to elem_t and stored in one 16-byte store.
+__device__ __forceinline__ void store8(elem_t* p, const float (&in)[8]) {
+    unsigned words[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        words[i] = elem_bits(from_float<elem_t>(in[2 * i])) | ((unsigned)elem_bits(from_float<elem_t>(in[2 * i + 1])) << 16);
+    *reinterpret_cast<uint4*>(p) = make_uint4(words[0], words[1], words[2], words[3]);
+}
