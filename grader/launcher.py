@@ -46,6 +46,8 @@ class KernelSet:
         module = ObjectCode.from_cubin(Path(cubin).read_bytes())
         self._kernels = {name: module.get_kernel(name) for name in names}
         self._smem_raised: dict[str, int] = {}
+        self._streams: dict[int, object] = {}   # cuda.core Stream per PyTorch stream handle
+        self._configs: dict[tuple, object] = {}  # LaunchConfig per (grid, block, smem)
         self.launches: dict[str, LaunchRecord] = {}
 
     def __getattr__(self, name: str):
@@ -64,9 +66,14 @@ class KernelSet:
         if smem > STATIC_SHARED_LIMIT and self._smem_raised.get(name, 0) < smem:
             self._raise_smem_limit(kernel, smem)
             self._smem_raised[name] = smem
-        stream = Stream.from_handle(torch.cuda.current_stream().cuda_stream)
-        launch(stream, LaunchConfig(grid=grid, block=block, shmem_size=smem), kernel,
-               *(_as_kernel_arg(a) for a in args))
+        # Both objects are cached: building them on every launch costs more host time than a
+        # small kernel takes on the GPU, and the timings would measure Python.
+        handle = torch.cuda.current_stream().cuda_stream
+        if handle not in self._streams:
+            self._streams[handle] = Stream.from_handle(handle)
+        if (grid, block, smem) not in self._configs:
+            self._configs[grid, block, smem] = LaunchConfig(grid=grid, block=block, shmem_size=smem)
+        launch(self._streams[handle], self._configs[grid, block, smem], kernel, *(_as_kernel_arg(a) for a in args))
         self.launches[name] = LaunchRecord(grid, block, smem)
 
     def _raise_smem_limit(self, kernel, smem: int) -> None:
