@@ -4,6 +4,7 @@ Stage 2's warp-level math, fed by a ring of cp.async copies: the next K/V tile l
 is computed, into XOR-swizzled shared memory that ldmatrix reads without bank conflicts.
 """
 from stages import Goal, Stage
+from stages.common.fused_attention import KERNELS, launch_fused
 
 BLOCK_M = 128   # query rows per block, as in attention.cu
 
@@ -21,18 +22,16 @@ def shared_bytes(head_dim: int, element_size: int) -> int:
 
 
 def launch(kernels, q, k, v, o, lse, scale, causal):
-    batch, heads, seq_q, head_dim = q.shape
-    seq_kv = k.shape[2]
-    grid = ((seq_q + BLOCK_M - 1) // BLOCK_M, batch * heads)
-    kernels.attention_fwd(grid, (config(head_dim)[0],), q, k, v, o, lse, seq_q, seq_kv, scale, int(causal),
-                          smem=shared_bytes(head_dim, q.element_size()))
+    head_dim = q.shape[-1]
+    launch_fused(kernels, q, k, v, o, lse, scale, causal, block_m=BLOCK_M, threads=config(head_dim)[0],
+                 smem=shared_bytes(head_dim, q.element_size()))
 
 
 STAGE = Stage(
     name="stage3_pipeline",
     problem="attention",
     source="attention.cu",
-    kernels={"attention_fwd": "const elem_t*, const elem_t*, const elem_t*, elem_t*, float*, int, int, float, int"},
+    kernels=KERNELS,
     launch=launch,
     specializations={"HEAD_DIM": (64, 128)},
     goal=Goal("flash", 0.9),

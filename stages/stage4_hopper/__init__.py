@@ -20,11 +20,21 @@ def kv_stages(head_dim: int) -> int:
     return 3 if head_dim == 64 else 2
 
 
+def persistent(head_dim: int) -> bool:
+    """D64: one block per SM loops over the query tiles (attention.cu's Schedule), hiding each tile's
+    prologue (Q and first K/V loads) and epilogue, a large share of a short D64 tile. D128: one block
+    per query tile, as before (its tiles are twice as long; the hardware balances causal blocks)."""
+    return head_dim == 64
+
+
+_SMS: dict = {}  # device index -> number of SMs
+
+
 def shared_bytes(head_dim: int, element_size: int) -> int:
     """Q tile, the K and V rings, the mbarriers, and 1 KB to align the tiles to 1024 bytes (attention.cu)."""
     stages = kv_stages(head_dim)
     tiles = (BLOCK_M + 2 * stages * BLOCK_N) * head_dim * element_size
-    return tiles + 8 * (1 + 4 * stages) + 1024
+    return tiles + 8 * (2 + 4 * stages) + 1024
 
 
 _MAPS: dict = {}  # (address, shape, dtype, box rows) -> (TensorMapDescriptor, tensor): encoding costs host time
@@ -67,16 +77,27 @@ def launch(kernels, q, k, v, o, lse, scale, causal):
     batch, heads, seq_q, head_dim = q.shape
     seq_kv = k.shape[2]
     q_map, k_map, v_map = _tensor_map(q, BLOCK_M), _tensor_map(k, BLOCK_N), _tensor_map(v, BLOCK_N)
-    grid = ((seq_q + BLOCK_M - 1) // BLOCK_M, batch * heads)
-    kernels.attention_fwd(grid, (THREADS,), q_map, k_map, v_map, o, lse, seq_q, seq_kv, scale, int(causal),
-                          smem=shared_bytes(head_dim, q.element_size()))
+    m_blocks = (seq_q + BLOCK_M - 1) // BLOCK_M
+    units = m_blocks * batch * heads  # query tiles (the kernel pairs them when persistent and causal)
+    grid = units
+    if persistent(head_dim):
+        import torch
+
+        device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        if device not in _SMS:
+            _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+        if causal:
+            units = (m_blocks + 1) // 2 * batch * heads
+        grid = min(units, _SMS[device])
+    kernels.attention_fwd((grid,), (THREADS,), q_map, k_map, v_map, o, lse, seq_q, seq_kv, scale, int(causal),
+                          batch * heads, int(persistent(head_dim)), smem=shared_bytes(head_dim, q.element_size()))
 
 
 STAGE = Stage(
     name="stage4_hopper",
     problem="attention",
     source="attention.cu",
-    kernels={"attention_fwd": "const TmaMap, const TmaMap, const TmaMap, elem_t*, float*, int, int, float, int"},
+    kernels={"attention_fwd": "const TmaMap, const TmaMap, const TmaMap, elem_t*, float*, int, int, float, int, int, int"},
     launch=launch,
     archs=("sm_90a",),
     specializations={"HEAD_DIM": (64, 128)},

@@ -15,8 +15,8 @@
 //   intra-warpgroup overlap  a consumer issues S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1} together and
 //            runs the softmax of S_j while the P·V product is still in flight.
 //
-// Per block: BLOCK_M = 128 query rows (consumer c owns rows 64c .. 64c+63), tiles of BLOCK_N = 128
-// keys, 384 threads = 3 warpgroups:
+// Per query tile: BLOCK_M = 128 query rows (consumer c owns rows 64c .. 64c+63), tiles of BLOCK_N =
+// 128 keys, 384 threads = 3 warpgroups:
 //
 //   producer  | TMA Q | TMA K0 V0 | K1 V1 | K2 V2 (when a slot is empty) ...
 //   consumer0 | S0 |softmax0| S1 PV0 |softmax1| S2 PV1 |softmax2| ...
@@ -31,16 +31,28 @@
 //   state; the producer keeps 24 (240·256 + 24·128 = 64512 <= 65536, one block per SM).
 // Shared memory: Q 128·D·2 + KV_STAGES·2·128·D·2 (+ barriers, + 1 KB to align to 1024 bytes):
 //   D=64: 16 + 3·32 = 112 KB; D=128: 32 + 2·64 = 160 KB. One block per SM.
-// Predicted on an H100 SXM (fp16, non-causal): ~420 TFLOP/s at B16 H16 S2048 D64 (the short
-//   head dimension makes the softmax -- exp2 on 16 MUFU lanes per SM quarter -- as long as the
-//   GEMMs) and ~560 at B4 H16 S8192 D128, about 90-95% of cuDNN (446 and ~590-600).
+// Persistent at D=64: a block has a fixed cost per query tile -- launch, barrier setup, the cold
+//   Q and K_0 loads, S_0 alone, the last P·V and the output stores with the tensor cores idle --
+//   of roughly 3-4 µs, measured as the gap to cuDNN: D64 S2048 runs 16 K/V tiles of ~1.1 µs per
+//   query tile (82% of cuDNN, 1.22 ≈ (16 + 3.5)/16), causal 8.5 on average (72%, 1.41 ≈ (9.7 +
+//   4)/9.7), while D128 S8192's 64 tiles of ~2.3 µs hide it. So at D=64 the grid is one block per
+//   SM, each looping over query tiles (Schedule, below): the producer loads the next Q (once both
+//   consumers' last Q·Kᵀ is done: barrier Q_EMPTY) and the next tiles' K/V into the same ring
+//   (its counters run on across query tiles) while the consumers finish, and the ping-pong turns
+//   simply continue. Causal pairs query tiles i and M-1-i (M+1 K/V tiles whatever i) so that a
+//   static round-robin stays balanced. D=128 keeps one block per query tile (persistent = 0).
+// Predicted on an H100 SXM (fp16): ~420 TFLOP/s at B16 H16 S2048 D64 non-causal, ~90% of cuDNN
+//   (the rest: the short head dimension makes the softmax -- exp2 on 16 MUFU lanes per SM
+//   quarter -- as long as the GEMMs, and 4096 tiles are 31.03 waves of 132); causal ~85-88% (one
+//   tile transition of ~1 µs per pair remains, and 2048 equal pairs on 132 SMs leave a 3% tail);
+//   D128 unchanged (~91% and ~90% of cuDNN).
 //
 // Tensors are [B, H, S, D] contiguous; the host builds 3-D tensor maps over [B·H, S, D], so a box
 // never crosses into the next head: rows past S read as zeros. Causal masking is top-left
 // aligned: query i sees keys j <= i.
 #include "hopper.cuh"
 
-constexpr int BLOCK_M = 128;                          // query rows per block
+constexpr int BLOCK_M = 128;                          // query rows per query tile
 constexpr int BLOCK_N = 128;                          // keys per K/V tile
 constexpr int KV_STAGES = HEAD_DIM == 64 ? 3 : 2;     // K/V ring slots (shared memory allows 3 at D=64)
 constexpr int CONSUMERS = 2;                          // consumer warpgroups, 64 query rows each
@@ -59,8 +71,8 @@ constexpr int TURN_BARRIER = 1;                       // named barriers 1, 2: co
 constexpr int K_RING = Q_TILE_BYTES;
 constexpr int V_RING = K_RING + KV_STAGES * KV_TILE_BYTES;
 constexpr int BARRIERS = V_RING + KV_STAGES * KV_TILE_BYTES;  // then 8-byte mbarriers:
-constexpr int Q_FULL = 0, K_FULL = 1, V_FULL = 1 + KV_STAGES, K_EMPTY = 1 + 2 * KV_STAGES,
-              V_EMPTY = 1 + 3 * KV_STAGES, NUM_BARRIERS = 1 + 4 * KV_STAGES;
+constexpr int Q_FULL = 0, Q_EMPTY = 1, K_FULL = 2, V_FULL = 2 + KV_STAGES, K_EMPTY = 2 + 2 * KV_STAGES,
+              V_EMPTY = 2 + 3 * KV_STAGES, NUM_BARRIERS = 2 + 4 * KV_STAGES;
 constexpr int SHARED_BYTES = BARRIERS + 8 * NUM_BARRIERS + 1024;  // as __init__.py computes
 static_assert(SHARED_BYTES <= 227 * 1024, "an H100 block has at most 227 KB of shared memory");
 static_assert(sizeof(elem_t) == 2, "16-bit elements");
@@ -162,24 +174,53 @@ __device__ __forceinline__ void convert_p(const float (&s)[S_FRAGS][4], unsigned
     for (int ks = 0; ks < P_STEPS; ++ks) p_as_a_operand(s, ks, p[ks]);
 }
 
+// The query tiles a block computes. A "unit" is one query tile (m_block, head) -- or, when the
+// launch is persistent and causal, the pair of query tiles i and M-1-i of a head, which together see
+// M+1 K/V tiles whatever i is: every unit then has the same work, so a static round-robin of units
+// over the blocks is balanced. Units are numbered head-major, heaviest first inside a head (as the
+// old 2-D grid did), so the blocks running at once share a few heads' K and V in L2.
+// Block b takes units b, b + gridDim.x, ...: gridDim.x = units (one unit per block, the hardware
+// balances causal blocks) or = the number of SMs (persistent: the producer loads the next query
+// tile's Q and first K/V tiles while the consumers finish the current one -- no block launch, no
+// cold pipeline, between tiles).
+struct Schedule {
+    int num_m_blocks, units_per_head, num_units, paired;
+    __device__ Schedule(int seq_q, int batch_heads, int persistent, int causal) {
+        num_m_blocks = (seq_q + BLOCK_M - 1) / BLOCK_M;
+        paired = persistent && causal;
+        units_per_head = paired ? (num_m_blocks + 1) / 2 : num_m_blocks;
+        num_units = units_per_head * batch_heads;
+    }
+    __device__ int tiles_in(int unit) const {  // 2, or 1 (unpaired, or the middle tile of an odd M)
+        const int i = unit % units_per_head;
+        return paired && 2 * i + 1 != num_m_blocks ? 2 : 1;
+    }
+    __device__ int head(int unit) const { return unit / units_per_head; }
+    __device__ int m0(int unit, int half) const {  // first query row: the heavy tile first
+        const int i = unit % units_per_head;
+        return (half == 0 ? num_m_blocks - 1 - i : i) * BLOCK_M;
+    }
+};
+
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 attention_fwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
               const __grid_constant__ TmaMap v_map, elem_t* __restrict__ o, float* __restrict__ lse, int seq_q,
-              int seq_kv, float scale, int causal) {
+              int seq_kv, float scale, int causal, int batch_heads, int persistent) {
     extern __shared__ __align__(1024) unsigned char shared_raw[];
     // TMA's 128-byte swizzle and the descriptors' base offset 0 assume 1024-byte-aligned tiles.
     const unsigned base = (shared_address(shared_raw) + 1023) & ~1023u;
     const unsigned q_tile = base, k_ring = base + K_RING, v_ring = base + V_RING;
     auto barrier = [&](int index) { return base + BARRIERS + 8 * index; };
-
-    // Heaviest blocks first when causal: the last query blocks see the most keys.
-    const int m0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;
-    const int head = blockIdx.y;
-    const int kv_end = causal ? min(seq_kv, m0 + BLOCK_M) : seq_kv;  // keys past it are masked for every row
-    const int num_tiles = (kv_end + BLOCK_N - 1) / BLOCK_N;          // >= 1: key 0 is seen by every row
+    const Schedule schedule(seq_q, batch_heads, persistent, causal);
+    // K/V tiles a query tile needs: keys past kv_end are masked for every row of it.
+    auto kv_tiles = [&](int m0) {
+        const int kv_end = causal ? min(seq_kv, m0 + BLOCK_M) : seq_kv;
+        return (kv_end + BLOCK_N - 1) / BLOCK_N;  // >= 1: key 0 is seen by every row
+    };
 
     if (threadIdx.x == 0) {
         mbarrier_init(barrier(Q_FULL), 1);
+        mbarrier_init(barrier(Q_EMPTY), CONSUMER_THREADS);  // Q may be overwritten: the last Q·Kᵀ is done
         for (int s = 0; s < KV_STAGES; ++s) {
             mbarrier_init(barrier(K_FULL + s), 1);  // the producer's arrive.expect_tx, then the bytes
             mbarrier_init(barrier(V_FULL + s), 1);
@@ -199,26 +240,37 @@ attention_fwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaM
             tma_prefetch_map(q_map);
             tma_prefetch_map(k_map);
             tma_prefetch_map(v_map);
-            mbarrier_arrive_expect_tx(barrier(Q_FULL), Q_TILE_BYTES);
-            load_tile<BLOCK_M>(q_tile, q_map, barrier(Q_FULL), m0, head);
-            for (int tile = 0; tile < num_tiles; ++tile) {
-                const int stage = tile % KV_STAGES;
-                const unsigned parity = (tile / KV_STAGES) & 1;  // which use of this slot
-                mbarrier_wait(barrier(K_EMPTY + stage), parity ^ 1);  // slot free (a fresh barrier: at once)
-                // EXERCISE: fill ring slot `stage` with K, then V, of `tile`. K: tell its full barrier how
-                // many bytes are coming (mbarrier_arrive_expect_tx -- the producer's one arrival, and
-                // KV_TILE_BYTES: rows past seq_kv are zero-filled and counted too), then issue the TMA copy
-                // (load_tile<BLOCK_N>) of rows tile·BLOCK_N onwards of head `head`, completing on that same
-                // barrier. V: wait for its own empty barrier as K's was waited for above, then the same.
-                // STUB: mbarrier_arrive_expect_tx(barrier(K_FULL + stage), 0);  // arrives but loads nothing:
-                // STUB: mbarrier_wait(barrier(V_EMPTY + stage), parity ^ 1);   // wrong results, no hang
-                // STUB: mbarrier_arrive_expect_tx(barrier(V_FULL + stage), 0);
-                mbarrier_arrive_expect_tx(barrier(K_FULL + stage), KV_TILE_BYTES);
-                load_tile<BLOCK_N>(k_ring + stage * KV_TILE_BYTES, k_map, barrier(K_FULL + stage), tile * BLOCK_N, head);
-                mbarrier_wait(barrier(V_EMPTY + stage), parity ^ 1);
-                mbarrier_arrive_expect_tx(barrier(V_FULL + stage), KV_TILE_BYTES);
-                load_tile<BLOCK_N>(v_ring + stage * KV_TILE_BYTES, v_map, barrier(V_FULL + stage), tile * BLOCK_N, head);
-                // END EXERCISE
+            // ring counts the K/V tiles loaded so far by this block, across query tiles: slot
+            // ring % KV_STAGES, used for the (ring / KV_STAGES)-th time. q_loads counts the Q tiles.
+            int ring = 0, q_loads = 0;
+            for (int unit = blockIdx.x; unit < schedule.num_units; unit += gridDim.x) {
+                for (int half = 0; half < schedule.tiles_in(unit); ++half, ++q_loads) {
+                    const int m0 = schedule.m0(unit, half), head = schedule.head(unit);
+                    // One Q buffer: wait until both consumers' last Q·Kᵀ of the previous query tile is done.
+                    mbarrier_wait(barrier(Q_EMPTY), (q_loads & 1) ^ 1);
+                    mbarrier_arrive_expect_tx(barrier(Q_FULL), Q_TILE_BYTES);
+                    load_tile<BLOCK_M>(q_tile, q_map, barrier(Q_FULL), m0, head);
+                    const int num_tiles = kv_tiles(m0);
+                    for (int tile = 0; tile < num_tiles; ++tile, ++ring) {
+                        const int stage = ring % KV_STAGES;
+                        const unsigned parity = (ring / KV_STAGES) & 1;  // which use of this slot
+                        mbarrier_wait(barrier(K_EMPTY + stage), parity ^ 1);  // slot free (a fresh barrier: at once)
+                        // EXERCISE: fill ring slot `stage` with K, then V, of `tile`. K: tell its full barrier how
+                        // many bytes are coming (mbarrier_arrive_expect_tx -- the producer's one arrival, and
+                        // KV_TILE_BYTES: rows past seq_kv are zero-filled and counted too), then issue the TMA copy
+                        // (load_tile<BLOCK_N>) of rows tile·BLOCK_N onwards of head `head`, completing on that same
+                        // barrier. V: wait for its own empty barrier as K's was waited for above, then the same.
+                        // STUB: mbarrier_arrive_expect_tx(barrier(K_FULL + stage), 0);  // arrives but loads nothing:
+                        // STUB: mbarrier_wait(barrier(V_EMPTY + stage), parity ^ 1);   // wrong results, no hang
+                        // STUB: mbarrier_arrive_expect_tx(barrier(V_FULL + stage), 0);
+                        mbarrier_arrive_expect_tx(barrier(K_FULL + stage), KV_TILE_BYTES);
+                        load_tile<BLOCK_N>(k_ring + stage * KV_TILE_BYTES, k_map, barrier(K_FULL + stage), tile * BLOCK_N, head);
+                        mbarrier_wait(barrier(V_EMPTY + stage), parity ^ 1);
+                        mbarrier_arrive_expect_tx(barrier(V_FULL + stage), KV_TILE_BYTES);
+                        load_tile<BLOCK_N>(v_ring + stage * KV_TILE_BYTES, v_map, barrier(V_FULL + stage), tile * BLOCK_N, head);
+                        // END EXERCISE
+                    }
+                }
             }
         }
     } else {
@@ -227,81 +279,96 @@ attention_fwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaM
         setmaxnreg_inc<CONSUMER_REGS>();
         const int consumer = warpgroup - 1;
         const int lane = threadIdx.x % 32, warp_in_group = threadIdx.x / 32 % 4;
-        const int warp_m0 = m0 + consumer * 64 + warp_in_group * 16;  // this warp's 16 rows
         const int my_turn = TURN_BARRIER + consumer, other_turn = TURN_BARRIER + 1 - consumer;
         const float scale_log2 = scale * LOG2E;
 
         // --8<-- [start:pipeline]
-        // Ping-pong: consumer 0 goes first, consumer 1 hands it the first turn.
+        // Ping-pong: consumer 0 goes first, consumer 1 hands it the first turn. The turns alternate
+        // across query tiles too: both consumers take num_tiles + 1 turns per query tile.
         if (consumer == 1) named_barrier_arrive(TURN_BARRIER + 0, CONSUMER_THREADS);
 
-        float o_acc[O_FRAGS][4] = {};
-        float s[S_FRAGS][4];
-        unsigned p[P_STEPS][4];
-        float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f}, correction[2];
+        int ring = 0, q_loads = 0;  // as the producer counts them
+        for (int unit = blockIdx.x; unit < schedule.num_units; unit += gridDim.x) {
+            for (int half = 0; half < schedule.tiles_in(unit); ++half, ++q_loads) {
+                const int m0 = schedule.m0(unit, half), head = schedule.head(unit);
+                const int num_tiles = kv_tiles(m0);
+                const bool block_done = unit + gridDim.x >= schedule.num_units && half + 1 == schedule.tiles_in(unit);
+                const int warp_m0 = m0 + consumer * 64 + warp_in_group * 16;  // this warp's 16 rows
 
-        mbarrier_wait(barrier(Q_FULL), 0);
+                float o_acc[O_FRAGS][4] = {};
+                float s[S_FRAGS][4];
+                unsigned p[P_STEPS][4];
+                float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f}, correction[2];
 
-        // Round 0: S_0 alone.
-        mbarrier_wait(barrier(K_FULL + 0), 0);
-        named_barrier_sync(my_turn, CONSUMER_THREADS);
-        wgmma_fence();
-        issue_scores(s, q_tile, k_ring, consumer);
-        wgmma_commit();
-        named_barrier_arrive(other_turn, CONSUMER_THREADS);
-        wgmma_wait<0>();
-        fence_registers(s);
-        mbarrier_arrive(barrier(K_EMPTY + 0));
-        if (BLOCK_N > seq_kv || (causal && BLOCK_N - 1 > warp_m0)) apply_mask(s, 0, warp_m0 + lane / 4, seq_kv, causal, lane);
-        softmax_update(s, row_max, row_sum, correction, scale_log2);  // O is still 0: no rescale
-        convert_p(s, p);
+                mbarrier_wait(barrier(Q_FULL), q_loads & 1);
 
-        // Rounds 1 .. num_tiles - 1: S_j and P_{j-1}·V_{j-1} together, softmax of S_j meanwhile.
-        for (int tile = 1; tile < num_tiles; ++tile) {
-            const int stage = tile % KV_STAGES, prev = (tile - 1) % KV_STAGES;
-            mbarrier_wait(barrier(K_FULL + stage), (tile / KV_STAGES) & 1);
-            mbarrier_wait(barrier(V_FULL + prev), ((tile - 1) / KV_STAGES) & 1);
-            named_barrier_sync(my_turn, CONSUMER_THREADS);
-            wgmma_fence();
-            issue_scores(s, q_tile, k_ring + stage * KV_TILE_BYTES, consumer);
-            wgmma_commit();
-            issue_pv(o_acc, p, v_ring + prev * KV_TILE_BYTES);
-            wgmma_commit();
-            named_barrier_arrive(other_turn, CONSUMER_THREADS);
+                // Round 0: S_0 alone.
+                mbarrier_wait(barrier(K_FULL + ring % KV_STAGES), (ring / KV_STAGES) & 1);
+                named_barrier_sync(my_turn, CONSUMER_THREADS);
+                wgmma_fence();
+                issue_scores(s, q_tile, k_ring + ring % KV_STAGES * KV_TILE_BYTES, consumer);
+                wgmma_commit();
+                named_barrier_arrive(other_turn, CONSUMER_THREADS);
+                wgmma_wait<0>();
+                fence_registers(s);
+                mbarrier_arrive(barrier(K_EMPTY + ring % KV_STAGES));
+                if (num_tiles == 1) mbarrier_arrive(barrier(Q_EMPTY));  // the producer may load the next Q
+                if (BLOCK_N > seq_kv || (causal && BLOCK_N - 1 > warp_m0)) apply_mask(s, 0, warp_m0 + lane / 4, seq_kv, causal, lane);
+                softmax_update(s, row_max, row_sum, correction, scale_log2);  // O is still 0: no rescale
+                convert_p(s, p);
 
-            wgmma_wait<1>();  // S_j is ready (P·V may still run)
-            fence_registers(s);
-            mbarrier_arrive(barrier(K_EMPTY + stage));
-            const int n0 = tile * BLOCK_N;
-            if (n0 + BLOCK_N > seq_kv || (causal && n0 + BLOCK_N - 1 > warp_m0))
-                apply_mask(s, n0, warp_m0 + lane / 4, seq_kv, causal, lane);
-            softmax_update(s, row_max, row_sum, correction, scale_log2);
+                // Rounds 1 .. num_tiles - 1: S_j and P_{j-1}·V_{j-1} together, softmax of S_j meanwhile.
+                for (int tile = 1; tile < num_tiles; ++tile) {
+                    const int k = ring + tile;  // this K/V tile's number in the block's ring sequence
+                    const int stage = k % KV_STAGES, prev = (k - 1) % KV_STAGES;
+                    mbarrier_wait(barrier(K_FULL + stage), (k / KV_STAGES) & 1);
+                    mbarrier_wait(barrier(V_FULL + prev), ((k - 1) / KV_STAGES) & 1);
+                    named_barrier_sync(my_turn, CONSUMER_THREADS);
+                    wgmma_fence();
+                    issue_scores(s, q_tile, k_ring + stage * KV_TILE_BYTES, consumer);
+                    wgmma_commit();
+                    issue_pv(o_acc, p, v_ring + prev * KV_TILE_BYTES);
+                    wgmma_commit();
+                    named_barrier_arrive(other_turn, CONSUMER_THREADS);
 
-            wgmma_wait<0>();  // P_{j-1}·V_{j-1} is done: O may be rescaled, P overwritten
-            fence_registers(o_acc);
-            fence_registers(p);
-            mbarrier_arrive(barrier(V_EMPTY + prev));
-            rescale_output(o_acc, correction);
-            convert_p(s, p);
+                    wgmma_wait<1>();  // S_j is ready (P·V may still run)
+                    fence_registers(s);
+                    mbarrier_arrive(barrier(K_EMPTY + stage));
+                    if (tile == num_tiles - 1) mbarrier_arrive(barrier(Q_EMPTY));  // Q's last use is done
+                    const int n0 = tile * BLOCK_N;
+                    if (n0 + BLOCK_N > seq_kv || (causal && n0 + BLOCK_N - 1 > warp_m0))
+                        apply_mask(s, n0, warp_m0 + lane / 4, seq_kv, causal, lane);
+                    softmax_update(s, row_max, row_sum, correction, scale_log2);
+
+                    wgmma_wait<0>();  // P_{j-1}·V_{j-1} is done: O may be rescaled, P overwritten
+                    fence_registers(o_acc);
+                    fence_registers(p);
+                    mbarrier_arrive(barrier(V_EMPTY + prev));
+                    rescale_output(o_acc, correction);
+                    convert_p(s, p);
+                }
+
+                // Last round: P·V of the last tile.
+                const int k = ring + num_tiles - 1, last = k % KV_STAGES;
+                mbarrier_wait(barrier(V_FULL + last), (k / KV_STAGES) & 1);
+                named_barrier_sync(my_turn, CONSUMER_THREADS);
+                wgmma_fence();
+                issue_pv(o_acc, p, v_ring + last * KV_TILE_BYTES);
+                wgmma_commit();
+                // After the block's last turn of consumer 1, consumer 0 will not sync again: 1 does not arrive.
+                if (consumer == 0 || !block_done) named_barrier_arrive(other_turn, CONSUMER_THREADS);
+                wgmma_wait<0>();
+                fence_registers(o_acc);
+                fence_registers(p);
+                mbarrier_arrive(barrier(V_EMPTY + last));
+                ring += num_tiles;
+
+                // While this consumer writes its rows, the other one's P·V runs, and the producer is
+                // already loading the next query tile's Q and first K/V tiles.
+                write_output(o_acc, row_max, row_sum, scale, o + (size_t)head * seq_q * HEAD_DIM,
+                             lse + (size_t)head * seq_q, warp_m0, seq_q, lane);
+            }
         }
-
-        // Last round: P·V of the last tile.
-        const int last = (num_tiles - 1) % KV_STAGES;
-        mbarrier_wait(barrier(V_FULL + last), ((num_tiles - 1) / KV_STAGES) & 1);
-        named_barrier_sync(my_turn, CONSUMER_THREADS);
-        wgmma_fence();
-        issue_pv(o_acc, p, v_ring + last * KV_TILE_BYTES);
-        wgmma_commit();
-        // Consumer 1 still needs its last turn; consumer 0 will not sync again, so 1 does not arrive.
-        if (consumer == 0) named_barrier_arrive(other_turn, CONSUMER_THREADS);
-        wgmma_wait<0>();
-        fence_registers(o_acc);
-        fence_registers(p);
-        mbarrier_arrive(barrier(V_EMPTY + last));
-
         // --8<-- [end:pipeline]
-
-        write_output(o_acc, row_max, row_sum, scale, o + (size_t)head * seq_q * HEAD_DIM, lse + (size_t)head * seq_q,
-                     warp_m0, seq_q, lane);
     }
 }
