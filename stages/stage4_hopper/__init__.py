@@ -20,13 +20,11 @@ def kv_stages(head_dim: int) -> int:
     return 3 if head_dim == 64 else 2
 
 
-def persistent(head_dim: int, causal: bool) -> bool:
-    """Causal D64: one block per SM loops over pairs of query tiles (attention.cu's Schedule), hiding
-    each tile's prologue (Q and first K/V loads) and epilogue, a large share of a short causal D64 tile.
-    Otherwise one block per query tile. Measured on the H100 (B16 H16 S2048 D64): persistent took
-    0.409 ms causal (0.483 ms not) but 0.793 ms non-causal (0.714 ms not), so only causal D64 uses it.
-    D128 tiles are twice as long and the hardware balances them well enough."""
-    return head_dim == 64 and causal
+def persistent(head_dim: int) -> bool:
+    """D64: one block per SM loops over the query tiles (attention.cu's Schedule), hiding each tile's
+    prologue (Q and first K/V loads) and epilogue, a large share of a short D64 tile. D128: one block
+    per query tile, as before (its tiles are twice as long; the hardware balances causal blocks)."""
+    return head_dim == 64
 
 
 _SMS: dict = {}  # device index -> number of SMs
@@ -82,7 +80,7 @@ def launch(kernels, q, k, v, o, lse, scale, causal):
     m_blocks = (seq_q + BLOCK_M - 1) // BLOCK_M
     units = m_blocks * batch * heads  # query tiles (the kernel pairs them when persistent and causal)
     grid = units
-    if persistent(head_dim, causal):
+    if persistent(head_dim):
         import torch
 
         device = q.device.index if q.device.index is not None else torch.cuda.current_device()
@@ -92,7 +90,7 @@ def launch(kernels, q, k, v, o, lse, scale, causal):
             units = (m_blocks + 1) // 2 * batch * heads
         grid = min(units, _SMS[device])
     kernels.attention_fwd((grid,), (THREADS,), q_map, k_map, v_map, o, lse, seq_q, seq_kv, scale, int(causal),
-                          batch * heads, int(persistent(head_dim, causal)), smem=shared_bytes(head_dim, q.element_size()))
+                          batch * heads, int(persistent(head_dim)), smem=shared_bytes(head_dim, q.element_size()))
 
 
 STAGE = Stage(

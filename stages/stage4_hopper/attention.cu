@@ -41,9 +41,6 @@
 //   (its counters run on across query tiles) while the consumers finish, and the ping-pong turns
 //   simply continue. Causal pairs query tiles i and M-1-i (M+1 K/V tiles whatever i) so that a
 //   static round-robin stays balanced. D=128 keeps one block per query tile (persistent = 0).
-//   Measured (H100, B16 H16 S2048 D64): causal 0.483 -> 0.409 ms with it, but non-causal 0.714 ->
-//   0.793 ms, so the launch (__init__.py) makes only causal D64 persistent; the cause of the
-//   non-causal loss is not yet understood (a guess: the static round-robin's tail, 31.03 waves).
 // Predicted on an H100 SXM (fp16): ~420 TFLOP/s at B16 H16 S2048 D64 non-causal, ~90% of cuDNN
 //   (the rest: the short head dimension makes the softmax -- exp2 on 16 MUFU lanes per SM
 //   quarter -- as long as the GEMMs, and 4096 tiles are 31.03 waves of 132); causal ~85-88% (one
