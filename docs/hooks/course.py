@@ -2,8 +2,9 @@
 
 - on_config: the nav's "Stages" section gets one page, docs/stages/stage<N>.md, per directory
   stages/stage<N>_*/, titled with the first line of the stage's __init__.py docstring.
-- on_page_markdown: `<!-- ladder -->` and `<!-- results:<stage directory> -->` in a page become
-  charts and tables drawn from results/*.json ($FLASHMOE_RESULTS_DIR overrides the folder).
+- on_page_markdown: in a page, `<!-- ladder -->` and `<!-- results:<stage directory> -->` become
+  charts and tables drawn from results/*.json ($FLASHMOE_RESULTS_DIR overrides the folder), and
+  `<!-- stage-list -->` the list of stages (home page only: its links are relative to docs/).
 
 Charts are inline SVG written here: no JavaScript, nothing fetched when the page is read.
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGE_DIR = re.compile(r"stage(\d+)_\w+")
-PLACEHOLDER = re.compile(r"<!-- (ladder|results:(\w+)) -->")
+PLACEHOLDER = re.compile(r"<!-- (ladder|stage-list|results:(\w+)) -->")
 COLORS = ["#3b82f6", "#f59e0b", "#10b981", "#ef4444", "#8b5cf6", "#06b6d4", "#ec4899", "#84cc16"]
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 NOT_MEASURED = "Not measured yet"
@@ -32,16 +33,19 @@ def stage_number(name: str) -> int:
     return int(m[1]) if m else 1_000
 
 
-def stage_dirs(root: Path = ROOT) -> list[tuple[int, str, str]]:
-    """(number, directory, title) for every stages/stage<N>_*/ directory, in stage order."""
+def stage_dirs(root: Path = ROOT) -> list[tuple[int, str, str, str]]:
+    """(number, directory, title, summary) for every stages/stage<N>_*/ directory, in stage order:
+    the title is the first line of its __init__.py docstring, the summary the paragraph after it."""
     found = []
     for d in (root / "stages").glob("stage*_*"):
         if d.is_dir() and STAGE_DIR.fullmatch(d.name):
             try:
-                doc = ast.get_docstring(ast.parse((d / "__init__.py").read_text()))
+                doc = ast.get_docstring(ast.parse((d / "__init__.py").read_text())) or d.name
             except (OSError, SyntaxError):
-                doc = None
-            found.append((stage_number(d.name), d.name, short_title(doc.strip().splitlines()[0] if doc else d.name)))
+                doc = d.name
+            title, _, rest = doc.strip().partition("\n")
+            summary = " ".join(rest.strip().split("\n\n")[0].split())
+            found.append((stage_number(d.name), d.name, short_title(title), summary))
     return sorted(found)
 
 
@@ -60,7 +64,7 @@ def load_runs() -> list[dict]:
 # ---------------------------------------------------------------- mkdocs events
 
 def on_config(config):
-    pages = [{title: f"stages/stage{n}.md"} for n, _, title in stage_dirs()]
+    pages = [{title: f"stages/stage{n}.md"} for n, _, title, _ in stage_dirs()]
     for entry in config.nav or []:
         if isinstance(entry, dict) and "Stages" in entry:
             entry["Stages"] = pages
@@ -68,10 +72,16 @@ def on_config(config):
 
 
 def on_page_markdown(markdown, page, config, files):
-    if "<!-- ladder" not in markdown and "<!-- results:" not in markdown:
+    if not PLACEHOLDER.search(markdown):
         return markdown
     runs = load_runs()
-    return PLACEHOLDER.sub(lambda m: ladder_md(runs) if m[1] == "ladder" else results_md(m[2], runs), markdown)
+
+    def fill(m):
+        if m[1] == "stage-list":  # links are relative to the page: the home page, docs/index.md
+            return "\n".join(f"- [**{title}**](stages/stage{n}.md). {summary}" for n, _, title, summary in stage_dirs())
+        return ladder_md(runs) if m[1] == "ladder" else results_md(m[2], runs)
+
+    return PLACEHOLDER.sub(fill, markdown)
 
 
 # ---------------------------------------------------------------- formatting
