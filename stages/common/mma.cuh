@@ -140,6 +140,23 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
+// Sets to -inf the scores of keys past the end (key >= seq_kv) and, if causal, above the
+// diagonal (key > query), in a C fragment layout (mma.sync's m16n8, and each warp's 16 rows of
+// wgmma's m64nN): `row` is the query row of c[0], c[1]; c[2], c[3] are row + 8.
+template <int N_FRAGS>
+__device__ __forceinline__ void apply_mask(float (&s)[N_FRAGS][4], int first_key, int row, int seq_kv, int causal,
+                                           int lane) {
+#pragma unroll
+    for (int n = 0; n < N_FRAGS; ++n) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int key = first_key + 8 * n + 2 * (lane % 4) + c % 2;
+            const int query = row + 8 * (c / 2);
+            if (key >= seq_kv || (causal && key > query)) s[n][c] = -INFINITY;
+        }
+    }
+}
+
 // --8<-- [start:softmax_update]
 // The online softmax of one warp over one tile of keys, on the accumulator fragments.
 //   s[N_FRAGS][4]  raw scores q·k of the warp's 16 rows (masked ones -inf); becomes P

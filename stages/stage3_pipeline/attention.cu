@@ -179,21 +179,6 @@ __device__ __forceinline__ void warp_pv(float (&o)[M_TILES][O_FRAGS][4], const f
     }
 }
 
-// Sets to -inf the scores of keys past the end (key >= seq_kv) and, if causal, above the
-// diagonal (key > query). `row` is the query row of c[0], c[1]; c[2], c[3] are row + 8.
-__device__ __forceinline__ void apply_mask(float (&s)[S_FRAGS][4], int first_key, int row, int seq_kv,
-                                           int causal, int lane) {
-#pragma unroll
-    for (int n = 0; n < S_FRAGS; ++n) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const int key = first_key + 8 * n + 2 * (lane % 4) + c % 2;
-            const int query = row + 8 * (c / 2);
-            if (key >= seq_kv || (causal && key > query)) s[n][c] = -INFINITY;
-        }
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
 attention_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
               elem_t* __restrict__ o, float* __restrict__ lse, int seq_q, int seq_kv, float scale, int causal) {

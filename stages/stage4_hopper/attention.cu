@@ -116,21 +116,6 @@ __device__ __forceinline__ void issue_pv(float (&o)[O_FRAGS][4], const unsigned 
 }
 // --8<-- [end:wgmma]
 
-// Sets to -inf the scores of keys past the end (key >= seq_kv) and, if causal, above the
-// diagonal (key > query). `row` is the query row of c[0], c[1]; c[2], c[3] are row + 8.
-__device__ __forceinline__ void apply_mask(float (&s)[S_FRAGS][4], int first_key, int row, int seq_kv, int causal,
-                                           int lane) {
-#pragma unroll
-    for (int n = 0; n < S_FRAGS; ++n) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const int key = first_key + 8 * n + 2 * (lane % 4) + c % 2;
-            const int query = row + 8 * (c / 2);
-            if (key >= seq_kv || (causal && key > query)) s[n][c] = -INFINITY;
-        }
-    }
-}
-
 // The online softmax of mma.cuh, split in two: this half turns the scores into P and returns the
 // factor by which O must be rescaled; rescale_output() applies it once the P·V product that is
 // still accumulating into O (intra-warpgroup overlap) has completed.
