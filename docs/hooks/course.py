@@ -21,7 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 STAGE_DIR = re.compile(r"stage(\d+)_\w+")
 PLACEHOLDER = re.compile(r"<!-- (ladder|stage-list|results:(\w+)) -->")
-COLORS = ["#3b82f6", "#f59e0b", "#10b981", "#ef4444", "#8b5cf6", "#06b6d4", "#ec4899", "#84cc16"]
+COLORS = ["#3b82f6", "#f59e0b", "#10b981", "#ef4444", "#8b5cf6", "#06b6d4", "#ec4899", "#84cc16",
+          "#1e3a8a", "#b45309", "#065f46", "#991b1b", "#5b21b6", "#0e7490", "#9d174d", "#3f6212"]
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 NOT_MEASURED = "Not measured yet"
 
