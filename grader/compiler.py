@@ -16,6 +16,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 COMMON_INCLUDE = REPO / "stages" / "common"
+# Where `#include "..."` looks after the kernel's own folder: the shared headers, then the stages
+# folder, so that a stage can build on another's kernels (#include "stage6_grouped_gemm/experts.cu").
+SEARCH_DIRS = (COMMON_INCLUDE, REPO / "stages")
 CACHE_DIR = Path(os.environ.get("FLASHMOE_CACHE", Path.home() / ".cache" / "flashmoe-course")) / "cubin"
 
 
@@ -37,14 +40,14 @@ class Cubin:
 
 @cache
 def include_dirs() -> tuple[str, ...]:
-    """The header folders NVRTC needs: our common headers, cuda_fp16.h/cuda_bf16.h, and CCCL."""
+    """The header folders NVRTC needs: ours (SEARCH_DIRS), cuda_fp16.h/cuda_bf16.h, and CCCL."""
     from cuda.pathfinder import find_nvidia_header_directory
 
     cudart = find_nvidia_header_directory("cudart")
     if cudart is None:
         raise RuntimeError("cuda_fp16.h not found: pip install nvidia-cuda-runtime")
     cccl = find_nvidia_header_directory("cccl")  # cuda/barrier, cuda/pipeline: only some kernels need it
-    return tuple(str(d) for d in (COMMON_INCLUDE, cudart, cccl) if d)
+    return tuple(str(d) for d in (*SEARCH_DIRS, cudart, cccl) if d)
 
 
 @cache
@@ -60,7 +63,7 @@ def _included_sources(source: str, folder: Path) -> str:
     seen, out, todo = set(), [], [source]
     while todo:
         for name in re.findall(r'^\s*#\s*include\s*"([^"]+)"', todo.pop(), re.MULTILINE):
-            for base in (folder, COMMON_INCLUDE):
+            for base in (folder, *SEARCH_DIRS):
                 path = (base / name).resolve()
                 if path.is_file() and path not in seen:
                     seen.add(path)

@@ -16,19 +16,26 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
-from grader.compiler import COMMON_INCLUDE, REPO, nvrtc_version
+from grader.compiler import REPO, SEARCH_DIRS, nvrtc_version
+
+STAGES_DIR = REPO / "stages"
 
 RESULTS_DIR = REPO / "results"
 
 
 def source_files(stage, kernel_path: Path | None = None) -> list[Path]:
     kernel_path = Path(kernel_path or stage.source_path)
-    launch_code = stage.folder / "__init__.py"
-    shared_launch = [COMMON_INCLUDE / f"{m}.py" for m in re.findall(r"^from stages\.common\.(\w+) import", launch_code.read_text(), re.MULTILINE)]
-    files, todo = [kernel_path, launch_code, *shared_launch], [kernel_path]
-    while todo:
+    files = [kernel_path, stage.folder / "__init__.py"]
+    python = [files[1]]
+    while python:  # the launch code, and the stage modules it imports, recursively
+        for path in _imported_stage_modules(python.pop()):
+            if path not in files:
+                files.append(path)
+                python.append(path)
+    todo = [kernel_path]
+    while todo:  # the kernel, and the files it includes, recursively
         for name in re.findall(r'^\s*#\s*include\s*"([^"]+)"', todo.pop().read_text(), re.MULTILINE):
-            for base in (kernel_path.parent, COMMON_INCLUDE):
+            for base in (kernel_path.parent, *SEARCH_DIRS):
                 path = (base / name).resolve()
                 if path.is_file():
                     if path not in files:
@@ -36,6 +43,16 @@ def source_files(stage, kernel_path: Path | None = None) -> list[Path]:
                         todo.append(path)
                     break
     return files
+
+
+def _imported_stage_modules(path: Path) -> list[Path]:
+    """The modules of stages/ a launch file imports: shared launch code (stages.common.hopper) or
+    another stage's (stages.stage6_grouped_gemm), whose changes change what the stage runs too."""
+    modules = []
+    for name in re.findall(r"^from stages\.([\w.]+) import", path.read_text(), re.MULTILINE):
+        module = STAGES_DIR / name.replace(".", "/")
+        modules.append(module / "__init__.py" if module.is_dir() else module.with_suffix(".py"))
+    return modules
 
 
 def source_digest(stage, kernel_path: Path | None = None) -> str:

@@ -9,6 +9,7 @@ The tensor maps TMA needs are built here, on the host, by cuda.core (`as_tensor_
 value to the kernel as `const __grid_constant__` parameters.
 """
 from stages import Goal, Stage
+from stages.common.hopper import sm_count, tensor_map
 
 BLOCK_M = 128   # query rows per block (2 consumer warpgroups × 64), as in attention.cu
 BLOCK_N = 128   # keys per K/V tile
@@ -27,9 +28,6 @@ def persistent(head_dim: int) -> bool:
     return head_dim == 64
 
 
-_SMS: dict = {}  # device index -> number of SMs
-
-
 def shared_bytes(head_dim: int, element_size: int) -> int:
     """Q tile, the K and V rings, the mbarriers, and 1 KB to align the tiles to 1024 bytes (attention.cu)."""
     stages = kv_stages(head_dim)
@@ -37,40 +35,11 @@ def shared_bytes(head_dim: int, element_size: int) -> int:
     return tiles + 8 * (2 + 4 * stages) + 1024
 
 
-_MAPS: dict = {}  # (address, shape, dtype, box rows) -> (TensorMapDescriptor, tensor): encoding costs host time
-
-
 def _tensor_map(x, box_rows: int):
     """A TMA descriptor over x [B, H, S, D] viewed as 3-D [B·H, S, D]: boxes of 1 × box_rows × 64 with the
     128-byte swizzle. Rows past S inside a head read as zeros, so a box never mixes two heads."""
-    import importlib
-
-    import torch
-    import torch.nn.functional as F
-    from cuda.core.utils import StridedMemoryView
-
-    key = (x.data_ptr(), tuple(x.shape), x.dtype, box_rows)
-    if key in _MAPS:
-        return _MAPS[key][0]
     batch, heads, seq, head_dim = x.shape
-    source = x
-    if seq < box_rows:  # cuda.core refuses a box longer than the tensor: pad with zero rows (never read)
-        source = F.pad(x, (0, 0, 0, box_rows - seq))
-        seq = box_rows
-    tm = importlib.import_module("cuda.core._tensor_map")
-    data_type = tm.TensorMapDataType.BFLOAT16 if x.dtype == torch.bfloat16 else tm.TensorMapDataType.FLOAT16
-    # Through DLPack as int16 (NumPy, which cuda.core maps dtypes through, has no bfloat16); the
-    # element type the tensor map records is given explicitly.
-    view = StridedMemoryView.from_any_interface(source.reshape(batch * heads, seq, head_dim).view(torch.int16),
-                                                stream_ptr=-1)
-    descriptor = view.as_tensor_map(box_dim=(1, box_rows, ATOM_COLS), data_type=data_type,
-                                    swizzle=tm.TensorMapSwizzle.SWIZZLE_128B)
-    if len(_MAPS) >= 12:  # a few launches' worth
-        _MAPS.clear()
-    # The entry keeps x (and the padded copy, through the descriptor) alive: while it is cached, no
-    # other tensor can get x's address, so a hit is always the same tensor.
-    _MAPS[key] = (descriptor, x, source)
-    return descriptor
+    return tensor_map(x.reshape(batch * heads, seq, head_dim), (1, box_rows, ATOM_COLS))
 
 
 def launch(kernels, q, k, v, o, lse, scale, causal):
@@ -81,14 +50,9 @@ def launch(kernels, q, k, v, o, lse, scale, causal):
     units = m_blocks * batch * heads  # query tiles (the kernel pairs them when persistent and causal)
     grid = units
     if persistent(head_dim):
-        import torch
-
-        device = q.device.index if q.device.index is not None else torch.cuda.current_device()
-        if device not in _SMS:
-            _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
         if causal:
             units = (m_blocks + 1) // 2 * batch * heads
-        grid = min(units, _SMS[device])
+        grid = min(units, sm_count(q.device))
     kernels.attention_fwd((grid,), (THREADS,), q_map, k_map, v_map, o, lse, seq_q, seq_kv, scale, int(causal),
                           batch * heads, int(persistent(head_dim)), smem=shared_bytes(head_dim, q.element_size()))
 

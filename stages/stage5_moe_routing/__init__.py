@@ -29,10 +29,10 @@ def tokens_per_group(tokens: int, group: int, device) -> int:
     return max(1, min(MAX_TOKENS_PER_GROUP, -(-tokens // resident_groups)))
 
 
-def launch(kernels, logits, y_perm, top_k, block, alpha, topk_ids, topk_weights, expert_counts, expert_offsets,
-           dest, source_token, aux_loss, usage_var, out):
+def route(kernels, logits, top_k, block, alpha, topk_ids, topk_weights, expert_counts, expert_offsets, dest,
+          source_token, aux_loss, usage_var):
+    """Top-k, counts, padded offsets, the permutation and the balance statistics (shared with stage 7)."""
     tokens, experts = logits.shape
-    hidden = y_perm.shape[1]
     assert 1 <= top_k <= min(experts, MAX_TOP_K) and experts <= MAX_EXPERTS, (experts, top_k)
     group = lanes_per_token(experts)  # >= top_k: lane j of a group writes slot j
     per_group = tokens_per_group(tokens, group, logits.device)
@@ -48,9 +48,21 @@ def launch(kernels, logits, y_perm, top_k, block, alpha, topk_ids, topk_weights,
     slots = tokens * top_k
     kernels.moe_scatter((-(-slots // SCATTER_THREADS),), (SCATTER_THREADS,), topk_ids, expert_offsets, dest,
                         source_token, slots, top_k)
+
+
+def combine(kernels, y_perm, dest, topk_weights, out, top_k):
+    """out[t] = Σ_j topk_weights[t, j] · y_perm[dest[t, j]] (shared with stage 7)."""
+    tokens, hidden = out.shape
     columns = hidden // 8 if hidden % 8 == 0 else hidden  # what the combine's threads share out
     threads = min(128, 32 * -(-columns // 32))
     kernels.moe_combine((tokens,), (threads,), y_perm, dest, topk_weights, out, top_k, hidden)
+
+
+def launch(kernels, logits, y_perm, top_k, block, alpha, topk_ids, topk_weights, expert_counts, expert_offsets,
+           dest, source_token, aux_loss, usage_var, out):
+    route(kernels, logits, top_k, block, alpha, topk_ids, topk_weights, expert_counts, expert_offsets, dest,
+          source_token, aux_loss, usage_var)
+    combine(kernels, y_perm, dest, topk_weights, out, top_k)
 
 
 STAGE = Stage(

@@ -1,0 +1,55 @@
+"""Stage 6 — grouped GEMM: the experts' SwiGLU FFN with a device-side tile scheduler
+
+sm_90a only. Two persistent launches, one block per SM: x·W1 with SwiGLU fused into its epilogue,
+then h·W2, for every expert at once. Each block walks (expert, column tile, row tile) triples,
+finding each tile's expert from the padded offsets on the device, so the host never waits for the
+routing. The main loop is stage 4's machinery at GEMM scale: TMA into a 4-deep ring of 128-byte-
+swizzled stages, two consumer warpgroups on wgmma.m64n256k16, one producer warp.
+"""
+import torch
+
+from stages import Goal, Stage
+from stages.common.hopper import sm_count, tensor_map
+
+BLOCK_M = 128      # rows per tile; expert segments must start at multiples of it (experts.cu)
+BLOCK_K = 64       # K per stage; also the TMA box width (64 16-bit elements = 128 bytes)
+B_COLS = 256       # B columns per tile
+THREADS = 384      # producer warpgroup + 2 consumer warpgroups
+STAGES = 4
+MAX_EXPERTS = 256  # as moe.cuh
+SHARED_BYTES = STAGES * (BLOCK_M + B_COLS) * BLOCK_K * 2 + 4 * (MAX_EXPERTS + 2) + 16 * STAGES + 1024
+
+
+def run_experts(kernels, x_perm, expert_offsets, w1, w2, h, y_perm):
+    """h = SwiGLU(x_perm · W1), y_perm = h · W2 over the rows each expert owns (shared with stage 7).
+    x_perm, h, y_perm: [rows, ·] with every expert's segment padded to BLOCK_M rows; W1 [E, hidden,
+    2·inter], W2 [E, inter, hidden]. Rows past expert_offsets[E] are neither read nor written."""
+    experts, hidden, inter = w1.shape[0], w1.shape[1], w2.shape[1]
+    assert experts <= MAX_EXPERTS, experts
+    assert hidden % 8 == 0 and inter % 8 == 0 and min(hidden, inter) >= BLOCK_K, \
+        f"hidden and inter must be multiples of 8 (TMA strides), at least {BLOCK_K}: {hidden}, {inter}"
+    grid = (sm_count(x_perm.device),)  # persistent: the kernels find their tiles on the device
+    a_box, b_box = (1, BLOCK_M, BLOCK_K), (1, BLOCK_K, BLOCK_K)
+    kernels.expert_up_swiglu(grid, (THREADS,), tensor_map(x_perm[None], a_box), tensor_map(w1, b_box),
+                             expert_offsets, experts, h, inter, hidden, smem=SHARED_BYTES)
+    kernels.expert_down(grid, (THREADS,), tensor_map(h[None], a_box), tensor_map(w2, b_box),
+                        expert_offsets, experts, y_perm, hidden, inter, smem=SHARED_BYTES)
+
+
+def launch(kernels, x_perm, expert_offsets, expert_counts, w1, w2, y_perm):
+    h = torch.empty(x_perm.shape[0], w2.shape[1], dtype=x_perm.dtype, device=x_perm.device)
+    run_experts(kernels, x_perm, expert_offsets, w1, w2, h, y_perm)
+
+
+STAGE = Stage(
+    name="stage6_grouped_gemm",
+    problem="moe_experts",
+    source="experts.cu",
+    kernels={
+        "expert_up_swiglu": "const TmaMap, const TmaMap, const int*, int, elem_t*, int, int",
+        "expert_down": "const TmaMap, const TmaMap, const int*, int, elem_t*, int, int",
+    },
+    launch=launch,
+    archs=("sm_90a",),
+    goal=Goal("reference", 1.0),  # the fastest library baseline: torch._grouped_mm where it runs
+)

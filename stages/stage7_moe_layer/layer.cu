@@ -1,0 +1,117 @@
+// Stage 7 — the whole MoE layer from the course's kernels. sm_90a (stage 6's GEMMs).
+//
+// out = Σ_j w[t, j] · SwiGLU-FFN_{ids[t, j]}(x[t]), in eight launches and no host synchronization:
+//   router_logits      logits = x · Wr + bias in fp32                         (here)
+//   moe_topk, moe_align, moe_scatter   top-k, padded offsets, permutation     (stage 5)
+//   gather_rows        x_perm[r] = x[source_token[r]], zeros in the padding    (here)
+//   expert_up_swiglu, expert_down      the grouped GEMMs                      (stage 6)
+//   moe_combine        out[t] = Σ_j w[t, j] · y_perm[dest[t, j]]              (stage 5)
+// Every launch is sized from what the host knows without looking at the routing: T, E, k and the
+// padded capacity T·k + E·(BLOCK_M - 1) of the permuted buffers. The GEMMs read the offsets on the
+// device; gather_rows skips the rows past offsets[E].
+//
+// On paper, seed configuration at T = 32768 (65536 token-slots, hidden 4096, inter 11008, E 32):
+//   the GEMMs: 17.7 TFLOP, ~28 ms at stage 6's ~630 TFLOP/s;
+//   router_logits: T·hidden·E = 4.3 G FMAs on CUDA cores (~60 TFLOP/s of FMA at best): ~0.15-0.3 ms,
+//     x read once (268 MB, 0.1 ms);
+//   gather_rows: 537 MB read + 537 MB written, ~0.4 ms; moe_combine ~0.3 ms; stage 5's rest ~0.02 ms.
+//   ≈ 29 ms against torch._grouped_mm's ~35 ms: 1.2×. Almost all of it is the GEMMs.
+// Not fused, and why: the gather into the up GEMM's A loads needs a TMA gather (Blackwell has one,
+// Hopper does not; cp.async gathers would cost the producer warp its simplicity) for 1.4% of the
+// time; the combine into the down GEMM's epilogue needs fp32 atomics into an fp32 copy of out (k
+// experts add to each token) for ~1%.
+#include "stage5_moe_routing/routing.cu"
+#include "stage6_grouped_gemm/experts.cu"
+
+constexpr int ROUTER_THREADS = 256;                     // 16 token groups × 16 expert groups
+constexpr int ROUTER_TOKENS = 64;                       // tokens per block: 4 per thread
+constexpr int ROUTER_K = 32;                            // hidden elements per shared-memory chunk
+
+// --8<-- [start:router]
+// Router logits, fp32: block b computes tokens 64b .. 64b+63 × all E experts. Thread (token group
+// tg, expert group eg) accumulates tokens 4tg .. 4tg+3 × experts eg, eg + 16, ... (EPT of them) --
+// a 4 × EPT register tile, as stage 1's -- over chunks of 32 hidden elements staged in shared
+// memory in fp32 (x transposed, so that a thread's 4 tokens are one float4).
+struct RouterShared {
+    float xs[ROUTER_K][ROUTER_TOKENS];  // x chunk, transposed
+    float ws[ROUTER_K][MAX_EXPERTS];    // Wr chunk
+};
+
+template <int EPT>
+__device__ void router_tile(const elem_t* __restrict__ x, const elem_t* __restrict__ wr, const float* __restrict__ bias,
+                            float* __restrict__ logits, int tokens, int hidden, int experts, RouterShared& sh) {
+    auto& xs = sh.xs;
+    auto& ws = sh.ws;
+    const int tg = threadIdx.x / 16, eg = threadIdx.x % 16, token0 = blockIdx.x * ROUTER_TOKENS;
+    float acc[4][EPT] = {};
+    for (int k0 = 0; k0 < hidden; k0 += ROUTER_K) {
+        {   // x: 64 tokens × 32 elements = 256 vectors of 8, one per thread (hidden % 8 == 0)
+            const int t = threadIdx.x / 4, k = 8 * (threadIdx.x % 4);
+            float v[8] = {};
+            if (token0 + t < tokens && k0 + k < hidden) load8(x + (size_t)(token0 + t) * hidden + k0 + k, v);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) xs[k + i][t] = v[i];
+        }
+        for (int i = threadIdx.x; i < ROUTER_K * experts; i += ROUTER_THREADS) {
+            const int k = i / experts, e = i % experts;
+            ws[k][e] = k0 + k < hidden ? to_float(wr[(size_t)(k0 + k) * experts + e]) : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll 8
+        for (int k = 0; k < ROUTER_K; ++k) {
+            const float4 xv = *reinterpret_cast<const float4*>(&xs[k][4 * tg]);
+            const float xk[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+            for (int j = 0; j < EPT; ++j) {
+                const float w = ws[k][eg + 16 * j];  // columns past E: stale, never stored
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[i][j] = fmaf(xk[i], w, acc[i][j]);
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int t = token0 + 4 * tg + i;
+#pragma unroll
+        for (int j = 0; j < EPT; ++j) {
+            const int e = eg + 16 * j;
+            if (t < tokens && e < experts) logits[(size_t)t * experts + e] = acc[i][j] + bias[e];
+        }
+    }
+}
+
+// EPT = experts per thread, rounded up to a power of two so that few variants are compiled and no
+// thread runs idle multiply-adds for experts that do not exist (E = 32: EPT = 2, not 16).
+extern "C" __global__ void __launch_bounds__(ROUTER_THREADS)
+router_logits(const elem_t* __restrict__ x, const elem_t* __restrict__ wr, const float* __restrict__ bias,
+              float* __restrict__ logits, int tokens, int hidden, int experts) {
+    __shared__ __align__(16) RouterShared sh;  // 40 KB
+    const int per_thread = (experts + 15) / 16;
+    if (per_thread <= 1) router_tile<1>(x, wr, bias, logits, tokens, hidden, experts, sh);
+    else if (per_thread <= 2) router_tile<2>(x, wr, bias, logits, tokens, hidden, experts, sh);
+    else if (per_thread <= 4) router_tile<4>(x, wr, bias, logits, tokens, hidden, experts, sh);
+    else if (per_thread <= 8) router_tile<8>(x, wr, bias, logits, tokens, hidden, experts, sh);
+    else router_tile<16>(x, wr, bias, logits, tokens, hidden, experts, sh);
+}
+// --8<-- [end:router]
+
+// --8<-- [start:gather]
+// The permutation applied: row r of x_perm is token source_token[r]'s x, or zeros in the padding
+// (source_token -1), so that the padding rows of the GEMMs compute zeros. One block per row of the
+// capacity; the rows past offsets[E] (unused this time) return at once. 16-byte vectors.
+extern "C" __global__ void gather_rows(const elem_t* __restrict__ x, const int* __restrict__ source_token,
+                                       const int* __restrict__ expert_offsets, int experts,
+                                       elem_t* __restrict__ x_perm, int hidden) {
+    const int row = blockIdx.x;
+    if (row >= expert_offsets[experts]) return;
+    // EXERCISE: copy token source_token[row]'s row of x into row `row` of x_perm, 8 elements (one
+    // uint4) per thread and step -- or write zeros where source_token is -1 (a padding row).
+    // STUB: return;
+    const int token = source_token[row];
+    uint4* to = reinterpret_cast<uint4*>(x_perm + (size_t)row * hidden);
+    const uint4* from = reinterpret_cast<const uint4*>(x + (size_t)max(token, 0) * hidden);
+    for (int v = threadIdx.x; v < hidden / 8; v += blockDim.x) to[v] = token >= 0 ? from[v] : make_uint4(0, 0, 0, 0);
+    // END EXERCISE
+}
+// --8<-- [end:gather]
