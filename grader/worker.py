@@ -97,36 +97,39 @@ class Worker:
     def benchmark(self) -> None:
         import torch
 
-        from grader.timing import extra_memory, time_side_by_side
-
         for index, shape in self.job["shapes"]:
             emit("bench_start", index=index)
-            dtype = shape["dtype"]
-            inputs = self.problem.make_inputs(shape, dtype, seed=index)
-            outputs = self.problem.allocate_outputs(inputs)
-            kernels = self.run_kernel(inputs, outputs)
-            written = all(bool(torch.isfinite(t).all()) for t in outputs.values())
+            emit("bench_done", index=index, **self.benchmark_shape(shape, seed=index))
+            torch.cuda.empty_cache()  # this shape's tensors died with benchmark_shape's frame
 
-            def ours():
-                self.problem.run_stage(self.stage, kernels, inputs, outputs)
+    def benchmark_shape(self, shape: dict, seed: int) -> dict:
+        import torch
 
-            candidates = {"kernel": ours}
-            skipped = {}
-            for name, run in self.problem.baselines(inputs).items():
-                try:
-                    run()
-                    torch.cuda.synchronize()
-                    candidates[name] = run
-                except torch.cuda.OutOfMemoryError:
-                    skipped[name] = "out of memory"
-                torch.cuda.empty_cache()
-            memory = {name: extra_memory(run) for name, run in candidates.items()}
-            timings = time_side_by_side(candidates, self.job["l2_bytes"], budget_s=self.job["budget_s"])
-            occupancy = {name: kernels.occupancy(name) | vars(kernels.launches[name]) for name in kernels.launches}
-            emit("bench_done", index=index, timings={n: t.as_dict() for n, t in timings.items()},
-                 memory=memory, skipped=skipped, output_written=written, launches=occupancy)
-            del inputs, outputs, candidates
+        from grader.timing import extra_memory, time_side_by_side
+
+        inputs = self.problem.make_inputs(shape, shape["dtype"], seed=seed)
+        outputs = self.problem.allocate_outputs(inputs)
+        kernels = self.run_kernel(inputs, outputs)
+        written = all(bool(torch.isfinite(t).all()) for t in outputs.values())
+
+        def ours():
+            self.problem.run_stage(self.stage, kernels, inputs, outputs)
+
+        candidates = {"kernel": ours}
+        skipped = {}
+        for name, run in self.problem.baselines(inputs).items():
+            try:
+                run()
+                torch.cuda.synchronize()
+                candidates[name] = run
+            except torch.cuda.OutOfMemoryError:
+                skipped[name] = "out of memory"
             torch.cuda.empty_cache()
+        memory = {name: extra_memory(run) for name, run in candidates.items()}
+        timings = time_side_by_side(candidates, self.job["l2_bytes"], budget_s=self.job["budget_s"])
+        occupancy = {name: kernels.occupancy(name) | vars(kernels.launches[name]) for name in kernels.launches}
+        return dict(timings={n: t.as_dict() for n, t in timings.items()}, memory=memory, skipped=skipped,
+                    output_written=written, launches=occupancy)
 
 
 def main(path: str) -> int:

@@ -2,7 +2,8 @@
 
 Inputs: x_perm [rows, hidden], the token-slots of a layer routed exactly (moe.topk_exact), permuted
 as stage 5 leaves them: expert e's token-slots at rows offsets[e] .. offsets[e] + counts[e] - 1, in
-(token, slot) order, then padding rows of zeros up to offsets[e+1]: every segment starts at a
+(token, slot) order, then padding rows up to offsets[e+1] that repeat the segment's last token-slot
+(what stage 7's gather writes; see `permute` for why not zeros): every segment starts at a
 multiple of BLOCK = 128 rows, the GEMM tile. rows = offsets[E], the rows in use (known on the host
 here: make_inputs is not timed). expert_offsets [E+1] int32, expert_counts [E] int32,
 W1 [E, hidden, 2·I] (gate half, then up half), W2 [E, I, hidden]; float16 or bfloat16. hidden and I
@@ -14,8 +15,8 @@ for each row r of expert e's segment.
 
 Checks: the valid rows (counts[e] in each segment) by the library-relative rule, against the float64
 FFN; the library is PyTorch expert by expert in the dtype (matmuls, then SwiGLU, rounded to it).
-The padding rows are not checked, but the grader flags any NaN left in them at the benchmarks: x_perm
-is 0 there, so a kernel that runs whole tiles writes 0 (silu(0)·0·W2 = 0) and is right by construction.
+The padding rows are not checked: y_perm holds 0 there before the kernel runs (NaN in the valid rows),
+so a kernel may compute them or skip them.
 
 Work: useful flops only, 2·hidden·2I + 2·I·hidden per token-slot (moe.layer_flops): the padding rows
 a kernel computes are its overhead. min_bytes: every weight of an expert that gets tokens, the
@@ -116,7 +117,10 @@ class MoeExpertsProblem:
                     w1=layer["w1"], w2=layer["w2"], shape=dict(shape, dtype=dtype, seed=seed))
 
     def allocate_outputs(self, inputs: dict) -> dict:
-        return dict(y_perm=torch.full_like(inputs["x_perm"], float("nan")))
+        """y_perm: NaN in the valid rows (so that an unwritten one shows), 0 in the padding rows."""
+        y = torch.zeros_like(inputs["x_perm"])
+        y[valid_rows(inputs["expert_offsets"], inputs["expert_counts"])] = float("nan")
+        return dict(y_perm=y)
 
     def variant(self, inputs: dict) -> dict:
         return {"ELEM_T": self.dtypes[str(inputs["x_perm"].dtype).removeprefix("torch.")]}
@@ -178,11 +182,20 @@ def valid_rows(offsets: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
 
 def permute(x: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x_perm [offsets[E], hidden]: the token-slots sorted by expert ((token, slot) order within one,
-    as a stable sort of the flattened ids leaves them), each expert's at its segment, 0 elsewhere."""
+    as a stable sort of the flattened ids leaves them), each expert's at its segment, and each padding
+    row a copy of the last token-slot above it. Any values would do there (nobody reads those outputs);
+    zeros are the obvious choice but not a neutral one: tiles with a few all-zero rows ran stage 6's
+    wgmma kernel at half speed on the H100 (results/NOTES.md), while cuBLAS did not slow down."""
     order = torch.argsort(ids.flatten(), stable=True)
-    x_perm = x.new_zeros(int(offsets[-1]), x.shape[1])
-    x_perm[valid_rows(offsets, counts)] = x[order // ids.shape[1]]
-    return x_perm
+    rows = valid_rows(offsets, counts)
+    source = torch.zeros(int(offsets[-1]), dtype=torch.long, device=x.device)
+    source[rows] = torch.arange(rows.numel(), device=x.device)
+    filled = torch.zeros_like(source, dtype=torch.bool)
+    filled[rows] = True
+    # Each row's nearest valid row at or above it (a running maximum of valid row indices).
+    index = torch.where(filled, torch.arange(source.numel(), device=x.device), 0)
+    nearest = torch.cummax(index, 0).values
+    return x[order // ids.shape[1]][source[nearest]]
 
 
 def segments(inputs: dict) -> list[tuple[int, int]]:

@@ -11,6 +11,8 @@ TEACHES = {
     "stage2_warp": {"HMMA", "LDSM"},
     "stage3_pipeline": {"HMMA", "LDSM", "LDGSTS"},
     "stage4_hopper": {"HGMMA", "UTMALDG"},
+    "stage6_grouped_gemm": {"HGMMA", "UTMALDG"},
+    "stage7_moe_layer": {"HGMMA", "UTMALDG"},
 }
 
 PAIRS = [(name, arch) for name in stages.stage_names() for arch in stages.load(name).archs]

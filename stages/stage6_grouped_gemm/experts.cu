@@ -1,7 +1,8 @@
 // Stage 6 — grouped GEMM: every expert's SwiGLU FFN in two launches (TMA + wgmma). sm_90a only.
 //
 // After stage 5 the token-slots sit in expert-contiguous order: expert e owns rows offsets[e] ..
-// offsets[e+1] - 1 of x_perm, its segment padded with zero rows to a multiple of BLOCK_M = 128.
+// offsets[e+1] - 1 of x_perm, its segment padded to a multiple of BLOCK_M = 128 rows (whose results
+// nobody reads: the padding rows repeat a token-slot, see stage 7's gather_rows).
 // Two kernels then compute, for every expert at once,
 //   expert_up_swiglu   h[rows of e] = silu(x·W1[e][:, :I]) * (x·W1[e][:, I:])    [rows, I]
 //   expert_down        y[rows of e] = h · W2[e]                                   [rows, hidden]

@@ -3,7 +3,7 @@
 // out = Σ_j w[t, j] · SwiGLU-FFN_{ids[t, j]}(x[t]), in eight launches and no host synchronization:
 //   router_logits      logits = x · Wr + bias in fp32                         (here)
 //   moe_topk, moe_align, moe_scatter   top-k, padded offsets, permutation     (stage 5)
-//   gather_rows        x_perm[r] = x[source_token[r]], zeros in the padding    (here)
+//   gather_rows        x_perm[r] = x[source_token[r]] (padding: a copy)       (here)
 //   expert_up_swiglu, expert_down      the grouped GEMMs                      (stage 6)
 //   moe_combine        out[t] = Σ_j w[t, j] · y_perm[dest[t, j]]              (stage 5)
 // Every launch is sized from what the host knows without looking at the routing: T, E, k and the
@@ -97,21 +97,26 @@ router_logits(const elem_t* __restrict__ x, const elem_t* __restrict__ wr, const
 // --8<-- [end:router]
 
 // --8<-- [start:gather]
-// The permutation applied: row r of x_perm is token source_token[r]'s x, or zeros in the padding
-// (source_token -1), so that the padding rows of the GEMMs compute zeros. One block per row of the
-// capacity; the rows past offsets[E] (unused this time) return at once. 16-byte vectors.
+// The permutation applied: row r of x_perm is token source_token[r]'s x. A padding row (source_token
+// -1) repeats the nearest token-slot above it, the last of its segment: its outputs are never read,
+// but zeros there -- the obvious choice -- ran stage 6's tensor cores at half speed on the H100 (a
+// few all-zero rows in a tile; results/NOTES.md). One block per row of the capacity; the rows past
+// offsets[E] (unused this time) return at once. 16-byte vectors.
 extern "C" __global__ void gather_rows(const elem_t* __restrict__ x, const int* __restrict__ source_token,
                                        const int* __restrict__ expert_offsets, int experts,
                                        elem_t* __restrict__ x_perm, int hidden) {
     const int row = blockIdx.x;
     if (row >= expert_offsets[experts]) return;
     // EXERCISE: copy token source_token[row]'s row of x into row `row` of x_perm, 8 elements (one
-    // uint4) per thread and step -- or write zeros where source_token is -1 (a padding row).
+    // uint4) per thread and step; a padding row (source_token -1) takes the token of the nearest row
+    // above it that has one (a segment starts with a token-slot, so the search stops inside it).
     // STUB: return;
-    const int token = source_token[row];
+    int source = row;
+    while (source_token[source] < 0) --source;
+    const int token = source_token[source];
     uint4* to = reinterpret_cast<uint4*>(x_perm + (size_t)row * hidden);
-    const uint4* from = reinterpret_cast<const uint4*>(x + (size_t)max(token, 0) * hidden);
-    for (int v = threadIdx.x; v < hidden / 8; v += blockDim.x) to[v] = token >= 0 ? from[v] : make_uint4(0, 0, 0, 0);
+    const uint4* from = reinterpret_cast<const uint4*>(x + (size_t)token * hidden);
+    for (int v = threadIdx.x; v < hidden / 8; v += blockDim.x) to[v] = from[v];
     // END EXERCISE
 }
 // --8<-- [end:gather]
