@@ -88,8 +88,9 @@ def provenance(gpu) -> dict:
         "torch_cuda": torch.version.cuda,
         "cuda_core": version("cuda-core"),
         "cuda_bindings": version("cuda-bindings"),
-        "commit": git("rev-parse", "HEAD") or os.environ.get("FLASHMOE_COMMIT"),
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        # FLASHMOE_COMMIT names the commit a copied working tree came from (a copy's .git may be stale).
+        "commit": os.environ.get("FLASHMOE_COMMIT") or git("rev-parse", "HEAD"),
+        "dirty": None if os.environ.get("FLASHMOE_COMMIT") else bool(git("status", "--porcelain", "--untracked-files=no")),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 

@@ -145,7 +145,7 @@ class MoeExpertsProblem:
     # ---- baselines timed beside the kernel -------------------------------------------------------
     def baselines(self, inputs: dict) -> dict:
         """torch._grouped_mm on the token-slots' rows without the padding ("grouped_mm", where it runs:
-        PyTorch >= 2.8, bf16 on the GPU), and a loop over the experts ("loop"). What is not timed is
+        PyTorch >= 2.8, bf16 on the GPU), and a loop over the experts ("naive"). What is not timed is
         done here, once: the gather of the unpadded rows, the segments copied to the host, y allocated."""
         x_perm, w1, w2 = inputs["x_perm"], inputs["w1"], inputs["w2"]
         counts = inputs["expert_counts"]
@@ -154,7 +154,7 @@ class MoeExpertsProblem:
         found = moe.grouped_mm_baseline(lambda: moe.experts_grouped_mm(x_compact, w1, w2, offs))
         y = torch.zeros_like(x_perm)
         spans = segments(inputs)
-        found["loop"] = lambda: experts_loop(inputs, x_perm.dtype, spans, out=y)
+        found["naive"] = lambda: experts_loop(inputs, x_perm.dtype, spans, out=y)
         return found
 
     # ---- work -----------------------------------------------------------------------------

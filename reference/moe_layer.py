@@ -93,10 +93,10 @@ class MoeLayerProblem:
     # ---- baselines timed beside the kernel -------------------------------------------------------
     def baselines(self, inputs: dict) -> dict:
         """The layer in PyTorch: with torch._grouped_mm ("grouped_mm", where it runs: PyTorch >= 2.8,
-        bf16 on the GPU), and with a loop over the experts as Hugging Face's Mixtral ("loop")."""
+        bf16 on the GPU), and with a loop over the experts as Hugging Face's Mixtral ("naive")."""
         layer, k = {n: inputs[n] for n in ("x", "wr", "bias", "w1", "w2")}, inputs["top_k"]
         found = moe.grouped_mm_baseline(lambda: moe.layer_grouped_mm(layer, k))
-        found["loop"] = lambda: moe.layer_loop(layer, k)
+        found["naive"] = lambda: moe.layer_loop(layer, k)
         return found
 
     @staticmethod

@@ -129,8 +129,8 @@ def test_baselines_compute_the_valid_rows():
     exact, library = P.reference(inputs), P.library_output(inputs)
     rows = exact["valid_rows"]
     found = P.baselines(inputs)
-    assert "loop" in found and set(found) <= {"loop", "grouped_mm"}
-    loop = found["loop"]()
+    assert "naive" in found and set(found) <= {"naive", "grouped_mm"}
+    loop = found["naive"]()
     assert torch.equal(loop, library["y_perm"])  # the library is the loop: the same rows, padding 0
     if "grouped_mm" in found:  # unpadded: one row per token-slot
         grouped = found["grouped_mm"]()

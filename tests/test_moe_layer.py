@@ -168,15 +168,15 @@ def test_baselines_pass_the_check():
     inputs = small_inputs(T=50, E=6, k=2, dtype="bfloat16", empty=(3,))
     ids = ranked(inputs)[:, :2]
     found = P.baselines(inputs)
-    assert "loop" in found and set(found) <= {"loop", "grouped_mm"}
+    assert "naive" in found and set(found) <= {"naive", "grouped_mm"}
     for name, run in found.items():
         assert not failed(dict(out=run(), topk_ids=ids), inputs), name
 
 
 def test_notes_give_tokens_per_second():
-    notes = P.notes(dict(tokens=32768), 27.0, {"grouped_mm": 35.0, "loop": 100.0, "other": None})
+    notes = P.notes(dict(tokens=32768), 27.0, {"grouped_mm": 35.0, "naive": 100.0, "other": None})
     assert notes == ["32768 tokens: 1.21 M tokens/s (grouped_mm 0.94 M tokens/s, 1.30× faster; "
-                     "loop 0.33 M tokens/s, 3.70× faster)"]
+                     "naive 0.33 M tokens/s, 3.70× faster)"]
     assert P.notes(dict(tokens=4096), 20.0, {"grouped_mm": 10.0}) == [
         "4096 tokens: 0.20 M tokens/s (grouped_mm 0.41 M tokens/s, 2.00× slower)"]
     assert P.notes(dict(tokens=4096), 2.0, {}) == ["4096 tokens: 2.05 M tokens/s"]

@@ -36,3 +36,29 @@ DEFINE_WGMMA_256(__half, "f16")
 DEFINE_WGMMA_256(__nv_bfloat16, "bf16")
 #undef DEFINE_WGMMA_256
 #undef ACC4
+
+// ---- TMA stores -------------------------------------------------------------------------------------
+// --8<-- [start:tma_store]
+// The epilogue's way out: the warps write a tile into shared memory with ordinary stores, one thread
+// copies it to global memory with TMA (cp.async.bulk.tensor, shared -> global), and the warps go on
+// with the next tile while the copy runs. Ordinary stores and TMA are different "proxies" of the
+// memory system: fence_async_shared() makes the former visible to the latter. Before the buffer is
+// written again, the thread that issued the copies waits until they have finished READING it.
+__device__ __forceinline__ void fence_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Copies the tile at shared address `src` to the box at (c0, c1, c2) of the tensor `map` describes;
+// elements of the box outside the tensor are not written.
+__device__ __forceinline__ void tma_store_3d(const TmaMap& map, unsigned src, int c0, int c1, int c2) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n"
+                 :: "l"(reinterpret_cast<u64>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(src) : "memory");
+}
+
+__device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+
+// Waits until this thread's committed stores have read their shared memory (the buffer is free).
+__device__ __forceinline__ void tma_store_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+// --8<-- [end:tma_store]

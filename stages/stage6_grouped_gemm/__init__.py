@@ -15,9 +15,12 @@ BLOCK_M = 128      # rows per tile; expert segments must start at multiples of i
 BLOCK_K = 64       # K per stage; also the TMA box width (64 16-bit elements = 128 bytes)
 B_COLS = 256       # B columns per tile
 THREADS = 384      # producer warpgroup + 2 consumer warpgroups
-STAGES = 4
+STAGES = 3
 MAX_EXPERTS = 256  # as moe.cuh
-SHARED_BYTES = STAGES * (BLOCK_M + B_COLS) * BLOCK_K * 2 + 4 * (MAX_EXPERTS + 2) + 16 * STAGES + 1024
+# The ring, the two consumers' output tiles (64 × 256 each), the offsets, the mbarriers, and 1 KB to
+# align to 1024 bytes (experts.cu).
+SHARED_BYTES = (STAGES * (BLOCK_M + B_COLS) * BLOCK_K * 2 + 2 * 64 * B_COLS * 2 + 4 * (MAX_EXPERTS + 2)
+                + 16 * STAGES + 1024)
 
 
 def run_experts(kernels, x_perm, expert_offsets, w1, w2, h, y_perm):
@@ -29,11 +32,11 @@ def run_experts(kernels, x_perm, expert_offsets, w1, w2, h, y_perm):
     assert hidden % 8 == 0 and inter % 8 == 0 and min(hidden, inter) >= BLOCK_K, \
         f"hidden and inter must be multiples of 8 (TMA strides), at least {BLOCK_K}: {hidden}, {inter}"
     grid = (sm_count(x_perm.device),)  # persistent: the kernels find their tiles on the device
-    a_box, b_box = (1, BLOCK_M, BLOCK_K), (1, BLOCK_K, BLOCK_K)
+    a_box, b_box, out_box = (1, BLOCK_M, BLOCK_K), (1, BLOCK_K, BLOCK_K), (1, 64, BLOCK_K)
     kernels.expert_up_swiglu(grid, (THREADS,), tensor_map(x_perm[None], a_box), tensor_map(w1, b_box),
-                             expert_offsets, experts, h, inter, hidden, smem=SHARED_BYTES)
+                             tensor_map(h[None], out_box), expert_offsets, experts, inter, hidden, smem=SHARED_BYTES)
     kernels.expert_down(grid, (THREADS,), tensor_map(h[None], a_box), tensor_map(w2, b_box),
-                        expert_offsets, experts, y_perm, hidden, inter, smem=SHARED_BYTES)
+                        tensor_map(y_perm[None], out_box), expert_offsets, experts, hidden, inter, smem=SHARED_BYTES)
 
 
 def launch(kernels, x_perm, expert_offsets, expert_counts, w1, w2, y_perm):
@@ -46,8 +49,8 @@ STAGE = Stage(
     problem="moe_experts",
     source="experts.cu",
     kernels={
-        "expert_up_swiglu": "const TmaMap, const TmaMap, const int*, int, elem_t*, int, int",
-        "expert_down": "const TmaMap, const TmaMap, const int*, int, elem_t*, int, int",
+        "expert_up_swiglu": "const TmaMap, const TmaMap, const TmaMap, const int*, int, int, int",
+        "expert_down": "const TmaMap, const TmaMap, const TmaMap, const int*, int, int, int",
     },
     launch=launch,
     archs=("sm_90a",),

@@ -14,30 +14,35 @@
 //   a fused epilogue  the up kernel loads the gate and the up columns of W1 side by side as one
 //            256-wide B tile, so each thread holds gate[c] and up[c] of the same (row, column) and
 //            writes silu(gate)·up: the 2·I-wide product never reaches memory.
-//   a GEMM main loop  a 4-deep ring of (A 128×64, B 64×256) stages filled by TMA; each consumer
+//   a GEMM main loop  a 3-deep ring of (A 128×64, B 64×256) stages filled by TMA; each consumer
 //            warpgroup issues 4 wgmma.m64n256k16 per stage and releases the stage one stage later
 //            (one batch stays in flight, so the tensor cores never wait for the warps).
+//   an asynchronous epilogue  each consumer writes its 64 output rows into shared memory in the
+//            layout TMA reads (128-byte swizzle), one thread copies them out with a TMA store, and
+//            the warpgroup starts the next tile's main loop while the copy runs.
 //
 // Per tile: 128 rows × 256 B columns, K in steps of 64. FLOPs per stage 2·128·256·64 = 4.2 M for
-//   48 KB of shared memory written by TMA (87 FLOPs per byte); each consumer's wgmma reads its A
-//   (16 KB... 8 KB) and the whole B (32 KB) per stage: 52 FLOPs per byte of shared memory read.
+//   48 KB of shared memory written by TMA (87 FLOPs per byte); each consumer's wgmmas read its 8 KB
+//   of A and the whole 32 KB of B per stage: 52 FLOPs per byte of shared memory read.
 // Registers: consumers 232 (the accumulator is 128 floats a thread), producer 40:
-//   232·256 + 40·128 = 64512 <= 65536. Shared memory: 4 × 48 KB + offsets + barriers (+1 KB to
-//   align) = 194 KB: one block per SM.
+//   232·256 + 40·128 = 64512 <= 65536. Shared memory: 3 × 48 KB of ring + 2 × 32 KB of output tiles
+//   + offsets + barriers (+1 KB to align) = 210 KB: one block per SM.
 // Tile order, for L2: inside an expert, m fastest (t → n = local / m_tiles, m = local % m_tiles):
 //   the 132 blocks running at once share a few 256-column panels of W (each read from memory once)
-//   and the expert's rows (16 MB at 2048 rows × 4096), both held in the 50 MB L2.
+//   and the expert's rows (16 MB at 2048 rows × 4096), both held in the 50 MB L2. Measured: with n
+//   fastest instead, the up GEMM took 34.5 ms instead of 18.2 (A/B run, 32 × 2048 rows).
 // Predicted on an H100 (bf16, seed configuration, 65536 token-slots, 2048 per expert): the two
-//   GEMMs do 17.7 TFLOP; the main loop at ~90% of the 755 TFLOP/s dense ceiling, minus the
-//   epilogues (the tensor cores idle while a tile's 128 × 256 results are stored: ~3%) and the
-//   padding (~3% more rows than token-slots): ~630 TFLOP/s, ~28 ms.
+//   GEMMs do 17.7 TFLOP; the main loop at ~90% of the 755 TFLOP/s dense ceiling, minus the padding
+//   (~3% more rows than token-slots): ~650 TFLOP/s. v1 stored from registers with the tensor cores
+//   idle; without the stores at all (an A/B variant) it ran 10-12% faster: 649 -> 733 TFLOP/s (up),
+//   664 -> 735 (down). The asynchronous epilogue should recover most of that: ~700 TFLOP/s, ~25 ms.
 #include "hopper_gemm.cuh"
 #include "moe.cuh"
 
 constexpr int BLOCK_M = 128;                            // rows per tile: 2 consumer warpgroups × 64
 constexpr int BLOCK_N = 256;                            // B columns per tile: one wgmma n256
 constexpr int BLOCK_K = 64;                             // K per stage: one 128-byte swizzle row
-constexpr int STAGES = 4;                               // ring slots
+constexpr int STAGES = 3;                               // ring slots (4 ran no faster)
 constexpr int CONSUMERS = 2;
 constexpr int NUM_THREADS = (1 + CONSUMERS) * 128;      // + the producer warpgroup
 constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
@@ -47,8 +52,11 @@ constexpr int A_BYTES = BLOCK_M * BLOCK_K * 2;          // 16 KB
 constexpr int B_BOX_BYTES = BLOCK_K * BOX_COLS * 2;     // 8 KB
 constexpr int STAGE_BYTES = A_BYTES + B_BOXES * B_BOX_BYTES;
 constexpr int ACC_FRAGS = BLOCK_N / 8;                  // a warp's accumulator: float[32][4]
+constexpr int OUT_BOX_BYTES = 64 * BOX_COLS * 2;        // a 64-row × 64-column box of the output: 8 KB
+constexpr int EPILOGUE_BYTES = 64 * BLOCK_N * 2;        // a consumer's 64 output rows, at most 256 wide
 // Layout of the dynamic shared memory, from a 1024-byte-aligned base.
-constexpr int OFFSETS = STAGES * STAGE_BYTES;           // the experts' row offsets, E+1 ints
+constexpr int EPILOGUE = STAGES * STAGE_BYTES;          // each consumer's output tile, on its way out
+constexpr int OFFSETS = EPILOGUE + CONSUMERS * EPILOGUE_BYTES;  // the experts' row offsets, E+1 ints
 constexpr int BARRIERS = OFFSETS + 4 * (MAX_EXPERTS + 2);
 constexpr int FULL = 0, EMPTY = STAGES;                 // mbarriers: full[s], empty[s]
 constexpr int SHARED_BYTES = BARRIERS + 8 * 2 * STAGES + 1024;  // as __init__.py computes
@@ -131,20 +139,22 @@ __device__ __forceinline__ void mainloop(float (&acc)[ACC_FRAGS][4], unsigned ba
 }
 // --8<-- [end:mainloop]
 
+// --8<-- [start:epilogue]
+// A consumer's 64 × OUT_COLS results into its shared-memory buffer, as the 64-column boxes the TMA
+// store copies out: 64 rows of 128 bytes each, 16-byte chunk c of row r at position c ^ (r % 8) (the
+// 128-byte swizzle). Entry j of a warp's float[32][4] is rows g, g+8 × columns 8j + 2t, +1 of its 16
+// rows (g = lane / 4, t = lane % 4): for one j the 8 rows g land in 8 different chunks, so the 32
+// lanes' 4-byte stores hit 32 different banks. SwiGLU: entry j (j < 16) holds gate columns and entry
+// j + 16 the up columns of the same outputs.
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
-// --8<-- [start:epilogue]
-// The accumulator to memory, two adjacent columns (one 32-bit store) at a time. Entry j of a warp's
-// float[32][4] is rows g, g+8 × columns 8j + 2t, +1 of its 16 rows (g = lane / 4, t = lane % 4).
-// SwiGLU: entry j (j < 16) holds gate columns and entry j + 16 the up columns of the same outputs.
 template <bool SWIGLU>
-__device__ __forceinline__ void store_tile(const float (&acc)[ACC_FRAGS][4], elem_t* out, int row0, int col0,
-                                           int n_out, int lane) {
+__device__ __forceinline__ void stage_tile(const float (&acc)[ACC_FRAGS][4], unsigned char* buffer, int warp_in_group,
+                                           int lane) {
     constexpr int OUT_FRAGS = SWIGLU ? ACC_FRAGS / 2 : ACC_FRAGS;
 #pragma unroll
     for (int j = 0; j < OUT_FRAGS; ++j) {
-        const int col = col0 + 8 * j + 2 * (lane % 4);
-        if (col >= n_out) continue;  // n_out is even: col + 1 < n_out too
+        const int box = j / 8, chunk = j % 8;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             float v0 = acc[j][2 * half], v1 = acc[j][2 * half + 1];
@@ -152,8 +162,9 @@ __device__ __forceinline__ void store_tile(const float (&acc)[ACC_FRAGS][4], ele
                 v0 = silu(v0) * acc[j + OUT_FRAGS][2 * half];
                 v1 = silu(v1) * acc[j + OUT_FRAGS][2 * half + 1];
             }
-            const size_t row = row0 + lane / 4 + 8 * half;
-            *reinterpret_cast<unsigned*>(out + row * n_out + col) = pack_pair<elem_t>(v0, v1);
+            const int row = warp_in_group * 16 + lane / 4 + 8 * half;
+            unsigned char* at = buffer + box * OUT_BOX_BYTES + row * 128 + ((chunk ^ (row % 8)) * 16) + (lane % 4) * 4;
+            *reinterpret_cast<unsigned*>(at) = pack_pair<elem_t>(v0, v1);
         }
     }
 }
@@ -161,10 +172,10 @@ __device__ __forceinline__ void store_tile(const float (&acc)[ACC_FRAGS][4], ele
 
 // out[rows of e, n_out] = A[rows of e, K] · B[e][K, ...], for every expert e with rows, with the
 // SwiGLU epilogue or without. a_map: A as [1, rows, K], boxes 1 × 128 × 64; b_map: B as [E, K, N],
-// boxes 1 × 64 × 64; both 128-byte swizzled.
+// boxes 1 × 64 × 64; out_map: the output as [1, rows, n_out], boxes 1 × 64 × 64; all 128-byte swizzled.
 template <bool SWIGLU>
-__device__ void grouped_gemm(const TmaMap& a_map, const TmaMap& b_map, const int* __restrict__ offsets,
-                             int experts, elem_t* __restrict__ out, int n_out, int k, int up) {
+__device__ void grouped_gemm(const TmaMap& a_map, const TmaMap& b_map, const TmaMap& out_map,
+                             const int* __restrict__ offsets, int experts, int n_out, int k, int up) {
     extern __shared__ __align__(1024) unsigned char shared_raw[];
     // TMA's 128-byte swizzle and the descriptors' base offset 0 assume 1024-byte-aligned tiles.
     const unsigned base = (shared_address(shared_raw) + 1023) & ~1023u;
@@ -195,6 +206,7 @@ __device__ void grouped_gemm(const TmaMap& a_map, const TmaMap& b_map, const int
         if (threadIdx.x != 0) return;
         tma_prefetch_map(a_map);
         tma_prefetch_map(b_map);
+        tma_prefetch_map(out_map);
         for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
             const Tile tile = scheduler.tile(t);
             for (int kb = 0; kb < k_blocks; ++kb, ++it) {
@@ -213,26 +225,44 @@ __device__ void grouped_gemm(const TmaMap& a_map, const TmaMap& b_map, const int
     } else {
         setmaxnreg_inc<CONSUMER_REGS>();
         const int consumer = warpgroup - 1, lane = threadIdx.x % 32, warp_in_group = threadIdx.x / 32 % 4;
+        const bool storer = threadIdx.x % 128 == 0;            // issues this consumer's TMA stores
+        const int my_barrier = 1 + consumer;                    // named barrier of this warpgroup
+        unsigned char* buffer = aligned + EPILOGUE + consumer * EPILOGUE_BYTES;
         float acc[ACC_FRAGS][4];
         for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
             const Tile tile = scheduler.tile(t);
             mainloop(acc, base, consumer, k_blocks, it);
-            store_tile<SWIGLU>(acc, out, tile.row0 + consumer * 64 + warp_in_group * 16, tile.n * OUT_COLS, n_out,
-                               lane);
+            // --8<-- [start:store]
+            // The previous tile's stores must have read the buffer before it is overwritten.
+            if (storer) tma_store_wait_read();
+            named_barrier_sync(my_barrier, 128);
+            stage_tile<SWIGLU>(acc, buffer, warp_in_group, lane);
+            fence_async_shared();  // the buffer's ordinary stores, visible to TMA
+            named_barrier_sync(my_barrier, 128);
+            if (storer) {
+                for (int box = 0; box < OUT_COLS / BOX_COLS; ++box)
+                    tma_store_3d(out_map, base + EPILOGUE + consumer * EPILOGUE_BYTES + box * OUT_BOX_BYTES,
+                                 tile.n * OUT_COLS + box * BOX_COLS, tile.row0 + consumer * 64, 0);
+                tma_store_commit();  // and on to the next tile's main loop while the copy runs
+            }
+            // --8<-- [end:store]
         }
+        if (storer) tma_store_wait_read();  // the block's shared memory must outlive its last stores
     }
 }
 
 // h = silu(x_perm · W1_gate) * (x_perm · W1_up), per expert. W1 is [E, hidden, 2·inter].
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 expert_up_swiglu(const __grid_constant__ TmaMap x_map, const __grid_constant__ TmaMap w1_map,
-                 const int* __restrict__ offsets, int experts, elem_t* __restrict__ h, int inter, int hidden) {
-    grouped_gemm<true>(x_map, w1_map, offsets, experts, h, inter, hidden, inter);
+                 const __grid_constant__ TmaMap h_map, const int* __restrict__ offsets, int experts, int inter,
+                 int hidden) {
+    grouped_gemm<true>(x_map, w1_map, h_map, offsets, experts, inter, hidden, inter);
 }
 
 // y = h · W2, per expert. W2 is [E, inter, hidden].
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 expert_down(const __grid_constant__ TmaMap h_map, const __grid_constant__ TmaMap w2_map,
-            const int* __restrict__ offsets, int experts, elem_t* __restrict__ y, int hidden, int inter) {
-    grouped_gemm<false>(h_map, w2_map, offsets, experts, y, hidden, inter, 0);
+            const __grid_constant__ TmaMap y_map, const int* __restrict__ offsets, int experts, int hidden,
+            int inter) {
+    grouped_gemm<false>(h_map, w2_map, y_map, offsets, experts, hidden, inter, 0);
 }
