@@ -7,23 +7,28 @@
 // precedes P·V). Shared memory is unpadded and swizzled instead: the 16-byte chunk index of each
 // row is XORed with the row, so both the cp.async stores and the ldmatrix reads hit 8 distinct
 // groups of banks. The warp-level math is stage 2's (mma.cuh); blocks grow to 128 query rows so
-// that each K/V tile fetched from L2 serves 128 rows.
+// that each K/V tile fetched from L2 serves 128 rows. At D = 128 the online softmax rescales O
+// lazily, only when a running max grows by more than 2^8 (online_softmax_lazy).
 //
-// Per block: BLOCK_M = 128 query rows; the rest depends on D (see the configuration below).
-//   D = 64:  8 warps × 16 rows, BLOCK_N = 64, 2 buffers. Every warp reads the whole K/V tile
-//            through ldmatrix for its 16 rows: 16 FLOPs per byte of shared memory, the budget
-//            that binds. Registers 128 (the cap for 2 blocks), shared 48 KB: 2 blocks = 16 warps
-//            per SM.
-//   D = 128: 4 warps × 32 rows (two m16 tiles that share every K/V fragment), BLOCK_N = 32,
-//            3 buffers. Q is re-read from shared memory each tile (its 64 registers do not fit
-//            beside O's 128): per warp and tile 48 ldmatrix.x4 (Q 16, K 16, V 16) for 128 mma,
-//            21 FLOPs per byte where 16 rows per warp gave 16. Registers 251-254 (the cap of 255
-//            for 2 blocks of 128 threads; no spills), shared 32 + 48 = 80 KB: 2 blocks = 8 warps
-//            per SM, in two independent blocks -- one block's barrier wait is the other's turn.
-// Predicted on an H100 (fp16, non-causal): ~275 TFLOP/s at B16 H16 S2048 D64 (measured 277) and
-// ~345 at B4 H16 S8192 D128 (~6.4 ms, ~3.35 ms causal), 90-95% of SDPA's flash backend, whose
-// hdim-128 kernel has this shape (4 warps × 32 rows, Q in shared memory) with 64-key tiles: at
-// BLOCK_N = 64 ptxas needs a few more than 255 registers here and spills.
+// Per block: BLOCK_M = 128 query rows and K/V tiles of BLOCK_N = 64 keys in a ring of 2 buffers;
+// the warps depend on D (see the configuration below).
+//   D = 64:  8 warps × 16 rows. Every warp reads the whole K/V tile through ldmatrix for its 16
+//            rows: 16 FLOPs per byte of shared memory, the budget that binds. Registers 128 (the
+//            cap for 2 blocks), shared 16 + 32 = 48 KB: 2 blocks = 16 warps per SM.
+//   D = 128: 4 warps × 32 rows (two m16 tiles that share every K/V fragment), the shape of the
+//            hdim-128 kernel of SDPA's flash backend (FlashAttention-2). Q is re-read from shared
+//            memory each tile (its 64 registers do not fit beside O's 128 and S's 64): per warp
+//            and tile 80 ldmatrix.x4 (Q 16, K 32, V 32) for 256 mma, 25.6 FLOPs per byte where
+//            16 rows per warp gave 16. Registers 255 (the cap for 2 blocks of 128 threads; no
+//            spills), shared 32 + 64 = 96 KB: 2 blocks = 8 warps per SM on Hopper (228 KB), in two
+//            independent blocks -- one block's barrier wait is the other's turn (an A100's 164 KB
+//            hold one block). 64-key tiles fit in 255 registers only with two economies, the
+//            cp.async address code of load_tile_from_base and the lazy rescale of
+//            online_softmax_lazy: without the first ptxas spills 96 bytes, without the second 36.
+// Predicted on an H100 (fp16, non-causal): ~275 TFLOP/s at B16 H16 S2048 D64 (measured 277).
+// Measured in an A/B run on an H100 (scratch, fp16, B4 H16 S8192 D128): 5.65 ms non-causal,
+// 3.03 ms causal, 115% / 123% of SDPA flash; in the same run 32-key tiles in 3 buffers with the
+// exact rescale took 7.04 and 3.75 ms (92% / 99%).
 //
 // Tensors are [B, H, S, D], contiguous; blockIdx.y walks the B·H (batch, head) pairs.
 // Causal masking is top-left aligned, as in PyTorch: query i sees keys j <= i.
@@ -31,24 +36,23 @@
 
 // The tile configuration, per head dimension. A warp owns M_TILES m16 tiles (16 query rows each)
 // and keeps, in fp32 registers, O (M_TILES·D/2) and S (M_TILES·BLOCK_N/2) -- the count decides.
-//   D = 64:  8 warps × 1 m-tile, 64-key tiles. O 32 + S 32 + Q fragments 16 (kept for the whole
-//            loop) fit the cap of 128 registers that 2 blocks of 256 threads per SM impose.
+//   D = 64:  8 warps × 1 m-tile. O 32 + S 32 + Q fragments 16 (kept for the whole loop) fit the
+//            cap of 128 registers that 2 blocks of 256 threads per SM impose.
 //   D = 128: 4 warps × 2 m-tiles (32 rows each, as FlashAttention-2), so that each K/V fragment
-//            read by ldmatrix feeds the mma of 32 rows, not 16. O alone is 128 registers, and
-//            2 blocks of 128 threads cap a thread at 255: Q's fragments (64 more) stay in shared
-//            memory, re-read one k-step at a time every tile, and the K/V tiles shrink to 32 keys
-//            (S 32) -- with 64 (S 64) ptxas spills. Shared memory, 32 KB of Q + 3 buffers × 16 KB
-//            of K and V = 80 KB, lets 2 blocks share an SM; the third buffer keeps two tiles in
-//            flight, as much data ahead as two buffers of 64 keys.
+//            read by ldmatrix feeds the mma of 32 rows, not 16. O alone is 128 registers and S 64
+//            more, and 2 blocks of 128 threads cap a thread at 255: Q's fragments (64 more) stay
+//            in shared memory, re-read one k-step at a time every tile. Shared memory, 32 KB of Q
+//            + 2 buffers × 32 KB of K and V = 96 KB, lets 2 blocks share an H100's SM.
 constexpr int M_TILES = HEAD_DIM == 64 ? 1 : 2;     // m16 tiles per warp
 constexpr int NUM_WARPS = HEAD_DIM == 64 ? 8 : 4;
 constexpr int WARP_ROWS = 16 * M_TILES;             // query rows per warp
 constexpr int BLOCK_M = NUM_WARPS * WARP_ROWS;      // query rows per block: 128 either way
-constexpr int BLOCK_N = HEAD_DIM == 64 ? 64 : 32;   // keys per K/V tile
-constexpr int KV_STAGES = HEAD_DIM == 64 ? 2 : 3;   // K/V buffers in the ring: tiles j+1.. load during tile j
+constexpr int BLOCK_N = 64;                         // keys per K/V tile
+constexpr int KV_STAGES = 2;                        // K/V buffers in the ring: tile j+1 loads during tile j
 constexpr int NUM_THREADS = NUM_WARPS * 32;
 constexpr int MIN_BLOCKS_PER_SM = 2;                // caps registers at 65536 / (2 · NUM_THREADS)
 constexpr bool Q_IN_REGISTERS = M_TILES == 1;       // else re-read from shared memory every tile
+constexpr bool LAZY_RESCALE = HEAD_DIM == 128;      // online_softmax_lazy; else mma.cuh's exact online_softmax
 constexpr int Q_HELD_STEPS = Q_IN_REGISTERS ? HEAD_DIM / 16 : 1;  // k-steps of Q fragments held at once
 constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;  // 16-byte chunks in a row of D elements
 constexpr int ROW_BYTES = HEAD_DIM * 2;       // rows are not padded: the swizzle does that job
@@ -85,12 +89,15 @@ __device__ __forceinline__ unsigned swizzle(int row, int chunk) {
 }
 // --8<-- [end:swizzle]
 
-// Issues the cp.async copies of rows [0, rows) of a row-major [*, HEAD_DIM] global tile into a
-// swizzled tile of TILE_ROWS rows at shared address `tile`; rows past `rows` are zero-filled (a
-// key row of zeros still meets p = 0 in P·V, but 0 × garbage can be NaN). Neighbouring threads
-// copy neighbouring chunks of a row: coalesced reads, conflict-free writes.
+// The cp.async copies of rows [0, rows) of a row-major [*, HEAD_DIM] global tile into a swizzled
+// tile of TILE_ROWS rows at shared address `tile`; rows past `rows` are zero-filled (a key row
+// of zeros still meets p = 0 in P·V, but 0 × garbage can be NaN). Neighbouring threads copy
+// neighbouring chunks of a row: coalesced reads, conflict-free writes. Two ways to write the
+// addresses, the same copies: which one fits the register cap without spilling depends on D.
+
+// D = 64: one index i per copy, taken apart into (row, chunk) and swizzled.
 template <int TILE_ROWS>
-__device__ __forceinline__ void load_tile_async(unsigned tile, const elem_t* source, int rows) {
+__device__ __forceinline__ void load_tile_by_index(unsigned tile, const elem_t* source, int rows) {
     static_assert(TILE_ROWS * CHUNKS_PER_ROW % NUM_THREADS == 0, "every thread copies as many chunks");
 #pragma unroll
     for (int step = 0; step < TILE_ROWS * CHUNKS_PER_ROW / NUM_THREADS; ++step) {
@@ -100,6 +107,46 @@ __device__ __forceinline__ void load_tile_async(unsigned tile, const elem_t* sou
         const elem_t* from = source + (size_t)(valid ? row : 0) * HEAD_DIM + chunk * 8;  // row 0 exists
         cp_async_16(tile + swizzle(row, chunk), from, valid);
     }
+}
+
+// D = 128: a thread copies the same chunk of rows row0, row0 + ROWS_PER_STEP, ...; ROWS_PER_STEP
+// is a multiple of 8, so every one of these rows has the same swizzle term, and the addresses are
+// one shared and one global base plus compile-time offsets. The per-index form above costs
+// registers here: ptxas hoisted its per-chunk index arithmetic out of the K/V loop and kept some
+// 14-18 more registers live through it, and at D = 128 that alone spills 96 bytes. threadIdx.x is
+// read through a volatile asm, a value ptxas cannot hoist either: the two bases are recomputed
+// by a few integer instructions per call instead of being held. (At D = 64 it is the other way
+// round: this form spills 12 bytes at the cap of 128 registers, the per-index one none.)
+template <int TILE_ROWS>
+__device__ __forceinline__ void load_tile_from_base(unsigned tile, const elem_t* source, int rows) {
+    constexpr int ROWS_PER_STEP = NUM_THREADS / CHUNKS_PER_ROW;
+    static_assert(NUM_THREADS % CHUNKS_PER_ROW == 0 && ROWS_PER_STEP % 8 == 0, "the swizzle repeats every 8 rows");
+    static_assert(TILE_ROWS % ROWS_PER_STEP == 0, "every thread copies as many chunks");
+    unsigned thread;
+    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(thread));
+    const int row0 = (int)(thread / CHUNKS_PER_ROW), chunk = (int)(thread % CHUNKS_PER_ROW);
+    const unsigned to = tile + swizzle(row0, chunk);
+    const elem_t* from = source + row0 * HEAD_DIM + chunk * 8;
+    if (rows >= TILE_ROWS) {  // a whole tile (all but the last): no predicates
+#pragma unroll
+        for (int step = 0; step < TILE_ROWS / ROWS_PER_STEP; ++step)
+            cp_async_16(to + step * ROWS_PER_STEP * ROW_BYTES, from + step * ROWS_PER_STEP * HEAD_DIM, true);
+    } else {
+#pragma unroll
+        for (int step = 0; step < TILE_ROWS / ROWS_PER_STEP; ++step) {
+            const bool valid = row0 + step * ROWS_PER_STEP < rows;
+            cp_async_16(to + step * ROWS_PER_STEP * ROW_BYTES,
+                        valid ? from + step * ROWS_PER_STEP * HEAD_DIM : source, valid);  // row 0 exists
+        }
+    }
+}
+
+template <int TILE_ROWS>
+__device__ __forceinline__ void load_tile_async(unsigned tile, const elem_t* source, int rows) {
+    if constexpr (HEAD_DIM == 64)
+        load_tile_by_index<TILE_ROWS>(tile, source, rows);
+    else
+        load_tile_from_base<TILE_ROWS>(tile, source, rows);
 }
 
 // Issues the copies of K and V tile `tile` into ring buffer tile % KV_STAGES.
@@ -179,6 +226,87 @@ __device__ __forceinline__ void warp_pv(float (&o)[M_TILES][O_FRAGS][4], const f
     }
 }
 
+// --8<-- [start:lazy_rescale]
+// The online softmax with a lazy rescale: FlashAttention-4's "conditional rescaling", used at
+// D = 128. mma.cuh's online_softmax moves a row's running max whenever it grows, and rescales O
+// and the row sum by 2^(old max - new max) each time: at D = 128, 128 FMULs per thread and tile
+// (O is 2 m-tiles × 64 registers). Here the maxes move only when some row of the warp's m-tile
+// grew by more than 8 in log2 units (a factor 2^8); otherwise every row keeps its stale max, and
+// its p = 2^(s·scale_log2 - max·scale_log2) may exceed 1, up to 2^8 = 256 -- a range that fp16,
+// bf16 and the fp32 accumulators hold with the same relative precision as [0, 1]. Nothing is
+// lost: O and the row sum carry the same factor 2^(true max - stale max), which the final
+// O / sum cancels, and LSE = scale·max + log(sum) takes the max the sum was taken with. The
+// decision is warp-wide (__any_sync), so the rescale is a branch the warp takes or skips as one;
+// once the row maxes have settled, it skips it. Besides the FMULs, this saves the registers that
+// let BLOCK_N = 64 fit in 255 at D = 128: with the exact update ptxas spills (36 bytes, sm_90a).
+// D = 64 keeps the exact update: there the lazy one spills 12 bytes (sm_90a, cap 128), and it
+// has not been measured.
+constexpr float RESCALE_THRESHOLD_LOG2 = 8.0f;
+
+// The max over the quad of the scores of row r (g + 8r) of the tile.
+template <int N_FRAGS>
+__device__ __forceinline__ float tile_row_max(const float (&s)[N_FRAGS][4], int r) {
+    float tile_max = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < N_FRAGS; ++n) tile_max = fmaxf(tile_max, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+    return quad_max(tile_max);
+}
+
+// The running max of a row times scale_log2; 0 while the row has seen only masked keys (max =
+// -inf), which keeps exp2(-inf - (-inf)) = NaN out, as in online_softmax.
+__device__ __forceinline__ float scaled_max(float row_max, float scale_log2) {
+    return row_max == -INFINITY ? 0.0f : row_max * scale_log2;
+}
+
+// Moves the running maxes to new_max and rescales O and the row sums to match.
+template <int D_FRAGS>
+__device__ __forceinline__ void rescale(float (&o)[D_FRAGS][4], float (&row_max)[2], float (&row_sum)[2],
+                                        const float (&new_max)[2], float scale_log2) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float max_scaled = scaled_max(new_max[r], scale_log2);
+        const float correction = fast_exp2(row_max[r] * scale_log2 - max_scaled);
+        row_max[r] = new_max[r];
+        row_sum[r] *= correction;
+#pragma unroll
+        for (int d = 0; d < D_FRAGS; ++d) {
+            o[d][2 * r] *= correction;
+            o[d][2 * r + 1] *= correction;
+        }
+    }
+}
+
+// s (raw scores, masked ones -inf) becomes P; o, row_max and row_sum as in online_softmax.
+template <int N_FRAGS, int D_FRAGS>
+__device__ __forceinline__ void online_softmax_lazy(float (&s)[N_FRAGS][4], float (&o)[D_FRAGS][4],
+                                                    float (&row_max)[2], float (&row_sum)[2], float scale_log2) {
+    float new_max[2];
+    bool grew_past_threshold = false;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        new_max[r] = fmaxf(row_max[r], tile_row_max(s, r));
+        // From -inf (no key seen yet) to a finite max: inf > threshold, a rescale (by 0). While
+        // both are -inf: NaN, which compares false, and there is nothing to rescale.
+        grew_past_threshold |= (new_max[r] - row_max[r]) * scale_log2 > RESCALE_THRESHOLD_LOG2;
+    }
+    if (__any_sync(0xffffffffu, grew_past_threshold)) rescale(o, row_max, row_sum, new_max, scale_log2);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float max_scaled = scaled_max(row_max[r], scale_log2);
+        float tile_sum = 0.0f;
+#pragma unroll
+        for (int n = 0; n < N_FRAGS; ++n) {
+#pragma unroll
+            for (int c = 2 * r; c < 2 * r + 2; ++c) {
+                s[n][c] = fast_exp2(s[n][c] * scale_log2 - max_scaled);
+                tile_sum += s[n][c];
+            }
+        }
+        row_sum[r] += tile_sum;
+    }
+}
+// --8<-- [end:lazy_rescale]
+
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
 attention_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
               elem_t* __restrict__ o, float* __restrict__ lse, int seq_q, int seq_kv, float scale, int causal) {
@@ -248,9 +376,9 @@ attention_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         // END EXERCISE
 
         // Tile `tile` is in shared memory and stays there until the next iteration's barrier.
+        const unsigned buffer = (tile % KV_STAGES) * KV_TILE_BYTES;
         const int n0 = tile * BLOCK_N;
         if (causal && n0 > warp_m0 + WARP_ROWS - 1) continue;  // above the diagonal for all rows of this warp
-        const unsigned buffer = (tile % KV_STAGES) * KV_TILE_BYTES;
         float s[M_TILES][S_FRAGS][4];
         warp_scores(s, q_frag, q_tile, q_row0, k_ring + buffer, lane);
         const bool crosses_end = n0 + BLOCK_N > seq_kv;
@@ -258,7 +386,10 @@ attention_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
             if (crosses_end || crosses_diagonal) apply_mask(s[mt], n0, warp_m0 + 16 * mt + lane / 4, seq_kv, causal, lane);
-            online_softmax(s[mt], o_acc[mt], row_max[mt], row_sum[mt], scale_log2);
+            if constexpr (LAZY_RESCALE)
+                online_softmax_lazy(s[mt], o_acc[mt], row_max[mt], row_sum[mt], scale_log2);
+            else
+                online_softmax(s[mt], o_acc[mt], row_max[mt], row_sum[mt], scale_log2);
         }
         warp_pv(o_acc, s, v_ring + buffer, lane);
     }

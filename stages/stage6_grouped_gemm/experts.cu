@@ -33,9 +33,13 @@
 //   fastest instead, the up GEMM took 34.5 ms instead of 18.2 (A/B run, 32 × 2048 rows).
 // Predicted on an H100 (bf16, seed configuration, 65536 token-slots, 2048 per expert): the two
 //   GEMMs do 17.7 TFLOP; the main loop at ~90% of the 755 TFLOP/s dense ceiling, minus the padding
-//   (~3% more rows than token-slots): ~650 TFLOP/s. v1 stored from registers with the tensor cores
-//   idle; without the stores at all (an A/B variant) it ran 10-12% faster: 649 -> 733 TFLOP/s (up),
-//   664 -> 735 (down). The asynchronous epilogue should recover most of that: ~700 TFLOP/s, ~25 ms.
+//   (~3% more rows than token-slots): ~650 TFLOP/s, ~27 ms. Measured (v1, stores from registers):
+//   27.4 ms, 648 TFLOP/s, after the padding fix of stage 7's gather_rows. Without any stores (an
+//   A/B variant) v1 ran 10-12% faster, so v2 stages its outputs for TMA stores that overlap the
+//   next tile -- and measured no faster side by side (28.5 vs 27.4 ms, 4.83 vs 4.83 ms at Mixtral's
+//   shape): these runs hold the H100 at its 700 W cap (clocks sampled at 1.4-1.6 GHz), so the
+//   tensor cores' power, not the epilogue, sets the pace. v2 stays: it is the structure that pays
+//   wherever the epilogue is exposed.
 #include "hopper_gemm.cuh"
 #include "moe.cuh"
 
