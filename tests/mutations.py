@@ -20,8 +20,8 @@ MUTATIONS = {
     # SwiGLU on the wrong half: silu applied to the up columns, the gate taken as is
     "swiglu_halves_swapped": ("stage6", [("v0 = silu(v0) * acc[j + OUT_FRAGS][2 * half];", "v0 = v0 * silu(acc[j + OUT_FRAGS][2 * half]);"),
                                          ("v1 = silu(v1) * acc[j + OUT_FRAGS][2 * half + 1];", "v1 = v1 * silu(acc[j + OUT_FRAGS][2 * half + 1]);")]),
-    # the tile scheduler gives each tile the next expert's weights
-    "tile_in_wrong_expert": ("stage6", [("return {lo, (first_m", "return {(lo + 1) % experts, (first_m")]),
+    # the producer loads the next expert's weights for every tile
+    "tile_in_wrong_expert": ("stage6", [("kb * BLOCK_K, tile.expert);", "kb * BLOCK_K, (tile.expert + 1) % experts);")]),
     # a write far outside any buffer: an illegal address
     "crash": ("stage0", [("    __syncthreads();\n\n    float dot", "    __syncthreads();\n    scores[(size_t)1 << 40] = 1.0f;\n\n    float dot")]),
     # a kernel that never finishes

@@ -45,3 +45,26 @@ def test_sass_parser_reads_real_cubins():
     assert mix["attention_scores"]["FFMA"] > 0 and mix["attention_softmax"]["SHFL"] > 0
     info = sass.resources(cubin.ptxas_log)
     assert info["attention_softmax"]["shared_bytes"] == 128  # block_reduce's 32 floats
+
+
+# Stage 6's ladder (not graded stages): rung 1 on CUDA cores only, rung 2 on mma.sync with ldmatrix and cp.async.
+LADDER_SASS = {"simt.cu": ({"FFMA"}, {"HMMA", "HGMMA"}), "mma_sync.cu": ({"HMMA", "LDSM", "LDGSTS"}, set())}
+LADDER_PAIRS = [(source, arch) for source in LADDER_SASS for arch in ("sm_80", "sm_90a")]
+
+
+@pytest.mark.parametrize("source,arch", LADDER_PAIRS, ids=[f"{s}-{a}" for s, a in LADDER_PAIRS])
+def test_ladder_rungs_compile_without_spills(source, arch):
+    from stages.stage6_grouped_gemm.ladder import run as ladder
+
+    rung = next(r for r in ladder.RUNGS if r.source.name == source)
+    found = resources(ladder.compile_rung(rung, arch))
+    assert len(found) == 2  # fp16 and bf16
+    needs, forbidden = LADDER_SASS[source]
+    for variant, kernels in found.items():
+        assert set(kernels) == set(ladder.KERNELS), variant
+        for kernel, info in kernels.items():
+            where = f"{source} {arch} {variant} {kernel}"
+            assert info["spill_stores"] == 0 and info["spill_loads"] == 0, f"{where} spills"
+            assert "LDL" not in info["sass"] and "STL" not in info["sass"], f"{where} uses local memory"
+            assert needs <= set(info["sass"]), f"{where}: no {needs - set(info['sass'])} in the SASS"
+            assert not forbidden & set(info["sass"]), f"{where}: {forbidden & set(info['sass'])} in the SASS"

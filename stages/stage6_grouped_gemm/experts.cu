@@ -42,8 +42,8 @@
 //   wherever the epilogue is exposed.
 #include "hopper_gemm.cuh"
 #include "moe.cuh"
+#include "stage6_grouped_gemm/schedule.cuh"  // BLOCK_M = 128 rows per tile (2 consumer warpgroups × 64), Scheduler
 
-constexpr int BLOCK_M = 128;                            // rows per tile: 2 consumer warpgroups × 64
 constexpr int BLOCK_N = 256;                            // B columns per tile: one wgmma n256
 constexpr int BLOCK_K = 64;                             // K per stage: one 128-byte swizzle row
 constexpr int STAGES = 3;                               // ring slots (4 ran no faster)
@@ -67,40 +67,6 @@ constexpr int SHARED_BYTES = BARRIERS + 8 * 2 * STAGES + 1024;  // as __init__.p
 static_assert(SHARED_BYTES <= 227 * 1024, "an H100 block has at most 227 KB of shared memory");
 static_assert(BARRIERS % 8 == 0, "mbarriers are 8-byte aligned");
 static_assert(sizeof(elem_t) == 2, "16-bit elements");
-
-struct Tile {
-    int expert, row0, n;  // rows row0 .. row0 + 127 of expert `expert`, column tile n
-};
-
-// --8<-- [start:scheduler]
-// The tiles of one launch, numbered expert by expert; inside an expert column tile by column tile,
-// and the expert's m-tiles fastest. Expert e starts at tile offsets[e] / BLOCK_M · n_tiles -- its
-// segment is padded to whole m-tiles, so no tile holds two experts -- and an expert without tokens
-// has no tiles. Producer and consumers walk the same sequence: tile, tile + gridDim.x, ...
-struct Scheduler {
-    const int* offsets;  // in shared memory: offsets[0 .. experts], multiples of BLOCK_M
-    int experts, n_tiles;
-
-    __device__ int num_tiles() const { return offsets[experts] / BLOCK_M * n_tiles; }
-
-    __device__ Tile tile(int t) const {
-        // EXERCISE: find tile t's expert -- the last e in 0 .. experts-1 whose first tile,
-        // offsets[e] / BLOCK_M · n_tiles, is <= t (a binary search; the last, so that experts with no
-        // rows are skipped) -- then its column tile n and first row within that expert.
-        // STUB: return {0, 0, 0};
-        int lo = 0, hi = experts - 1;
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) / 2;
-            if (offsets[mid] / BLOCK_M * n_tiles <= t) lo = mid;
-            else hi = mid - 1;
-        }
-        const int first_m = offsets[lo] / BLOCK_M, m_tiles = offsets[lo + 1] / BLOCK_M - first_m;
-        const int local = t - first_m * n_tiles;
-        return {lo, (first_m + local % m_tiles) * BLOCK_M, local / m_tiles};
-        // END EXERCISE
-    }
-};
-// --8<-- [end:scheduler]
 
 // The TMA column of B box b for output column tile n. SwiGLU: boxes 0-1 are the gate columns
 // 128n .. 128n+127 and boxes 2-3 the up columns, `up` = inter further right -- so the 256-wide
@@ -163,8 +129,12 @@ __device__ __forceinline__ void stage_tile(const float (&acc)[ACC_FRAGS][4], uns
         for (int half = 0; half < 2; ++half) {
             float v0 = acc[j][2 * half], v1 = acc[j][2 * half + 1];
             if (SWIGLU) {
+                // EXERCISE: apply SwiGLU, silu(gate) * up: v0, v1 hold the gate values of entry j;
+                // the up values of the same rows and columns are entry j + OUT_FRAGS. Left as they
+                // are, v0 and v1 write the gate alone.
                 v0 = silu(v0) * acc[j + OUT_FRAGS][2 * half];
                 v1 = silu(v1) * acc[j + OUT_FRAGS][2 * half + 1];
+                // END EXERCISE
             }
             const int row = warp_in_group * 16 + lane / 4 + 8 * half;
             unsigned char* at = buffer + box * OUT_BOX_BYTES + row * 128 + ((chunk ^ (row % 8)) * 16) + (lane % 4) * 4;
