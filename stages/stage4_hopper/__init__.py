@@ -21,11 +21,7 @@ def kv_stages(head_dim: int) -> int:
     return 3 if head_dim == 64 else 2
 
 
-def persistent(head_dim: int) -> bool:
-    """D64: one block per SM loops over the query tiles (attention.cu's Schedule), hiding each tile's
-    prologue (Q and first K/V loads) and epilogue, a large share of a short D64 tile. D128: one block
-    per query tile, as before (its tiles are twice as long; the hardware balances causal blocks)."""
-    return head_dim == 64
+PERSISTENT = 1  # one block per SM looping over query tiles (attention.cu's Schedule; 0: a block per tile)
 
 
 def shared_bytes(head_dim: int, element_size: int) -> int:
@@ -49,12 +45,12 @@ def launch(kernels, q, k, v, o, lse, scale, causal):
     m_blocks = (seq_q + BLOCK_M - 1) // BLOCK_M
     units = m_blocks * batch * heads  # query tiles (the kernel pairs them when persistent and causal)
     grid = units
-    if persistent(head_dim):
+    if PERSISTENT:
         if causal:
             units = (m_blocks + 1) // 2 * batch * heads
         grid = min(units, sm_count(q.device))
     kernels.attention_fwd((grid,), (THREADS,), q_map, k_map, v_map, o, lse, seq_q, seq_kv, scale, int(causal),
-                          batch * heads, int(persistent(head_dim)), smem=shared_bytes(head_dim, q.element_size()))
+                          batch * heads, PERSISTENT, smem=shared_bytes(head_dim, q.element_size()))
 
 
 STAGE = Stage(
