@@ -58,20 +58,22 @@ def nvrtc_version() -> str:
     return f"{major}.{minor}"
 
 
-def _included_sources(source: str, folder: Path) -> str:
-    """The text of the local headers a source includes (recursively), so that the cache key changes with them."""
-    seen, out, todo = set(), [], [source]
+def included_files(path: Path) -> list[Path]:
+    """The local files a kernel includes, recursively, each once, where NVRTC finds them: the first of
+    the kernel's folder and SEARCH_DIRS that has the file. The compile cache and the results' source
+    digest (grader/results.py) both follow them."""
+    path = Path(path).resolve()
+    found, todo = [], [path]
     while todo:
-        for name in re.findall(r'^\s*#\s*include\s*"([^"]+)"', todo.pop(), re.MULTILINE):
-            for base in (folder, *SEARCH_DIRS):
-                path = (base / name).resolve()
-                if path.is_file() and path not in seen:
-                    seen.add(path)
-                    text = path.read_text()
-                    out.append(text)
-                    todo.append(text)
+        for name in re.findall(r'^\s*#\s*include\s*"([^"]+)"', todo.pop().read_text(), re.MULTILINE):
+            for base in (path.parent, *SEARCH_DIRS):
+                candidate = (base / name).resolve()
+                if candidate.is_file():
+                    if candidate != path and candidate not in found:
+                        found.append(candidate)
+                        todo.append(candidate)
                     break
-    return "\n".join(out)
+    return found
 
 
 def compile_cubin(path: Path, arch: str, defines: dict[str, str] | None = None, extra_source: str = "") -> Cubin:
@@ -89,7 +91,8 @@ def compile_cubin(path: Path, arch: str, defines: dict[str, str] | None = None, 
     defines = tuple(sorted((defines or {}).items()))
     options = dict(arch=arch, std="c++17", include_path=list(include_dirs()), ptxas_options=["-v"],
                    define_macro=list(defines), name=_display_name(path))
-    key_text = repr((source, _included_sources(source, path.parent), sorted(options.items(), key=str), nvrtc_version()))
+    headers = "\n".join(p.read_text() for p in included_files(path))  # the key changes with them
+    key_text = repr((source, headers, sorted(options.items(), key=str), nvrtc_version()))
     key = hashlib.sha256(key_text.encode()).hexdigest()[:24]
     cubin_path, log_path = CACHE_DIR / f"{key}.cubin", CACHE_DIR / f"{key}.log"
     if cubin_path.exists() and log_path.exists():

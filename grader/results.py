@@ -16,7 +16,7 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
-from grader.compiler import REPO, SEARCH_DIRS, nvrtc_version
+from grader.compiler import REPO, included_files, nvrtc_version
 
 STAGES_DIR = REPO / "stages"
 
@@ -32,16 +32,7 @@ def source_files(stage, kernel_path: Path | None = None) -> list[Path]:
             if path not in files:
                 files.append(path)
                 python.append(path)
-    todo = [kernel_path]
-    while todo:  # the kernel, and the files it includes, recursively
-        for name in re.findall(r'^\s*#\s*include\s*"([^"]+)"', todo.pop().read_text(), re.MULTILINE):
-            for base in (kernel_path.parent, *SEARCH_DIRS):
-                path = (base / name).resolve()
-                if path.is_file():
-                    if path not in files:
-                        files.append(path)
-                        todo.append(path)
-                    break
+    files += [path for path in included_files(kernel_path) if path not in files]  # the headers, recursively
     return files
 
 
