@@ -18,6 +18,12 @@ TEACHES = {
 PAIRS = [(name, arch) for name in stages.stage_names() for arch in stages.load(name).archs]
 
 
+def assert_no_local_memory(info: dict, where: str) -> None:
+    """No spills in ptxas's report, and no local-memory loads or stores in the SASS."""
+    assert info["spill_stores"] == 0 and info["spill_loads"] == 0, f"{where} spills"
+    assert "LDL" not in info["sass"] and "STL" not in info["sass"], f"{where} uses local memory"
+
+
 @pytest.mark.parametrize("name,arch", PAIRS, ids=[f"{n}-{a}" for n, a in PAIRS])
 def test_stage_compiles_without_spills(name, arch):
     stage = stages.load(name)
@@ -29,9 +35,7 @@ def test_stage_compiles_without_spills(name, arch):
     for variant, kernels in found.items():
         assert set(kernels) == set(stage.kernels), variant
         for kernel, info in kernels.items():
-            where = f"{name} {arch} {variant} {kernel}"
-            assert info["spill_stores"] == 0 and info["spill_loads"] == 0, f"{where} spills"
-            assert "LDL" not in info["sass"] and "STL" not in info["sass"], f"{where} uses local memory"
+            assert_no_local_memory(info, f"{name} {arch} {variant} {kernel}")
         instructions = set().union(*(info["sass"] for info in kernels.values()))
         missing = TEACHES.get(name, set()) - instructions
         assert not missing, f"{name} {arch} {variant}: no {missing} in the SASS"
@@ -64,7 +68,6 @@ def test_ladder_rungs_compile_without_spills(source, arch):
         assert set(kernels) == set(ladder.KERNELS), variant
         for kernel, info in kernels.items():
             where = f"{source} {arch} {variant} {kernel}"
-            assert info["spill_stores"] == 0 and info["spill_loads"] == 0, f"{where} spills"
-            assert "LDL" not in info["sass"] and "STL" not in info["sass"], f"{where} uses local memory"
+            assert_no_local_memory(info, where)
             assert needs <= set(info["sass"]), f"{where}: no {needs - set(info['sass'])} in the SASS"
             assert not forbidden & set(info["sass"]), f"{where}: {forbidden & set(info['sass'])} in the SASS"
