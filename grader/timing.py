@@ -5,6 +5,12 @@ that clocks and temperature drift hit them alike. Before each launch a buffer tw
 L2 is written, outside the timed event pair, so no candidate finds its inputs left in L2 by the
 previous one. Rounds repeat until each candidate's standard error is under 0.5% of its mean,
 or the time budget ends.
+
+The events time the GPU, not Python: a round starts with the GPU held in a spin (`torch.cuda._sleep`)
+long enough for the host to queue the whole round behind it. Without the hold, a candidate whose
+host code takes longer to queue its launches than the GPU takes to flush the L2 (a launch through
+Python with many arguments: 0.1-0.3 ms) would have the GPU idle inside its own events, and be
+charged for the host's time as well.
 """
 from __future__ import annotations
 
@@ -36,26 +42,55 @@ def _summary(times: list[float]) -> Timing:
     return Timing(median, ordered[0], (p90 - p10) / median if median else 0.0, se / mean if mean else 0.0, len(ordered))
 
 
+class GpuHold:
+    """Keeps the GPU busy for a given time with a spin kernel, so that the launches the host queues
+    meanwhile run back to back once it ends. Longest hold: MAX_MS (a candidate that synchronizes
+    with the host cannot be helped by any hold)."""
+    MAX_MS = 20.0
+
+    def __init__(self):
+        probe = 1_000_000
+        torch.cuda._sleep(probe)  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(probe)
+        end.record()
+        end.synchronize()
+        self.cycles_per_ms = probe / max(start.elapsed_time(end), 1e-3)
+
+    def hold(self, ms: float) -> None:
+        torch.cuda._sleep(int(self.cycles_per_ms * min(ms, self.MAX_MS)))
+
+
 def time_side_by_side(candidates: dict, l2_bytes: int, budget_s: float = 4.0, target_rel_se: float = 0.005,
                       min_reps: int = 5, max_reps: int = 500) -> dict[str, Timing]:
     """{name: Timing} for each callable in `candidates`; each is called with no arguments."""
     flush = torch.empty(2 * l2_bytes // 4, dtype=torch.float32, device="cuda")
+    host_start = time.perf_counter()
     for run in candidates.values():  # warm-up: module loads, library heuristics, allocator
         run()
+    host_round_ms = (time.perf_counter() - host_start) * 1e3  # an overestimate: the first calls are slow
     torch.cuda.synchronize()
+    gpu = GpuHold()
 
     times = {name: [] for name in candidates}
     active = set(candidates)
     deadline = time.perf_counter() + budget_s
+    order = list(candidates)
     while active:
         pending = []
-        for name in [n for n in candidates if n in active]:
+        order = order[1:] + order[:1]  # each candidate takes its turn to go first after the hold
+        # Twice the last round's host time: the host queues this round before the GPU reaches it.
+        gpu.hold(2.0 * host_round_ms + 0.05)
+        host_start = time.perf_counter()
+        for name in [n for n in order if n in active]:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             flush.zero_()
             start.record()
             candidates[name]()
             end.record()
             pending.append((name, start, end))
+        host_round_ms = (time.perf_counter() - host_start) * 1e3
         torch.cuda.synchronize()
         for name, start, end in pending:
             times[name].append(start.elapsed_time(end))
