@@ -185,12 +185,13 @@ def sdpa(inputs: dict, backend=None) -> torch.Tensor:
 
 
 def naive_attention(inputs: dict) -> torch.Tensor:
-    """Naive PyTorch: matmul, softmax, matmul, in the inputs' dtype, the S×S scores in memory."""
+    """Naive PyTorch as model code writes it (Meta's Llama reference implementation): matmul, softmax,
+    matmul, the S×S scores in memory, the softmax in float32 (`softmax(scores.float()).type_as(q)`)."""
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     scores = (q @ k.transpose(-1, -2)) * inputs["scale"]
     if inputs["causal"]:
         scores.masked_fill_(causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
+    return torch.softmax(scores.float(), dim=-1).type_as(q) @ v
 
 
 PROBLEM = AttentionProblem()
