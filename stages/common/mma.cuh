@@ -157,6 +157,53 @@ __device__ __forceinline__ void apply_mask(float (&s)[N_FRAGS][4], int first_key
     }
 }
 
+// --8<-- [start:row_reductions]
+// The max over the quad of the scores of row r of a tile (r = 0: row g, c[0] and c[1]; r = 1: row
+// g+8, c[2] and c[3]), taken as CHAINS independent running maxima, combined at the end. One
+// running max is a chain of 2·N_FRAGS dependent FMNMX, each waiting ~4 cycles for the one before:
+// where many warps share a scheduler (stages 2 and 3) others fill those cycles and CHAINS = 1
+// saves the registers (stage 3 at D = 64 on sm_80-89, at its cap of 128, spills with 4); where
+// only two do (stage 4), CHAINS = 4 cuts the chain to a quarter.
+template <int CHAINS, int N_FRAGS>
+__device__ __forceinline__ float tile_row_max(const float (&s)[N_FRAGS][4], int r) {
+    float m[CHAINS];
+#pragma unroll
+    for (int i = 0; i < CHAINS; ++i) m[i] = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < N_FRAGS; ++n) m[n % CHAINS] = fmaxf(m[n % CHAINS], fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+#pragma unroll
+    for (int i = 1; i < CHAINS; ++i) m[0] = fmaxf(m[0], m[i]);
+    return quad_max(m[0]);
+}
+
+// The running max of a row times scale_log2; 0 while the row has seen only masked keys (max =
+// -inf), which keeps exp2(-inf - (-inf)) = NaN out (every p is then exp2(-inf) = 0).
+__device__ __forceinline__ float scaled_max(float row_max, float scale_log2) {
+    return row_max == -INFINITY ? 0.0f : row_max * scale_log2;
+}
+
+// p = 2^(s·scale_log2 - max_scaled), in place, for the thread's scores of row r; returns their
+// sum, added in CHAINS independent running sums (see tile_row_max). One FFMA and one MUFU.EX2 per
+// score.
+template <int CHAINS, int N_FRAGS>
+__device__ __forceinline__ float exponentiate_row(float (&s)[N_FRAGS][4], int r, float scale_log2, float max_scaled) {
+    float sum[CHAINS];
+#pragma unroll
+    for (int i = 0; i < CHAINS; ++i) sum[i] = 0.0f;
+#pragma unroll
+    for (int n = 0; n < N_FRAGS; ++n) {
+#pragma unroll
+        for (int c = 2 * r; c < 2 * r + 2; ++c) {
+            s[n][c] = fast_exp2(s[n][c] * scale_log2 - max_scaled);
+            sum[n % CHAINS] += s[n][c];
+        }
+    }
+#pragma unroll
+    for (int i = 1; i < CHAINS; ++i) sum[0] += sum[i];
+    return sum[0];
+}
+// --8<-- [end:row_reductions]
+
 // --8<-- [start:softmax_update]
 // The online softmax of one warp over one tile of keys, on the accumulator fragments.
 //   s[N_FRAGS][4]  raw scores q·k of the warp's 16 rows (masked ones -inf); becomes P
@@ -171,26 +218,11 @@ __device__ __forceinline__ void online_softmax(float (&s)[N_FRAGS][4], float (&o
                                                float (&row_max)[2], float (&row_sum)[2], float scale_log2) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // r = 0: row g (c[0], c[1]); r = 1: row g+8 (c[2], c[3])
-        float tile_max = -INFINITY;
-#pragma unroll
-        for (int n = 0; n < N_FRAGS; ++n) tile_max = fmaxf(tile_max, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-        const float new_max = fmaxf(row_max[r], quad_max(tile_max));
-        // A row that has seen only masked keys keeps max = -inf; subtracting 0 instead keeps
-        // exp2(-inf - (-inf)) = NaN out (every p is then exp2(-inf) = 0).
-        const float max_scaled = new_max == -INFINITY ? 0.0f : new_max * scale_log2;
+        const float new_max = fmaxf(row_max[r], tile_row_max<1>(s, r));
+        const float max_scaled = scaled_max(new_max, scale_log2);
         const float correction = fast_exp2(row_max[r] * scale_log2 - max_scaled);  // 0 on the first tile
         row_max[r] = new_max;
-
-        float tile_sum = 0.0f;
-#pragma unroll
-        for (int n = 0; n < N_FRAGS; ++n) {
-#pragma unroll
-            for (int c = 2 * r; c < 2 * r + 2; ++c) {
-                s[n][c] = fast_exp2(s[n][c] * scale_log2 - max_scaled);
-                tile_sum += s[n][c];
-            }
-        }
-        row_sum[r] = row_sum[r] * correction + tile_sum;
+        row_sum[r] = row_sum[r] * correction + exponentiate_row<1>(s, r, scale_log2, max_scaled);
 #pragma unroll
         for (int d = 0; d < D_FRAGS; ++d) {
             o[d][2 * r] *= correction;

@@ -243,21 +243,6 @@ __device__ __forceinline__ void warp_pv(float (&o)[M_TILES][O_FRAGS][4], const f
 // has not been measured.
 constexpr float RESCALE_THRESHOLD_LOG2 = 8.0f;
 
-// The max over the quad of the scores of row r (g + 8r) of the tile.
-template <int N_FRAGS>
-__device__ __forceinline__ float tile_row_max(const float (&s)[N_FRAGS][4], int r) {
-    float tile_max = -INFINITY;
-#pragma unroll
-    for (int n = 0; n < N_FRAGS; ++n) tile_max = fmaxf(tile_max, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-    return quad_max(tile_max);
-}
-
-// The running max of a row times scale_log2; 0 while the row has seen only masked keys (max =
-// -inf), which keeps exp2(-inf - (-inf)) = NaN out, as in online_softmax.
-__device__ __forceinline__ float scaled_max(float row_max, float scale_log2) {
-    return row_max == -INFINITY ? 0.0f : row_max * scale_log2;
-}
-
 // Moves the running maxes to new_max and rescales O and the row sums to match.
 template <int D_FRAGS>
 __device__ __forceinline__ void rescale(float (&o)[D_FRAGS][4], float (&row_max)[2], float (&row_sum)[2],
@@ -284,26 +269,14 @@ __device__ __forceinline__ void online_softmax_lazy(float (&s)[N_FRAGS][4], floa
     bool grew_past_threshold = false;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        new_max[r] = fmaxf(row_max[r], tile_row_max(s, r));
+        new_max[r] = fmaxf(row_max[r], tile_row_max<1>(s, r));
         // From -inf (no key seen yet) to a finite max: inf > threshold, a rescale (by 0). While
         // both are -inf: NaN, which compares false, and there is nothing to rescale.
         grew_past_threshold |= (new_max[r] - row_max[r]) * scale_log2 > RESCALE_THRESHOLD_LOG2;
     }
     if (__any_sync(0xffffffffu, grew_past_threshold)) rescale(o, row_max, row_sum, new_max, scale_log2);
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const float max_scaled = scaled_max(row_max[r], scale_log2);
-        float tile_sum = 0.0f;
-#pragma unroll
-        for (int n = 0; n < N_FRAGS; ++n) {
-#pragma unroll
-            for (int c = 2 * r; c < 2 * r + 2; ++c) {
-                s[n][c] = fast_exp2(s[n][c] * scale_log2 - max_scaled);
-                tile_sum += s[n][c];
-            }
-        }
-        row_sum[r] += tile_sum;
-    }
+    for (int r = 0; r < 2; ++r) row_sum[r] += exponentiate_row<1>(s, r, scale_log2, scaled_max(row_max[r], scale_log2));
 }
 // --8<-- [end:lazy_rescale]
 

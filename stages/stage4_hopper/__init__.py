@@ -12,7 +12,7 @@ from stages import Goal, Stage
 from stages.common.hopper import sm_count, tensor_map
 
 BLOCK_M = 128   # query rows per block (2 consumer warpgroups × 64), as in attention.cu
-BLOCK_N = 128   # keys per K/V tile
+BLOCK_N = {64: 192, 128: 128}   # keys per K/V tile, per head dimension
 THREADS = 384   # producer warpgroup + 2 consumer warpgroups
 ATOM_COLS = 64  # a TMA box with the 128-byte swizzle is at most 64 16-bit elements wide
 
@@ -27,7 +27,7 @@ PERSISTENT = 1  # one block per SM looping over query tiles (attention.cu's Sche
 def shared_bytes(head_dim: int, element_size: int) -> int:
     """Q tile, the K and V rings, the mbarriers, and 1 KB to align the tiles to 1024 bytes (attention.cu)."""
     stages = kv_stages(head_dim)
-    tiles = (BLOCK_M + 2 * stages * BLOCK_N) * head_dim * element_size
+    tiles = (BLOCK_M + 2 * stages * BLOCK_N[head_dim]) * head_dim * element_size
     return tiles + 8 * (2 + 4 * stages) + 1024
 
 
@@ -41,7 +41,8 @@ def _tensor_map(x, box_rows: int):
 def launch(kernels, q, k, v, o, lse, scale, causal):
     batch, heads, seq_q, head_dim = q.shape
     seq_kv = k.shape[2]
-    q_map, k_map, v_map = _tensor_map(q, BLOCK_M), _tensor_map(k, BLOCK_N), _tensor_map(v, BLOCK_N)
+    block_n = BLOCK_N[head_dim]
+    q_map, k_map, v_map = _tensor_map(q, BLOCK_M), _tensor_map(k, block_n), _tensor_map(v, block_n)
     m_blocks = (seq_q + BLOCK_M - 1) // BLOCK_M
     units = m_blocks * batch * heads  # query tiles (the kernel pairs them when persistent and causal)
     grid = units

@@ -15,25 +15,39 @@
 //   intra-warpgroup overlap  a consumer issues S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1} together and
 //            runs the softmax of S_j while the P·V product is still in flight.
 //
-// Per query tile: BLOCK_M = 128 query rows (consumer c owns rows 64c .. 64c+63), tiles of BLOCK_N =
-// 128 keys, 384 threads = 3 warpgroups:
+// Per query tile: BLOCK_M = 128 query rows (consumer c owns rows 64c .. 64c+63), tiles of BLOCK_N
+// keys (192 at D = 64, 128 at D = 128), 384 threads = 3 warpgroups:
 //
 //   producer  | TMA Q | TMA K0 V0 | K1 V1 | K2 V2 (when a slot is empty) ...
 //   consumer0 | S0 |softmax0| S1 PV0 |softmax1| S2 PV1 |softmax2| ...
 //   consumer1 |    | S0 |softmax0| S1 PV0 |softmax1| S2 PV1 |softmax2| ...
 //   tensor    | S0 | S0 | S1 PV0 | S1 PV0 | S2 PV1 | S2 PV1 | ...   (the two consumers alternate)
 //
-// FLOPs and bytes per K/V tile: 4·128·128·D FLOPs (4.2 M at D=64, 8.4 M at D=128) for 2·128·D·2
-//   bytes of K and V from L2 (32 KB, 64 KB): 128 FLOPs per byte. Shared memory is read by the
-//   tensor cores only: per consumer and tile Q 64·D·2 + K 128·D·2 + V 128·D·2 bytes for 2·64·128·D·2
-//   FLOPs, ~51 FLOPs per byte (stage 3 read 16), well within Hopper's shared-memory bandwidth.
-// Registers: consumers setmaxnreg 240 -- S 64 floats, P 32, O D/2 (32 or 64), the softmax's row
-//   state; the producer keeps 24 (240·256 + 24·128 = 64512 <= 65536, one block per SM).
-// Shared memory: Q 128·D·2 + KV_STAGES·2·128·D·2 (+ barriers, + 1 KB to align to 1024 bytes):
-//   D=64: 16 + 3·32 = 112 KB; D=128: 32 + 2·64 = 160 KB. One block per SM.
+// FLOPs and bytes per K/V tile: 4·128·BLOCK_N·D FLOPs (6.3 M at D=64, 8.4 M at D=128) for
+//   2·BLOCK_N·D·2 bytes of K and V from L2 (48 KB, 64 KB): 128 FLOPs per byte. Shared memory is
+//   read by the tensor cores only: per consumer and tile Q 64·D·2 + K BLOCK_N·D·2 + V BLOCK_N·D·2
+//   bytes for 2·64·BLOCK_N·D·2 FLOPs, ~51-55 FLOPs per byte (stage 3 read 16), well within
+//   Hopper's shared-memory bandwidth.
+// Registers: consumers setmaxnreg 240 -- S BLOCK_N/2 floats (96 or 64), P BLOCK_N/4 (48 or 32),
+//   O D/2 (32 or 64), the softmax's row state; the producer keeps 24 (240·256 + 24·128 = 64512
+//   <= 65536, one block per SM).
+// Shared memory: Q 128·D·2 + KV_STAGES·2·BLOCK_N·D·2 (+ barriers, + 1 KB to align to 1024
+//   bytes): D=64: 16 + 3·48 = 160 KB; D=128: 32 + 2·64 = 160 KB. One block per SM.
+// D = 64 is the hard case: per tile, the exponentials (one MUFU.EX2 per score, 16 lanes per SM
+//   per cycle) take as long as both GEMMs on the tensor cores, and each consumer warp's softmax is
+//   a chain of dependent steps that only the one other consumer can hide. Measured side by side
+//   on the H100 (B16 H16 S2048 D64, % of cuDNN, non-causal / causal): 84.6 / 88.8 with 128-key
+//   tiles and running max and sum; 86.1 / 92.8 with the max and sum split into independent chains
+//   (mma.cuh, tile_row_max; the A/B run took the max as a full tree, the kernel as 4 chains, which
+//   need fewer registers); 90.0 / 89.9 with 192-key tiles (FlashAttention-3's choice at this head
+//   dimension): a third fewer tile transitions -- barrier waits, turns, wgmma issue and wait -- per
+//   key, for 3% wasted on the last tile (2048 = 10.7 tiles). At S4096: 86.1 -> 91.2 / 91.5 -> 93.0;
+//   at S1000, where tiles quantize worse, 99.4 -> 94.0 / 92.3 -> 83.4. Computing a quarter of the
+//   exponentials with a polynomial on the FMA units instead (FlashAttention-4's trick) measured
+//   1-3% slower at every shape: on Hopper the MUFU unit is not what binds.
 // Persistent: a block has a fixed cost per query tile -- launch, barrier setup, the cold
 //   Q and K_0 loads, S_0 alone, the last P·V and the output stores with the tensor cores idle --
-//   of roughly 3-4 µs, measured as the gap to cuDNN: D64 S2048 runs 16 K/V tiles of ~1.1 µs per
+//   of roughly 3-4 µs, measured as the gap to cuDNN: D64 S2048 ran 16 128-key tiles of ~1.1 µs per
 //   query tile (82% of cuDNN, 1.22 ≈ (16 + 3.5)/16), causal 8.5 on average (72%, 1.41 ≈ (9.7 +
 //   4)/9.7), while D128 S8192's 64 tiles of ~2.3 µs hide most of it. So the grid is one block per
 //   SM, each looping over query tiles (Schedule, below): the producer loads the next Q (once both
@@ -45,11 +59,8 @@
 //   causal 1.19 -> 0.95 (79 -> 99%); S8192 4.09 -> 3.95 (86 -> 89%), causal 2.09 -> 1.79 (85 ->
 //   99.5%); S16384 7.75 -> 7.42 (91 -> 95%), causal 3.98 -> 3.81 (92 -> 96%): persistent at both D.
 //   persistent = 0 (one block per query tile) stays in the kernel, to compare the two.
-// Predicted on an H100 SXM (fp16): ~420 TFLOP/s at B16 H16 S2048 D64 non-causal, ~90% of cuDNN
-//   (the rest: the short head dimension makes the softmax -- exp2 on 16 MUFU lanes per SM
-//   quarter -- as long as the GEMMs, and 4096 tiles are 31.03 waves of 132); causal ~85-88% (one
-//   tile transition of ~1 µs per pair remains, and 2048 equal pairs on 132 SMs leave a 3% tail);
-//   D128 unchanged (~91% and ~90% of cuDNN).
+// Predicted on an H100 SXM (fp16), before the first run: ~420 TFLOP/s at B16 H16 S2048 D64
+//   non-causal, ~90% of cuDNN; causal ~85-88%; D128 ~91% and ~90% of cuDNN. Measured: results/.
 //
 // Tensors are [B, H, S, D] contiguous; the host builds 3-D tensor maps over [B·H, S, D], so a box
 // never crosses into the next head: rows past S read as zeros. Causal masking is top-left
@@ -57,7 +68,7 @@
 #include "hopper.cuh"
 
 constexpr int BLOCK_M = 128;                          // query rows per query tile
-constexpr int BLOCK_N = 128;                          // keys per K/V tile
+constexpr int BLOCK_N = HEAD_DIM == 64 ? 192 : 128;   // keys per K/V tile (192 at D = 64: see above)
 constexpr int KV_STAGES = HEAD_DIM == 64 ? 3 : 2;     // K/V ring slots (shared memory allows 3 at D=64)
 constexpr int CONSUMERS = 2;                          // consumer warpgroups, 64 query rows each
 constexpr int NUM_THREADS = (1 + CONSUMERS) * 128;    // + the producer warpgroup
@@ -127,23 +138,11 @@ __device__ __forceinline__ void softmax_update(float (&s)[S_FRAGS][4], float (&r
                                                float (&correction)[2], float scale_log2) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // r = 0: row g (c[0], c[1]); r = 1: row g+8 (c[2], c[3])
-        float tile_max = -INFINITY;
-#pragma unroll
-        for (int n = 0; n < S_FRAGS; ++n) tile_max = fmaxf(tile_max, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-        const float new_max = fmaxf(row_max[r], quad_max(tile_max));
-        const float max_scaled = new_max == -INFINITY ? 0.0f : new_max * scale_log2;
+        const float new_max = fmaxf(row_max[r], tile_row_max<4>(s, r));
+        const float max_scaled = scaled_max(new_max, scale_log2);
         correction[r] = fast_exp2(row_max[r] * scale_log2 - max_scaled);  // 0 on the first tile
         row_max[r] = new_max;
-        float tile_sum = 0.0f;
-#pragma unroll
-        for (int n = 0; n < S_FRAGS; ++n) {
-#pragma unroll
-            for (int c = 2 * r; c < 2 * r + 2; ++c) {
-                s[n][c] = fast_exp2(s[n][c] * scale_log2 - max_scaled);
-                tile_sum += s[n][c];
-            }
-        }
-        row_sum[r] = row_sum[r] * correction[r] + tile_sum;
+        row_sum[r] = row_sum[r] * correction[r] + exponentiate_row<4>(s, r, scale_log2, max_scaled);
     }
 }
 
