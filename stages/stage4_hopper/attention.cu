@@ -43,8 +43,9 @@
 //   dimension): a third fewer tile transitions -- barrier waits, turns, wgmma issue and wait -- per
 //   key, for 3% wasted on the last tile (2048 = 10.7 tiles). At S4096: 86.1 -> 91.2 / 91.5 -> 93.0;
 //   at S1000, where tiles quantize worse, 99.4 -> 94.0 / 92.3 -> 83.4. Computing a quarter of the
-//   exponentials with a polynomial on the FMA units instead (FlashAttention-4's trick) measured
-//   1-3% slower at every shape: on Hopper the MUFU unit is not what binds.
+//   exponentials with a polynomial on the FMA units instead (FlashAttention-4's trick) gained
+//   nothing: +0.3 to -3 points of cuDNN at D = 64, -2 to -4 at D = 128; an eighth or a half of
+//   them, worse still (down to -10): on Hopper the MUFU unit is not what binds.
 // Persistent: a block has a fixed cost per query tile -- launch, barrier setup, the cold
 //   Q and K_0 loads, S_0 alone, the last P·V and the output stores with the tensor cores idle --
 //   of roughly 3-4 µs, measured as the gap to cuDNN: D64 S2048 ran 16 128-key tiles of ~1.1 µs per
