@@ -17,6 +17,22 @@ import numpy as np
 import torch
 
 STATIC_SHARED_LIMIT = 48 * 1024  # above this a kernel must opt in to more dynamic shared memory
+GRID_LIMITS = (2**31 - 1, 65535, 65535)  # blocks along x, y, z (the limits of every sm_80+ GPU)
+MAX_THREADS_PER_BLOCK = 1024
+
+
+class LaunchGeometryError(ValueError):
+    """A launch the driver would refuse with a bare INVALID_VALUE, said in one line before it is made."""
+
+
+def check_geometry(name: str, grid: tuple, block: tuple) -> None:
+    for axis, (blocks, limit) in enumerate(zip(grid, GRID_LIMITS)):
+        if not 1 <= blocks <= limit:
+            raise LaunchGeometryError(f"{name}: grid.{'xyz'[axis]} = {blocks} blocks, outside the GPU's 1..{limit:,} "
+                                      f"(grid {grid}): the stage's launch does not handle this shape")
+    threads = int(np.prod(block))
+    if not 1 <= threads <= MAX_THREADS_PER_BLOCK:
+        raise LaunchGeometryError(f"{name}: {threads} threads per block, outside the GPU's 1..{MAX_THREADS_PER_BLOCK}")
 
 
 @dataclass
@@ -72,6 +88,7 @@ class KernelSet:
         if handle not in self._streams:
             self._streams[handle] = Stream.from_handle(handle)
         if (grid, block, smem) not in self._configs:
+            check_geometry(name, grid, block)
             self._configs[grid, block, smem] = LaunchConfig(grid=grid, block=block, shmem_size=smem)
         launch(self._streams[handle], self._configs[grid, block, smem], kernel, *(_as_kernel_arg(a) for a in args))
         self.launches[name] = LaunchRecord(grid, block, smem)

@@ -6,12 +6,14 @@ import re
 from pathlib import Path
 
 import reference
+import stages
 from grader import grading, sass
 from grader.compiler import REPO, CompileError, compile_cubin
+from grader.device import arch_for
 from grader.gpus import spec_for
 from grader.isolation import run_items
 from grader.results import source_digest
-from grader.worker import variant_key
+from grader.worker import PREVIOUS, variant_key
 
 
 class GraderError(Exception):
@@ -103,8 +105,30 @@ def check_cases(stage, cubins, seed: int, trials: int, timeout_s: float, progres
     return {"passed": passed, "failed": len(rows) - passed, "seed": seed, "trials": trials, "cases": rows}
 
 
+def previous_stage_job(stage, gpu) -> dict | None:
+    """The course's own kernel of the stage before (stages.previous), compiled for this GPU, to time beside
+    the kernel: what this stage's idea bought. None for a first stage, or where the previous one can't run."""
+    before = stages.previous(stage)
+    if before is None:
+        return None
+    try:
+        arch = arch_for(gpu, before.archs)
+    except ValueError:
+        return None
+    cubins = compile_stage(before, before.source_path, arch)
+    return {"stage": before.name, "cubins": {key: str(c.path) for key, c in cubins.items()}}
+
+
+def _previous_stage_figures(timings: dict, previous: dict | None, ms: float) -> dict | None:
+    if previous is None or PREVIOUS not in timings:
+        return None
+    before_ms = timings[PREVIOUS]["ms"]
+    return {"stage": previous["stage"], "ms": before_ms, "speedup": before_ms / ms}
+
+
 def benchmark(stage, cubins, gpu, timeout_s: float, budget_s: float, progress) -> list[dict]:
     problem = reference.load(stage.problem)
+    previous = previous_stage_job(stage, gpu)
     shapes = problem.benchmarks() + list(stage.extra_benchmarks)
     spec = spec_for(gpu.name)
     rows: dict[int, dict] = {}
@@ -112,6 +136,8 @@ def benchmark(stage, cubins, gpu, timeout_s: float, budget_s: float, progress) -
     def on_done(event):
         shape = shapes[event["index"]]
         timings = event["timings"]
+        previous_stage = _previous_stage_figures(timings, previous, timings["kernel"]["ms"])
+        timings = {n: t for n, t in timings.items() if n != PREVIOUS}
         baseline_ms = {n: t["ms"] for n, t in timings.items() if n != "kernel"}
         baseline_ms.update({n: None for n in event["skipped"]})
         kernel = timings["kernel"]
@@ -124,6 +150,8 @@ def benchmark(stage, cubins, gpu, timeout_s: float, budget_s: float, progress) -
                "output_written": event["output_written"], "launches": event["launches"]}
         row.update(grading.benchmark_figures(shape, kernel["ms"], baseline_ms, problem.flops(shape),
                                              problem.min_bytes(shape), spec))
+        if previous_stage:
+            row["previous_stage"] = previous_stage
         if hasattr(problem, "notes"):  # a problem's own remarks on the timings (e.g. % of the whole MoE layer)
             row["notes"] = problem.notes(shape, kernel["ms"], baseline_ms)
         if not event["output_written"]:
@@ -131,7 +159,7 @@ def benchmark(stage, cubins, gpu, timeout_s: float, budget_s: float, progress) -
         rows[event["index"]] = row
         progress("bench", len(rows), len(shapes), row["label"], True)
 
-    job = _job(stage, cubins, "benchmark", l2_bytes=gpu.l2_bytes, budget_s=budget_s)
+    job = _job(stage, cubins, "benchmark", l2_bytes=gpu.l2_bytes, budget_s=budget_s, previous=previous)
     failures = run_items(job, "shapes", list(enumerate(shapes)), on_done, timeout_s)
     for index, failure in failures.items():
         rows[index] = {"shape": {k: v for k, v in shapes[index].items() if k != "dtype"},
@@ -141,7 +169,7 @@ def benchmark(stage, cubins, gpu, timeout_s: float, budget_s: float, progress) -
 
 
 def _job(stage, cubins, phase: str, **extra) -> dict:
-    return {"stage": stage.name, "phase": phase, "kernel_names": list(stage.kernels),
+    return {"stage": stage.name, "phase": phase,
             "cubins": {key: str(c.path) for key, c in cubins.items()}, **extra}
 
 

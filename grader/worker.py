@@ -27,6 +27,10 @@ def is_cuda_error(error: Exception) -> bool:
     return "CUDA" in text or "cuda" in text
 
 
+# The name under which the previous stage's kernel is timed beside this one (not a library baseline).
+PREVIOUS = "previous stage"
+
+
 def variant_key(defines: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(defines.items()))
 
@@ -45,16 +49,20 @@ class Worker:
         self.stage = stages.load(job["stage"])
         self.problem = reference.load(self.stage.problem)
         self._kernel_sets = {}
+        previous = job.get("previous")
+        self.previous = (stages.load(previous["stage"]), previous["cubins"]) if previous else None
 
-    def kernels_for(self, inputs: dict):
+    def kernels_for(self, inputs: dict, stage=None, cubins: dict | None = None):
+        """The KernelSet these inputs need: of this stage, or of `stage` compiled as `cubins`."""
         from grader.launcher import KernelSet
 
+        stage, cubins = stage or self.stage, cubins or self.job["cubins"]
         key = variant_key(self.problem.variant(inputs))
-        if key not in self._kernel_sets:
-            if key not in self.job["cubins"]:
-                raise ValueError(f"this stage was not compiled for {key}")
-            self._kernel_sets[key] = KernelSet(self.job["cubins"][key], self.job["kernel_names"])
-        return self._kernel_sets[key]
+        if (stage.name, key) not in self._kernel_sets:
+            if key not in cubins:
+                raise ValueError(f"{stage.name} was not compiled for {key}")
+            self._kernel_sets[stage.name, key] = KernelSet(cubins[key], list(stage.kernels))
+        return self._kernel_sets[stage.name, key]
 
     def run_kernel(self, inputs: dict, outputs: dict):
         import torch
@@ -122,7 +130,10 @@ class Worker:
 
         candidates = {"kernel": ours}
         skipped = {}
-        for name, run in self.problem.baselines(inputs).items():
+        others = dict(self.problem.baselines(inputs))
+        if self.previous:
+            others[PREVIOUS] = self.previous_stage_run(inputs)
+        for name, run in others.items():
             try:
                 run()
                 torch.cuda.synchronize()
@@ -130,11 +141,19 @@ class Worker:
             except torch.cuda.OutOfMemoryError:
                 skipped[name] = "out of memory"
             torch.cuda.empty_cache()
-        memory = {name: extra_memory(run) for name, run in candidates.items()}
+        memory = {name: extra_memory(run) for name, run in candidates.items() if name != PREVIOUS}
         timings = time_side_by_side(candidates, self.job["l2_bytes"], budget_s=self.job["budget_s"])
         occupancy = {name: kernels.occupancy(name) | vars(kernels.launches[name]) for name in kernels.launches}
         return dict(timings={n: t.as_dict() for n, t in timings.items()}, memory=memory, skipped=skipped,
                     output_written=written, launches=occupancy)
+
+
+    def previous_stage_run(self, inputs: dict):
+        """A callable that runs the previous stage's kernel on these inputs (its own outputs)."""
+        stage, cubins = self.previous
+        kernels = self.kernels_for(inputs, stage, cubins)
+        outputs = self.problem.allocate_outputs(inputs)
+        return lambda: self.problem.run_stage(stage, kernels, inputs, outputs)
 
 
 def main(path: str) -> int:

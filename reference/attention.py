@@ -40,7 +40,8 @@ def _case(index, B, H, Sq, Skv, D, causal, dtype, input_scale=1.0, base_seed=0) 
 
 
 # (B, H, Sq, Skv, D, causal, dtype, input scale): single rows, lengths that are no multiple of any
-# tile, Sq != Skv both ways, both masks, both dtypes, large scores, many heads, a long sequence.
+# tile, Sq != Skv both ways, both masks, both dtypes, large scores, many heads, a long sequence,
+# more (batch, head) pairs than a grid dimension other than x holds.
 _CASES = [
     (1, 1, 1, 1, 64, False, "float16", 1), (1, 1, 1, 1, 128, True, "bfloat16", 1),
     (2, 3, 17, 17, 64, True, "float16", 1), (1, 2, 17, 17, 128, False, "bfloat16", 1),
@@ -54,6 +55,8 @@ _CASES = [
     (1, 1, 2047, 2047, 64, True, "float16", 10), (1, 1, 1, 1, 128, False, "bfloat16", 10),
     (4, 8, 256, 256, 64, True, "bfloat16", 1), (8, 1, 96, 96, 64, True, "float16", 1),
     (3, 5, 4096, 4096, 128, False, "float16", 1), (1, 1, 4096, 4096, 64, True, "bfloat16", 10),
+    # more (batch, head) pairs than a grid's y or z dimension holds (65,535): a decode-sized batch
+    (280, 250, 16, 16, 64, False, "float16", 1), (300, 229, 5, 33, 128, True, "bfloat16", 1),
 ]
 
 _BENCHMARKS = [

@@ -76,6 +76,13 @@ def stage_names() -> list[str]:
                   key=lambda n: int(re.match(r"stage(\d+)", n).group(1)))
 
 
+def previous(stage: Stage) -> Stage | None:
+    """The stage before `stage` on the same problem (stage 2 for stage 3), or None for the first."""
+    earlier = [load(n) for n in stage_names() if int(re.match(r"stage(\d+)", n).group(1)) < stage.number]
+    same_problem = [s for s in earlier if s.problem == stage.problem]
+    return same_problem[-1] if same_problem else None
+
+
 def load(name: str) -> Stage:
     """A stage by folder name ("stage0_naive") or by short name ("stage0", "0")."""
     wanted = name if name.startswith("stage") else f"stage{name}"

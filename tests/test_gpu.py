@@ -4,16 +4,17 @@ import pytest
 
 import stages
 from conftest import gpu
-from grader import device
+from grader import device, exercise
+from grader.grading import BANDS
 from grader.run import grade_stage
 from mutations import mutate
 
 pytestmark = pytest.mark.gpu
 
 
-def _grade(stage, path, **kw):
+def _grade(stage, path, bench=False, **kw):
     found, _ = gpu()
-    return grade_stage(stage, path, found, device.arch_for(found, stage.archs), bench=False, **kw)
+    return grade_stage(stage, path, found, device.arch_for(found, stage.archs), bench=bench, **kw)
 
 
 def _runnable(name):
@@ -33,6 +34,26 @@ def test_stage_passes_every_case(name):
     result = _grade(stage, stage.source_path)
     failed = [c["name"] for c in result["correctness"]["cases"] if not c["passed"]]
     assert not failed, f"{name} fails {failed}"
+
+
+LETTERS = [letter for letter, _ in BANDS] + ["F"]
+
+
+@pytest.mark.parametrize("name", stages.stage_names())
+def test_an_untouched_exercise_fails_or_grades_two_bands_below_the_solution(name, tmp_path, monkeypatch):
+    """An exercise done before the learner starts teaches nothing: `init`'s copy, graded as it is,
+    must fail correctness, or grade at least two bands below the course's kernel."""
+    if not _runnable(name):
+        pytest.skip(f"{name} does not run on this GPU")
+    stage = stages.load(name)
+    monkeypatch.setattr(exercise, "WORKSPACE", tmp_path)
+    untouched = _grade(stage, exercise.init(stage), bench=True)
+    if untouched["correctness"]["failed"]:
+        return
+    solution = _grade(stage, stage.source_path, bench=True)
+    gap = LETTERS.index(untouched["grade"]) - LETTERS.index(solution["grade"])
+    assert gap >= 2, (f"{name}'s untouched exercise passes every case and grades {untouched['grade']}, "
+                      f"the solution {solution['grade']}")
 
 
 @pytest.mark.parametrize("mutation,cases", [("no_max_subtraction", "x10"), ("half_written_output", "Sq17|Sq239"),

@@ -5,22 +5,24 @@ Three kernels and an O(S²) workspace: the baseline every later stage improves o
 import torch
 
 from stages import Goal, Stage
+from stages.common.attention import head_slices
 
 
 TILE = 32  # as in attention.cu
 
 
 def launch(kernels, q, k, v, o, lse, scale, causal):
-    batch, heads, seq_q, head_dim = q.shape
+    batch, heads, seq_q, _ = q.shape
     seq_kv = k.shape[2]
-    rows = batch * heads * seq_q
-    scores = torch.empty(rows * seq_kv, dtype=torch.float32, device=q.device)  # the O(S²) workspace
+    scores = torch.empty(batch, heads, seq_q * seq_kv, dtype=torch.float32, device=q.device)  # the O(S²) workspace
 
     query_tiles, key_tiles = -(-seq_q // TILE), -(-seq_kv // TILE)
-    kernels.attention_scores((key_tiles, query_tiles, batch * heads), (32, 8), q, k, scores, seq_q, seq_kv,
-                             scale, int(causal))
-    kernels.attention_softmax((rows,), (256,), scores, lse, seq_kv)
-    kernels.attention_pv((query_tiles, batch * heads), (32, 8), scores, v, o, seq_q, seq_kv)
+    for q_, k_, v_, o_, lse_, scores_ in head_slices(q, k, v, o, lse, scores):  # B·H in grid.z / grid.y
+        pairs = q_.shape[0]
+        kernels.attention_scores((key_tiles, query_tiles, pairs), (32, 8), q_, k_, scores_, seq_q, seq_kv,
+                                 scale, int(causal))
+        kernels.attention_softmax((pairs * seq_q,), (256,), scores_, lse_, seq_kv)
+        kernels.attention_pv((query_tiles, pairs), (32, 8), scores_, v_, o_, seq_q, seq_kv)
 
 
 STAGE = Stage(

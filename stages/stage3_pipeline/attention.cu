@@ -336,11 +336,8 @@ attention_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         // warp is done with tile - 1, whose buffer is the one to refill. Then issue the copies of
         // tile + KV_STAGES - 1 (if it exists) with load_kv_tile_async, and commit the group --
         // also when it is empty, so that the count in the wait above stays right.
-        // STUB: __syncthreads();  // synchronous fallback: every warp is done with this buffer's last tile
-        // STUB: if (tile >= KV_STAGES - 1) load_kv_tile_async(k_ring, v_ring, k_head, v_head, tile, seq_kv);
-        // STUB: cp_async_commit();
-        // STUB: cp_async_wait<0>();
-        // STUB: __syncthreads();
+        // STUB: cp_async_wait<0>();  // waits for the prologue's copies, but nothing refills the ring:
+        // STUB: __syncthreads();      // from the second tile on, the buffers hold stale data (wrong results)
         cp_async_wait<KV_STAGES - 2>();
         __syncthreads();
         const int next = tile + KV_STAGES - 1;

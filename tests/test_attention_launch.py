@@ -1,0 +1,65 @@
+"""Launch geometry of the attention stages, without a GPU: any B·H a tensor can hold fits CUDA's grid
+limits (grid.y and grid.z stop at 65,535), and a launch beyond them is refused in one line."""
+import pytest
+import torch
+
+import reference
+import stages
+from grader.launcher import GRID_LIMITS, LaunchGeometryError, check_geometry
+from stages.common.attention import head_slices
+
+# Stages whose launch runs without a driver (stage 4 builds TMA descriptors, which needs one).
+PLAIN_LAUNCH_STAGES = ["stage0", "stage1", "stage2", "stage3"]
+
+
+class RecordingKernels:
+    """Stands in for a KernelSet: records each launch's grid and the pointers it was given."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getattr__(self, name):
+        return lambda grid, block, *args, smem=0: self.launches.append((name, tuple(grid), tuple(block), args))
+
+
+def test_the_problem_has_more_heads_than_a_grid_dimension_holds():
+    cases = reference.load("attention").cases()
+    assert any(c.shape["B"] * c.shape["H"] > GRID_LIMITS[1] for c in cases)
+
+
+@pytest.mark.parametrize("name", PLAIN_LAUNCH_STAGES)
+def test_every_launch_fits_the_grid_limits_at_70000_heads(name):
+    stage = stages.load(name)
+    B, H, S, D = 280, 250, 16, 64
+    q, k, v, o = (torch.empty(B, H, S, D, dtype=torch.float16, device="meta") for _ in range(4))
+    lse = torch.empty(B, H, S, dtype=torch.float32, device="meta")
+    kernels = RecordingKernels()
+    stage.launch(kernels, q, k, v, o, lse, 0.125, False)
+    for kernel, grid, block, _ in kernels.launches:
+        check_geometry(kernel, grid, block)
+    # every (batch, head) pair is launched once: the launches of the last kernel cover B·H pairs
+    last = kernels.launches[-1][0]
+    covered = sum(grid[1] for kernel, grid, _, _ in kernels.launches if kernel == last)
+    assert covered == B * H
+
+
+def test_head_slices_cut_b_h_into_views_of_at_most_the_limit():
+    q = torch.arange(2 * 7 * 3, dtype=torch.float32).reshape(2, 7, 3)
+    lse = torch.arange(2 * 7, dtype=torch.float32).reshape(2, 7)
+    slices = list(head_slices(q, lse, pairs_per_launch=5))
+    assert [s[0].shape[0] for s in slices] == [5, 5, 4]
+    assert torch.equal(torch.cat([s[0] for s in slices]), q.flatten(0, 1))
+    assert torch.equal(torch.cat([s[1] for s in slices]), lse.flatten(0, 1))
+    assert slices[1][0].data_ptr() == q.data_ptr() + 5 * 3 * 4  # a view: the pointer moves, nothing is copied
+
+
+@pytest.mark.parametrize("grid,block,says", [((1, 70000), (128,), "grid.y = 70000"), ((1, 1, 65536), (32,), "grid.z"),
+                                             ((0,), (32,), "grid.x = 0"), ((4,), (32, 33), "1056 threads")])
+def test_a_launch_beyond_the_limits_is_one_line(grid, block, says):
+    with pytest.raises(LaunchGeometryError) as error:
+        check_geometry("attention_fwd", grid, block)
+    assert says in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_launch_within_the_limits_passes():
+    check_geometry("attention_fwd", (2**31 - 1, 65535, 65535), (1024,))
