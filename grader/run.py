@@ -7,13 +7,14 @@ from pathlib import Path
 
 import reference
 import stages
+from stages import variant_key
 from grader import grading, sass
 from grader.compiler import REPO, CompileError, compile_cubin
 from grader.device import arch_for
 from grader.gpus import spec_for
 from grader.isolation import run_items
 from grader.results import source_digest
-from grader.worker import PREVIOUS, variant_key
+from grader.worker import PREVIOUS
 
 
 class GraderError(Exception):
@@ -42,7 +43,8 @@ def compile_stage(stage, kernel_path: Path, arch: str) -> dict:
     """{variant key: Cubin} for every dtype × specialization; GraderError for a signature problem."""
     problem = reference.load(stage.problem)
     cubins = {}
-    for defines in stage.variants(problem.dtypes):
+    for variant in stage.variants(problem):
+        defines = stage.defines(variant)
         try:
             cubins[variant_key(defines)] = compile_cubin(kernel_path, arch, defines, signature_checks(stage.kernels))
         except CompileError as error:
@@ -152,8 +154,8 @@ def benchmark(stage, cubins, gpu, timeout_s: float, budget_s: float, progress) -
                                              problem.min_bytes(shape), spec))
         if previous_stage:
             row["previous_stage"] = previous_stage
-        if hasattr(problem, "notes"):  # a problem's own remarks on the timings (e.g. % of the whole MoE layer)
-            row["notes"] = problem.notes(shape, kernel["ms"], baseline_ms)
+        if notes := problem.notes(shape, kernel["ms"], baseline_ms):
+            row["notes"] = notes
         if not event["output_written"]:
             row["flags"].append("output not fully written (NaN left) at this shape")
         rows[event["index"]] = row

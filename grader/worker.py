@@ -31,10 +31,6 @@ def is_cuda_error(error: Exception) -> bool:
 PREVIOUS = "previous stage"
 
 
-def variant_key(defines: dict) -> str:
-    return ",".join(f"{k}={v}" for k, v in sorted(defines.items()))
-
-
 class Worker:
     def __init__(self, job: dict):
         import torch
@@ -55,9 +51,10 @@ class Worker:
     def kernels_for(self, inputs: dict, stage=None, cubins: dict | None = None):
         """The KernelSet these inputs need: of this stage, or of `stage` compiled as `cubins`."""
         from grader.launcher import KernelSet
+        from stages import variant_key
 
         stage, cubins = stage or self.stage, cubins or self.job["cubins"]
-        key = variant_key(self.problem.variant(inputs))
+        key = variant_key(stage.defines(self.problem.variant(inputs)))
         if (stage.name, key) not in self._kernel_sets:
             if key not in cubins:
                 raise ValueError(f"{stage.name} was not compiled for {key}")

@@ -11,24 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from reference import tolerance
+from reference.problem import FLOAT_POISON, Case, Problem
 
-DTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 LSE_RTOL = 4e-5  # fp32 scores over D <= 128 terms: a few ulp of Σ|q·k|, relative to 1 + |lse|
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    shape: dict          # B, H, Sq, Skv, D, causal
-    dtype: str           # "float16" | "bfloat16"
-    input_scale: float   # 1, or 10 for large scores
-    seed: int
 
 
 def _case(index, B, H, Sq, Skv, D, causal, dtype, input_scale=1.0, base_seed=0) -> Case:
@@ -67,11 +57,11 @@ _BENCHMARKS = [
 ]
 
 
-@dataclass
-class AttentionProblem:
-    name: str = "attention"
-    dtypes: dict = field(default_factory=lambda: dict(DTYPES))
-    outputs: tuple = ("o", "lse")
+class AttentionProblem(Problem):
+    name = "attention"
+    outputs = ("o", "lse")
+    primary_input = "q"
+    parameters = {"D": (64, 128)}  # the head dimension, which kernels take as a compile-time constant
 
     # ---- cases and shapes -------------------------------------------------------------------
     def cases(self, seed: int = 0) -> list[Case]:
@@ -98,11 +88,11 @@ class AttentionProblem:
 
     def allocate_outputs(self, inputs: dict) -> dict:
         q = inputs["q"]
-        return dict(o=torch.full_like(q, float("nan")),
-                    lse=torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device))
+        return dict(o=torch.full_like(q, FLOAT_POISON),
+                    lse=torch.full(q.shape[:3], FLOAT_POISON, dtype=torch.float32, device=q.device))
 
-    def variant(self, inputs: dict) -> dict:
-        return {"ELEM_T": self.dtypes[str(inputs["q"].dtype).removeprefix("torch.")], "HEAD_DIM": str(inputs["q"].shape[-1])}
+    def parameter_values(self, inputs: dict) -> dict:
+        return {"D": inputs["q"].shape[-1]}
 
     def run_stage(self, stage, kernels, inputs: dict, outputs: dict) -> None:
         stage.launch(kernels, inputs["q"], inputs["k"], inputs["v"], outputs["o"], outputs["lse"],

@@ -24,12 +24,10 @@ token-slots' rows of x_perm in and of y_perm out.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from reference import moe, tolerance
-from reference.moe_routing import DTYPES, Case
+from reference.problem import FLOAT_POISON, Case, Problem
 
 BLOCK = 128  # every expert's segment starts at a multiple of 128 rows, as stage 5 pads it for the GEMM tiles
 
@@ -92,11 +90,10 @@ def make_layer(shape: dict, dtype: str, seed: int, input_scale: float = 1.0, dev
                           device=device)
 
 
-@dataclass
-class MoeExpertsProblem:
-    name: str = "moe_experts"
-    dtypes: dict = field(default_factory=lambda: dict(DTYPES))
-    outputs: tuple = ("y_perm",)
+class MoeExpertsProblem(Problem):
+    name = "moe_experts"
+    primary_input = "x_perm"
+    outputs = ("y_perm",)
 
     # ---- cases and shapes -------------------------------------------------------------------
     def cases(self, seed: int = 0) -> list[Case]:
@@ -119,11 +116,8 @@ class MoeExpertsProblem:
     def allocate_outputs(self, inputs: dict) -> dict:
         """y_perm: NaN in the valid rows (so that an unwritten one shows), 0 in the padding rows."""
         y = torch.zeros_like(inputs["x_perm"])
-        y[valid_rows(inputs["expert_offsets"], inputs["expert_counts"])] = float("nan")
+        y[valid_rows(inputs["expert_offsets"], inputs["expert_counts"])] = FLOAT_POISON
         return dict(y_perm=y)
-
-    def variant(self, inputs: dict) -> dict:
-        return {"ELEM_T": self.dtypes[str(inputs["x_perm"].dtype).removeprefix("torch.")]}
 
     def run_stage(self, stage, kernels, inputs: dict, outputs: dict) -> None:
         i = inputs

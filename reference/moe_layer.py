@@ -22,23 +22,20 @@ and topk_ids out.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from reference import moe, moe_experts, tolerance
-from reference.moe_routing import DTYPES, INT_POISON, Case
+from reference.problem import FLOAT_POISON, INT_POISON, Case, Problem
 
 # fp32 logits of unit size, summed over hidden <= 7168 terms in any order: at most ~4e-6 from the exact
 # ones even summed one term at a time (measured), relative to 1 + |logit|.
 TIE_TOL = 1e-5
 
 
-@dataclass
-class MoeLayerProblem:
-    name: str = "moe_layer"
-    dtypes: dict = field(default_factory=lambda: dict(DTYPES))
-    outputs: tuple = ("topk_ids", "out")
+class MoeLayerProblem(Problem):
+    name = "moe_layer"
+    primary_input = "x"
+    outputs = ("topk_ids", "out")
 
     # ---- cases and shapes: those of moe_experts ----------------------------------------------------
     def cases(self, seed: int = 0) -> list[Case]:
@@ -56,11 +53,8 @@ class MoeLayerProblem:
 
     def allocate_outputs(self, inputs: dict) -> dict:
         x, k = inputs["x"], inputs["top_k"]
-        return dict(out=torch.full_like(x, float("nan")),
+        return dict(out=torch.full_like(x, FLOAT_POISON),
                     topk_ids=torch.full((x.shape[0], k), INT_POISON, dtype=torch.int32, device=x.device))
-
-    def variant(self, inputs: dict) -> dict:
-        return {"ELEM_T": self.dtypes[str(inputs["x"].dtype).removeprefix("torch.")]}
 
     def run_stage(self, stage, kernels, inputs: dict, outputs: dict) -> None:
         i = inputs

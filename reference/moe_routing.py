@@ -29,26 +29,14 @@ the combine (k rows of y_perm read and one row written per token) is nearly all 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from reference import moe, tolerance
+from reference.problem import FLOAT_POISON, INT_POISON, Case, Problem
 
-DTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 ALPHA = 0.01          # the Switch Transformer's load-balancing coefficient
 WEIGHT_RTOL = 1e-5    # fp32 exp and one division: a few ulp, relative to 1 + |w|
 LOSS_RTOL = 1e-5      # sums of T fp32 probabilities in any order (atomics), relative to 1 + |value|
-INT_POISON = -(2**31) + 7  # what integer outputs hold before the kernel runs (-1 is a valid value)
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    shape: dict          # tokens, experts, top_k, block, hidden; optional skew, empty, ties
-    dtype: str           # of y_perm and out
-    input_scale: float   # 1, or 10 for large logits
-    seed: int
 
 
 def _case(index, T, E, k, block, hidden, dtype, input_scale=1.0, base_seed=0, **knobs) -> Case:
@@ -100,11 +88,12 @@ def _benchmarks() -> list[dict]:
     return shapes
 
 
-@dataclass
-class MoeRoutingProblem:
-    name: str = "moe_routing"
-    dtypes: dict = field(default_factory=lambda: dict(DTYPES))
-    outputs: tuple = ("topk_ids", "topk_weights", "expert_counts", "expert_offsets", "dest", "source_token",
+class MoeRoutingProblem(Problem):
+    """Shapes: tokens, experts, top_k, block, hidden; optional skew, empty, ties. The dtype is y_perm's
+    and out's; the input scale 10 makes large logits."""
+    name = "moe_routing"
+    primary_input = "y_perm"
+    outputs = ("topk_ids", "topk_weights", "expert_counts", "expert_offsets", "dest", "source_token",
                       "aux_loss", "usage_var", "out")
 
     # ---- cases and shapes -------------------------------------------------------------------
@@ -139,14 +128,11 @@ class MoeRoutingProblem:
             return torch.full(shape, INT_POISON, dtype=torch.int32, device=device)
 
         def floats(*shape, dtype=torch.float32):
-            return torch.full(shape, float("nan"), dtype=dtype, device=device)
+            return torch.full(shape, FLOAT_POISON, dtype=dtype, device=device)
 
         return dict(topk_ids=ints(T, k), topk_weights=floats(T, k), expert_counts=ints(E),
                     expert_offsets=ints(E + 1), dest=ints(T, k), source_token=ints(y_perm.shape[0]),
                     aux_loss=floats(), usage_var=floats(), out=floats(T, y_perm.shape[1], dtype=y_perm.dtype))
-
-    def variant(self, inputs: dict) -> dict:
-        return {"ELEM_T": self.dtypes[str(inputs["y_perm"].dtype).removeprefix("torch.")]}
 
     def run_stage(self, stage, kernels, inputs: dict, outputs: dict) -> None:
         o = outputs

@@ -15,6 +15,7 @@ from typing import Callable
 
 STAGES_DIR = Path(__file__).resolve().parent
 ALL_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a")
+ELEM_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}  # a problem's dtype -> the kernel's ELEM_T
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class Stage:
     kernels: dict[str, str]         # kernel name -> its C parameter list, checked at compile time
     launch: Callable                # launch(kernels, *problem tensors and parameters)
     archs: tuple[str, ...] = ALL_ARCHS
-    specializations: dict[str, tuple] = field(default_factory=dict)  # -D macros compiled in, e.g. HEAD_DIM
+    specializations: dict[str, str] = field(default_factory=dict)  # -D macro -> the problem parameter it takes
     goal: Goal = Goal()
     extra_benchmarks: tuple = ()    # shapes timed after the problem's own (dicts as problem.benchmarks())
 
@@ -63,12 +64,22 @@ class Stage:
         doc = importlib.import_module(f"stages.{self.name}").__doc__ or self.name
         return doc.strip().splitlines()[0]
 
-    def variants(self, dtype_macros: dict[str, str]) -> list[dict[str, str]]:
-        """Every combination of -D macros to compile: the problem's dtypes × the stage's specializations."""
-        names = list(self.specializations)
-        combos = list(itertools.product(*(self.specializations[n] for n in names)))
-        return [{"ELEM_T": elem, **{n: str(v) for n, v in zip(names, combo)}}
-                for elem in dtype_macros.values() for combo in combos]
+    def variants(self, problem) -> list[dict]:
+        """Every variant of the problem to compile for: its dtypes × the values of the parameters the
+        stage specializes on (reference.problem.Problem.variant says which one given inputs need)."""
+        taken = list(self.specializations.values())
+        return [{"dtype": dtype, **dict(zip(taken, values))} for dtype in problem.dtypes
+                for values in itertools.product(*(problem.parameters[name] for name in taken))]
+
+    def defines(self, variant: dict) -> dict[str, str]:
+        """The -D macros of a variant: ELEM_T for the dtype, then each specialization's parameter."""
+        return {"ELEM_T": ELEM_TYPES[variant["dtype"]],
+                **{macro: str(variant[name]) for macro, name in self.specializations.items()}}
+
+
+def variant_key(defines: dict[str, str]) -> str:
+    """The name of one compiled variant, e.g. "ELEM_T=__half,HEAD_DIM=64" (the results' keys too)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(defines.items()))
 
 
 def stage_names() -> list[str]:

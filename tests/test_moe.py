@@ -266,8 +266,8 @@ def test_inputs_are_seeded_and_outputs_poisoned():
     assert set(out) == set(P.outputs)
     for name, t in out.items():
         assert (t == INT_POISON).all() if t.dtype == torch.int32 else t.isnan().all(), name
-    assert P.variant(a) == {"ELEM_T": "__nv_bfloat16"}
-    assert P.variant(small_inputs(dtype="float16")) == {"ELEM_T": "__half"}
+    assert P.variant(a) == {"dtype": "bfloat16"}
+    assert P.variant(small_inputs(dtype="float16")) == {"dtype": "float16"}
 
 
 def test_notes_put_the_kernel_beside_the_layer():

@@ -51,8 +51,8 @@ def test_inputs_are_seeded_and_outputs_poisoned():  # and every case's dimension
     valid = torch.zeros(a["x_perm"].shape[0], dtype=torch.bool)
     valid[P.reference(a)["valid_rows"]] = True
     assert out["y_perm"][valid].isnan().all() and (out["y_perm"][~valid] == 0).all()  # NaN where checked
-    assert P.variant(a) == {"ELEM_T": "__nv_bfloat16"}
-    assert P.variant(small_inputs(dtype="float16")) == {"ELEM_T": "__half"}
+    assert P.variant(a) == {"dtype": "bfloat16"}
+    assert P.variant(small_inputs(dtype="float16")) == {"dtype": "float16"}
 
 
 @pytest.mark.parametrize("knobs", [dict(T=45, E=6, k=2), dict(T=1, E=8, k=2), dict(T=300, E=4, k=1, skew=6),

@@ -60,8 +60,8 @@ def test_inputs_are_seeded_and_outputs_poisoned():
     out = P.allocate_outputs(a)
     assert set(out) == set(P.outputs) and out["out"].isnan().all() and out["out"].shape == (40, 32)
     assert out["topk_ids"].shape == (40, 2) and (out["topk_ids"] == INT_POISON).all()
-    assert P.variant(a) == {"ELEM_T": "__nv_bfloat16"}
-    assert P.variant(small_inputs(dtype="float16")) == {"ELEM_T": "__half"}
+    assert P.variant(a) == {"dtype": "bfloat16"}
+    assert P.variant(small_inputs(dtype="float16")) == {"dtype": "float16"}
     assert P.benchmarks() == load("moe_experts").benchmarks() and P.cases() == load("moe_experts").cases()
 
 

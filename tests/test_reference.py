@@ -72,4 +72,4 @@ def test_inputs_are_seeded_and_outputs_poisoned():
     assert torch.equal(a["q"], b["q"]) and not torch.equal(a["q"], c["q"])
     out = P.allocate_outputs(a)
     assert out["o"].isnan().all() and out["lse"].isnan().all()
-    assert P.variant(a) == {"ELEM_T": "__nv_bfloat16", "HEAD_DIM": "64"}
+    assert P.variant(a) == {"dtype": "bfloat16", "D": 64}

@@ -35,7 +35,7 @@ STAGE = Stage(
         "attention_pv": "const float*, const elem_t*, elem_t*, int, int",
     },
     launch=launch,
-    specializations={"HEAD_DIM": (64, 128)},
+    specializations={"HEAD_DIM": "D"},  # the head dimension, compiled in
     # The same O(S²) algorithm as naive PyTorch, but on CUDA cores in fp32 (67 TFLOP/s on an H100, against
     # the 989 of the tensor cores naive PyTorch's matmuls use) and with fp32 scores (twice the bytes):
     # its floor is about twice naive PyTorch's time, so half of naive PyTorch's speed counts as 100%.

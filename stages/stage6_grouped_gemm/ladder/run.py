@@ -23,9 +23,10 @@ from importlib import metadata
 from pathlib import Path
 
 import stages
+from stages import variant_key
 from grader.compiler import compile_cubin, nvrtc_version
 from grader.run import compile_stage, relative, resources, signature_checks
-from grader.worker import is_cuda_error, variant_key
+from grader.worker import is_cuda_error
 from reference import moe
 from reference.moe_experts import PROBLEM
 
@@ -64,7 +65,7 @@ WGMMA = "wgmma"  # rung 3: the stage's kernels, launched by the stage's own laun
 def compile_rung(rung: Rung, arch: str) -> dict:
     """{variant key: Cubin} for fp16 and bf16, with the grader's check of the kernels' signatures."""
     checks = signature_checks(KERNELS)
-    return {variant_key(d): compile_cubin(rung.source, arch, d, checks) for d in STAGE.variants(PROBLEM.dtypes)}
+    return {variant_key(d): compile_cubin(rung.source, arch, d, checks) for d in map(STAGE.defines, STAGE.variants(PROBLEM))}
 
 
 def print_resources(label: str, arch: str, cubins: dict) -> None:
@@ -101,7 +102,7 @@ def rung_binder(rung: Rung, kernel_sets: dict):
         x, offsets, w1, w2 = (inputs[n] for n in ("x_perm", "expert_offsets", "w1", "w2"))
         experts, hidden, inter = w1.shape[0], w1.shape[1], w2.shape[1]
         h = torch.empty(x.shape[0], inter, dtype=x.dtype, device=x.device)
-        kernels = kernel_sets[variant_key(PROBLEM.variant(inputs))]
+        kernels = kernel_sets[variant_key(STAGE.defines(PROBLEM.variant(inputs)))]
         sms = sm_count(x.device)
 
         def launch(name, *args):
@@ -117,7 +118,7 @@ def rung_binder(rung: Rung, kernel_sets: dict):
 def stage_binder(kernel_sets: dict):
     """bind(inputs, outputs) -> run(): the stage's launch, exactly as the grader's worker calls it."""
     def bind(inputs: dict, outputs: dict):
-        kernels = kernel_sets[variant_key(PROBLEM.variant(inputs))]
+        kernels = kernel_sets[variant_key(STAGE.defines(PROBLEM.variant(inputs)))]
         return lambda: PROBLEM.run_stage(STAGE, kernels, inputs, outputs)
     return bind
 
@@ -214,7 +215,7 @@ def on_gpu(args) -> None:
     passing &= check_all(binders, inputs, label)
 
     for rung in RUNGS:  # the persistent grids, and how many of their blocks an SM holds at once
-        kernels = kernel_sets[rung.name][variant_key(PROBLEM.variant(inputs))]
+        kernels = kernel_sets[rung.name][variant_key(STAGE.defines(PROBLEM.variant(inputs)))]
         print(f"  {rung.name}: " + ", ".join(
             f"{kernel} {kernels.launches[kernel].grid[0]} blocks, {kernels.occupancy(kernel)['blocks_per_sm']} per SM"
             for kernel in KERNELS if kernel in kernels.launches))
