@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import types
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -293,6 +294,84 @@ def test_without_results_the_pages_say_not_measured(empty_site):
     assert "fm-ladder" not in (empty_site / "index.html").read_text()
     for d in STAGE_DIRS:
         assert "not measured yet" in (empty_site / stage_page(d) / "index.html").read_text(), d.name
+
+
+# ---------------------------------------------------------------- measured figures in the lessons' prose
+# A measured figure in a lesson comes from the results when the site is built, through a placeholder
+# `<!-- figure:<stage>:<shape label>:<field> -->` (docs/hooks/course.py lists the fields), or sits in
+# a passage labelled as a dated measurement the results do not hold: "A/B on an H100, session of
+# 2026-11-22: ...", "Profile on the H100, session of ...", "Measured on the H100, session of ...".
+# A passage of datasheet values, goals or arithmetic says so in an HTML comment, `<!-- not measured:
+# why -->`. A table takes the label of the paragraph just before it.
+
+FIGURE = re.compile(r"<!-- figure:(\w+):([^:>]+):([\w.]+) -->")
+MEASURED_LOOKING = re.compile(r"\d+(?:\.\d+)? ?(?:ms\b|TFLOP/s|x\b|%|×(?! ?(?:\d|[A-Z]\b)))")  # not "16 × 8", "64 × D"
+DATED = re.compile(r"\b(?:A/B|[Pp]rofile|[Mm]easured)\s+on\s+(?:an|the)\s+[\w\s]+?,\s+session\s+of\s+\d{4}-\d{2}-\d{2}")
+NOT_MEASURED = re.compile(r"<!-- not measured: [^>]+-->")
+FENCED = re.compile(r"^[ \t]*```.*?^[ \t]*```[ \t]*$", re.S | re.M)
+PAGES = sorted((ROOT / "docs").rglob("*.md"))
+
+
+def bare_figures(markdown: str) -> list[str]:
+    """Measured-looking numbers outside placeholders, code and labelled passages, with their context."""
+    found, labelled = [], False
+    for block in re.split(r"\n[ \t]*\n", FENCED.sub("", markdown)):
+        is_table = block.lstrip().startswith("|")
+        labelled = bool(DATED.search(block) or NOT_MEASURED.search(block)) or (is_table and labelled)
+        if labelled:
+            continue
+        prose = re.sub(r"<!--.*?-->|`[^`\n]*`", "", block, flags=re.S)
+        found += [f"{m[0]!r} in: {' '.join(prose[max(0, m.start() - 70):m.end() + 20].split())}"
+                  for m in MEASURED_LOOKING.finditer(prose)]
+    return found
+
+
+def test_no_bare_measured_figures_in_the_lessons():
+    stale = [f"{page.relative_to(ROOT)}: {text}" for page in PAGES for text in bare_figures(page.read_text())]
+    assert not stale, ("a measured-looking figure that is neither a <!-- figure:... --> placeholder nor in a "
+                       "labelled passage (see the comment above bare_figures):\n" + "\n".join(stale))
+
+
+def test_the_scan_catches_bare_figures():
+    assert bare_figures("Stage 6 runs at 656 TFLOP/s, 1.2× the library.") == [
+        "'656 TFLOP/s' in: Stage 6 runs at 656 TFLOP/s, 1.2× the library.",
+        "'1.2×' in: Stage 6 runs at 656 TFLOP/s, 1.2× the library."]
+    assert bare_figures("It takes 0.25 ms, under 1% of the layer.") != []
+    assert bare_figures("A/B on the H100, session of 2026-11-22: 28.5 vs 27.4 ms.\n\n| a | 3 ms |") == []
+    assert bare_figures("A/B on the H100, session of 2026-11-22.\n\nThen 27.4 ms.") != []  # one paragraph only
+    assert bare_figures("<!-- not measured: the datasheet -->\n989 TFLOP/s of tensor math") == []
+    assert bare_figures("A 16 × 8 tile, 64 × D values, `x % 8`, <!-- figure:s:t:ms -->.\n\n```\n3 ms\n```") == []
+
+
+def test_prose_figures_come_from_the_results(monkeypatch):
+    """Every placeholder in the lessons names a stage, shape and field that results/*.json holds."""
+    monkeypatch.delenv("FLASHMOE_RESULTS_DIR", raising=False)
+    hook = load_hook()
+    runs = hook.load_runs()
+    missing = []
+    for page in PAGES:
+        for stage, shape, field in FIGURE.findall(page.read_text()):
+            run = next((r for r in runs if stage in r.get("stages", {})), {})
+            try:
+                hook.figure_value(run, stage, shape, field)
+            except hook.MissingFigure as error:
+                missing.append(f"{page.relative_to(ROOT)}: {error}")
+    assert not missing, "\n".join(missing)
+
+
+def test_a_figure_the_results_lack_fails_the_build(monkeypatch, fake_results):
+    monkeypatch.delenv("FLASHMOE_RESULTS_DIR", raising=False)
+    hook = load_hook()
+    page = types.SimpleNamespace(file=types.SimpleNamespace(src_path="stages/stage6.md"))
+    stage6 = hook.load_runs()[0]["stages"]["stage6_grouped_gemm"]["benchmarks"][0]["label"]
+    good = hook.on_page_markdown(f"<!-- figure:stage6_grouped_gemm:{stage6}:tflops -->", page, None, None)
+    assert re.fullmatch(r'<span class="fm-figure-value" title="[^"]+">[\d.,]+ TFLOP/s</span>', good)
+    for wrong in (f"stage6_grouped_gemm:T1 E1 k1:ms", f"stage9_missing:{stage6}:ms", f"stage6_grouped_gemm:{stage6}:gflops",
+                  f"stage6_grouped_gemm:{stage6}:x.no_such_baseline", f"stage6_grouped_gemm:{stage6}:previous_stage.x"):
+        with pytest.raises(hook.MissingFigure, match="stages/stage6.md"):
+            hook.on_page_markdown(f"<!-- figure:{wrong} -->", page, None, None)
+    monkeypatch.setenv("FLASHMOE_RESULTS_DIR", str(fake_results))  # someone else's results: no failure
+    assert "not measured" in hook.on_page_markdown("<!-- figure:stage6_grouped_gemm:T1 E1 k1:ms -->", page, None, None)
 
 
 # ---------------------------------------------------------------- in a browser

@@ -711,10 +711,11 @@ FIELDS = {  # name: (kind, what it is); "{}": the field's argument, a baseline o
     "baseline": ("ms", "the median time of {}"),
     "x": ("ratio", "the speed-up over {}"),
     "pct_of": ("pct", "% of the speed of {}"),
+    "tflops_of": ("tflops", "the TFLOP/s of {} (the same FLOPs over its time)"),
     "share_of": ("pct", "the time as a % of the time of {}"),
     "vs": ("ratio", "the speed-up over {}'s recorded median (separate runs)"),
 }
-TAKES_ARGUMENT = {"baseline", "x", "pct_of", "share_of", "vs"}
+TAKES_ARGUMENT = {"baseline", "x", "pct_of", "tflops_of", "share_of", "vs"}
 
 
 def figure_value(run: dict, stage: str, shape: str, field: str) -> float:
@@ -747,7 +748,7 @@ def raw_figure(run: dict, bench: dict, name: str, arg: str):
         return other and other["ms"] / bench["ms"]
     base = (bench.get("baselines") or {}).get(arg)
     return base and {"baseline": base, "x": base / bench["ms"], "pct_of": 100 * base / bench["ms"],
-                     "share_of": 100 * bench["ms"] / base}[name]
+                     "tflops_of": at_time(bench, "tflops", base), "share_of": 100 * bench["ms"] / base}[name]
 
 
 def written(value: float, kind: str) -> str:
