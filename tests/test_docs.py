@@ -6,6 +6,7 @@ selenium; it is skipped, with the reason, where they are missing, and fails inst
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import importlib.util
@@ -408,19 +409,32 @@ def browser(tmp_path):
     driver.quit()
 
 
-@pytest.fixture
-def served(fake_site):
+@contextlib.contextmanager
+def serve(folder: Path):
     class Quiet(SimpleHTTPRequestHandler):
         def log_message(self, *args):
             pass
 
-    handler = functools.partial(Quiet, directory=str(fake_site))
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(folder)))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def served(fake_site):
+    with serve(fake_site) as url:
+        yield url
+
+
+@pytest.fixture
+def served_site(site):
+    with serve(site) as url:
+        yield url
 
 
 @pytest.mark.browser
@@ -444,3 +458,24 @@ def test_pages_in_a_browser(browser, served):
     box.send_keys("softmax")
     WebDriverWait(browser, 20).until(lambda b: b.find_elements(By.CSS_SELECTOR, ".md-search-result__item"),
                                      "search gave no results")
+
+
+# A table wider than the page scrolls sideways inside the box Material wraps it in.
+OVERFLOWING_TABLES = """return Array.from(document.querySelectorAll('.fm-results table'))
+    .filter(t => !t.closest('details') || t.closest('details').open)
+    .filter(t => { const box = t.closest('.md-typeset__scrollwrap') || t; return box.scrollWidth > box.clientWidth + 1; })
+    .map(t => t.rows[0].innerText.replace(/\\s+/g, ' '))"""
+
+
+@pytest.mark.browser
+def test_results_tables_fit_a_1400_pixel_window(browser, served_site):
+    """The recorded results, as CI builds them: at 1400 px, with the nav and the table of contents
+    beside it, no visible results table scrolls sideways, so its key columns are on screen."""
+    from selenium.webdriver.common.by import By
+
+    browser.set_window_size(1400, 1000)
+    for d in STAGE_DIRS:
+        browser.get(f"{served_site}/{stage_page(d)}/")
+        if browser.find_elements(By.CSS_SELECTOR, ".fm-results"):
+            assert browser.find_element(By.CSS_SELECTOR, ".md-sidebar--secondary").is_displayed()
+            assert browser.execute_script(OVERFLOWING_TABLES) == [], f"{stage_page(d)}: a results table scrolls sideways"

@@ -607,7 +607,8 @@ def launches_table(benches: list[dict]) -> list[str]:
            "many blocks and warps of it fit on one SM at once (occupancy: those warps over the most an SM can hold):", "",
            "| Kernel | Shapes | Grid | Block | Dynamic shared memory | Per SM (occupancy) |", "|---|---|--:|--:|--:|--:|"]
     every = [label(b) for b in benches]
-    for (kernel, block, smem, blocks, warps, occupancy), uses in configs.items():
+    kernels = list(dict.fromkeys(config[0] for config in configs))  # in launch order, each kernel's rows together
+    for (kernel, block, smem, blocks, warps, occupancy), uses in sorted(configs.items(), key=lambda kv: kernels.index(kv[0][0])):
         per_sm = f"{blocks} blocks, {warps} warps ({num(None if occupancy is None else 100 * occupancy, '.0f', ' %')})"
         out.append(f"| `{kernel}` | {shapes_phrase([s for s, _ in uses], every, benches)} | {grid_text([g for _, g in uses])} "
                    f"| {' × '.join(map(str, block)) or '—'} | {kib(smem)} | {per_sm} |")
@@ -617,7 +618,7 @@ def launches_table(benches: list[dict]) -> list[str]:
 def grid_text(grids: list[list[int]]) -> str:
     distinct = list(dict.fromkeys(tuple(g) for g in grids))
     if len(distinct) == 1:
-        return " × ".join(map(str, distinct[0])) or "—"
+        return " × ".join(f"{n:,}" for n in distinct[0]) or "—"
     blocks = [math.prod(g) for g in distinct]
     return f"{min(blocks):,} – {max(blocks):,} blocks"
 
