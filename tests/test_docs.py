@@ -271,8 +271,10 @@ def test_one_panel_per_problem(fake_results, monkeypatch):
     ladder = hook.ladder_md([run])
     assert "% of bandwidth" in ladder and "layer_grouped_mm" not in ladder  # a yardstick, not a rival
     assert "Measured by only some of these stages, so not drawn" in ladder and "B4 H16 S2048 D64" in ladder
-    for commit in ("aaaaaaa", "bbbbbbb", "0123456"):  # stages 0 and 2, and stages 5 and 6 (the default)
-        assert f"commit `{commit}`" in ladder, commit
+    for stage, commit, day in (("0", "aaaaaaa", "2025-01-01"), ("2", "bbbbbbb", "2025-01-02"), ("5", "0123456", "2025-01-01"),
+                               ("6", "fedcba9", "2025-01-03")):  # stage 6 has no record of its own: the run's
+        assert re.search(rf"\[Stage {stage}\]\(stages/stage{stage}\.md\) \|.*\| `{commit}`, <span[^>]*>{day}</span> \|",
+                         ladder), stage
 
 
 def test_nulls_and_a_second_gpu(tmp_path, monkeypatch):
@@ -474,8 +476,8 @@ def test_results_tables_fit_a_1400_pixel_window(browser, served_site):
     from selenium.webdriver.common.by import By
 
     browser.set_window_size(1400, 1000)
-    for d in STAGE_DIRS:
-        browser.get(f"{served_site}/{stage_page(d)}/")
+    for page in [""] + [stage_page(d) + "/" for d in STAGE_DIRS]:  # the home page's grades, each stage's results
+        browser.get(f"{served_site}/{page}")
         if browser.find_elements(By.CSS_SELECTOR, ".fm-results"):
             assert browser.find_element(By.CSS_SELECTOR, ".md-sidebar--secondary").is_displayed()
-            assert browser.execute_script(OVERFLOWING_TABLES) == [], f"{stage_page(d)}: a results table scrolls sideways"
+            assert browser.execute_script(OVERFLOWING_TABLES) == [], f"/{page}: a results table scrolls sideways"

@@ -467,21 +467,28 @@ def grades_table(run: dict) -> str:
     stages = ordered_stages(run)
     records = [measured(run, st) for _, st in stages]
     shared = [key for key, _ in PROVENANCE if len({str(p.get(key)) for p in records}) == 1]
-    rows = ["| Stage | Grade | Score | Goal | % of the reference | Correct | Measured |", "|---|---|--:|---|--:|--:|---|"]
+    rows = ["| Stage | Grade (score) | Goal | % of the reference | Correct | Commit, date |", "|---|---|---|--:|--:|---|"]
     for (key, st), p in zip(stages, records):
         pct = [b["pct_of_reference"] for b in timed(st) if b.get("pct_of_reference")]
         geo = math.exp(sum(map(math.log, pct)) / len(pct)) if pct else None
         c = st.get("correctness") or {}
         own = environment(p, [k for k, _ in PROVENANCE if k not in shared])
         score = 100 * st["score"] if st.get("score") is not None else None
-        rows.append(f"| {short_title(st.get('title', key))} | **{st.get('grade', '—')}** | {num(score, '.0f', ' %')} "
+        rows.append(f"| [{stage_name(key)}](stages/stage{stage_number(key)}.md) | **{st.get('grade', '—')}** ({num(score, '.0f', ' %')}) "
                     f"| {(st.get('goal') or {}).get('text', '—')} | {num(geo, '.1f', ' %')} "
                     f"| {c.get('passed', '—')} / {(c.get('passed') or 0) + (c.get('failed') or 0)} "
-                    f"| {when(p)}{'; ' + own if own else ''} |")
+                    f"| {commit_and_day(p)}{'; ' + own if own else ''} |")
     common = environment(records[0], shared) if records else ""
-    return ("\n".join(rows) + "\n\n<small>Each stage was graded at its own commit and date. "
+    return ("#### Grades, and where each stage was measured\n\n" + '<div class="fm-results" markdown>\n\n'
+            + "\n".join(rows) + "\n\n</div>\n\n<small>Each stage was graded at its own commit and date. "
             + (f"All with {common}. " if common else "")
             + "Both percentages are geometric means over the stage's benchmark shapes.</small>\n")
+
+
+def commit_and_day(p: dict) -> str:
+    """"`82792ab`, 2026-11-23" (the date never split across lines): a short form of when() for a table."""
+    commit = f"`{str(p['commit'])[:7]}`" + ("+" if p.get("dirty") else "") if p.get("commit") else "—"
+    return commit + (f', <span class="fm-nowrap">{str(p["date"])[:10]}</span>' if p.get("date") else "")
 
 
 # ---------------------------------------------------------------- one stage's results
