@@ -250,10 +250,10 @@ def test_what_each_stage_bought(fake_results, monkeypatch):
     assert apart.previous == "stage0_naive" and not apart.side_by_side
     assert apart.speedup == pytest.approx(7.5 / 0.45)
     stage2 = hook.results_md("stage2_warp", [run])
-    assert "1.33× <small>same run</small>" in stage2 and "16.7× <small>separate runs</small>" in stage2
+    assert "1.33× <small>over stage 1, same run</small>" in stage2 and "16.7× <small>over stage 0, separate runs</small>" in stage2
     steps = hook.steps_figure(run, list(hook.ordered_stages(run))[:2], [bench["label"], causal["label"]],
                               {bench["label"]: "#000", causal["label"]: "#111"}, "h")
-    assert "Stage 2 over stage 1" in steps and 'fill="url(#h)"' in steps  # the separate-runs bar is hatched
+    assert "Stage 2 over stage 0 and stage 1" in steps and 'fill="url(#h)"' in steps  # the separate-runs bar is hatched
 
 
 def test_one_panel_per_problem(fake_results, monkeypatch):

@@ -423,22 +423,24 @@ def steps_figure(run: dict, stages: list[tuple[str, dict]], shapes: list[str], c
         return ""
     ideas = {info.name: info.idea for info in stage_dirs()}
     speedups = [step.speedup for _, found in groups for _, step in found]
-    W, left, right, row, head, gap = 760, 190, 60, 13, 34, 8
+    mixed = any(len({step.previous for _, step in found}) > 1 for _, found in groups)  # bars then name their stage
+    W, left, right, row, head, gap = 760, 190, 170 if mixed else 60, 13, 34, 8
     lo, hi = min(1.0, min(speedups)) / 1.1, max(2.0, max(speedups)) * 1.1
     x = lambda r: left + math.log(r / lo) / math.log(hi / lo) * (W - left - right)
     body = [f'<defs><pattern id="{hatch}" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
             '<rect width="3" height="6" fill="#fff" fill-opacity="0.55"/></pattern></defs>']
     y = 6.0
     for key, found in groups:
-        previous, side = found[0][1].previous, {step.side_by_side for _, step in found}
+        previous, side = sorted({step.previous for _, step in found}), {step.side_by_side for _, step in found}
         source = ("timed side by side in one run" if side == {True} else "the ratio of medians from separate runs"
                   if side == {False} else "hatched: separate runs")
         idea = ideas.get(key) or idea_of(run["stages"][key].get("title", key))
-        body.append(f'<text class="fm-label" x="0" y="{y + 13:.1f}">{stage_name(key)} over {stage_name(previous).lower()} '
+        body.append(f'<text class="fm-label" x="0" y="{y + 13:.1f}">{stage_name(key)} over '
+                    f'{" and ".join(stage_name(p).lower() for p in previous)} '
                     f'({source})</text><text class="fm-axis" x="0" y="{y + 27:.1f}">{html.escape(idea)}</text>')
         y += head
         for shape, step in found:
-            body += step_bar(shape, step, x, y, row - 2, colors[shape], hatch)
+            body += step_bar(shape, step, len(previous) > 1, x, y, row - 2, colors[shape], hatch)
             y += row
         y += gap
     for t in (2.0 ** k for k in range(math.ceil(math.log2(lo)), math.floor(math.log2(hi)) + 1)):
@@ -451,14 +453,20 @@ def steps_figure(run: dict, stages: list[tuple[str, dict]], shapes: list[str], c
                   "at its own commit and date (in the table below). Hover over a bar for both times.")
 
 
-def step_bar(shape: str, step: Step, x, y: float, height: float, color: str, hatch: str) -> list[str]:
+def step_note(step: Step, name_it: bool) -> str:
+    """"same run" or "separate runs", and which stage where a table or chart mixes two."""
+    return (f"over {stage_name(step.previous).lower()}, " if name_it else "") + ("same run" if step.side_by_side else "separate runs")
+
+
+def step_bar(shape: str, step: Step, name_it: bool, x, y: float, height: float, color: str, hatch: str) -> list[str]:
     x0, x1 = sorted((x(1.0), x(step.speedup)))
     tip = html.escape(f"{shape}: {ratio(step.speedup)} ({step.detail})")
     out = [f'<text class="fm-axis" x="{x(min(1.0, step.speedup)) - 6:.1f}" y="{y + height - 1:.1f}" text-anchor="end">{html.escape(shape)}</text>',
            f'<rect x="{x0:.1f}" y="{y:.1f}" width="{max(x1 - x0, 1):.1f}" height="{height}" fill="{color}"><title>{tip}</title></rect>']
     if not step.side_by_side:
         out.append(f'<rect x="{x0:.1f}" y="{y:.1f}" width="{max(x1 - x0, 1):.1f}" height="{height}" fill="url(#{hatch})"><title>{tip}</title></rect>')
-    out.append(f'<text class="fm-axis" x="{x(max(1.0, step.speedup)) + 4:.1f}" y="{y + height - 1:.1f}">{ratio(step.speedup)}</text>')
+    text = ratio(step.speedup) + (f" ({step_note(step, True)})" if name_it else "")
+    out.append(f'<text class="fm-axis" x="{x(max(1.0, step.speedup)) + 4:.1f}" y="{y + height - 1:.1f}">{text}</text>')
     return out
 
 
@@ -531,7 +539,7 @@ def speed_table(run: dict, key: str, benches: list[dict], metric: str) -> list[s
     previous = {step.previous for step in steps.values() if step}
     head = ["Shape", "ms", METRICS[metric], "% of the reference", "× naive"]
     if previous:
-        head.append(f"× {stage_name(min(previous)).lower()}" if len(previous) == 1 else "× the stage before")
+        head.append(f"× {stage_name(next(iter(previous))).lower()}" if len(previous) == 1 else "× the stage before")
     out = ["| " + " | ".join(head) + " |", "|---|" + "--:|" * (len(head) - 1)]
     for b in benches:
         if "failure" in b:
@@ -542,8 +550,7 @@ def speed_table(run: dict, key: str, benches: list[dict], metric: str) -> list[s
                  f"{num(b.get('pct_of_reference'), '.1f')} ({ref.get('name', '—')})", num(b.get("speedup_vs_naive"), ".2f", "×")]
         if previous:
             step = steps.get(label(b))
-            cells.append(f"{ratio(step.speedup)} <small>{'same run' if step.side_by_side else 'separate runs'}</small>"
-                         if step else "—")
+            cells.append(f"{ratio(step.speedup)} <small>{step_note(step, len(previous) > 1)}</small>" if step else "—")
         out.append("| " + " | ".join(cells) + " |")
     remarks = [f"- {label(b)}: {text}" for b in benches for text in (b.get("flags") or []) + (b.get("notes") or [])]
     return out + (["", "The grader noted:", ""] + remarks if remarks else [])
@@ -611,7 +618,8 @@ def launches_table(benches: list[dict]) -> list[str]:
     if not configs:
         return []
     out = ["", "How each kernel was launched: the grid and block, the dynamic shared memory asked at launch, and how "
-           "many blocks and warps of it fit on one SM at once (occupancy: those warps over the most an SM can hold):", "",
+           "many blocks and warps of it fit on one SM at once ([occupancy](../glossary.md#occupancy): those warps over "
+           "the most an SM can hold):", "",
            "| Kernel | Shapes | Grid | Block | Dynamic shared memory | Per SM (occupancy) |", "|---|---|--:|--:|--:|--:|"]
     every = [label(b) for b in benches]
     kernels = list(dict.fromkeys(config[0] for config in configs))  # in launch order, each kernel's rows together
@@ -662,8 +670,8 @@ def resources_table(resources: dict) -> list[str]:
             rows.setdefault((kernel, rest, json.dumps(info, sort_keys=True)), []).append(elem)
     if not rows:
         return []
-    out = ["", "What the compiler made of each kernel (static shared memory: the `__shared__` arrays ptxas "
-           "sees; the dynamic shared memory a launch asks for is in the table above):", "",
+    out = ["", "What the compiler made of each kernel ([static shared memory](../glossary.md#shared-memory): the "
+           "`__shared__` arrays ptxas sees; what a launch asks for at run time is in the launches table):", "",
            "| Kernel | Variant | Registers / thread | Static shared memory | Spills (stores / loads) | Key SASS instructions |",
            "|---|---|--:|--:|--:|---|"]
     for (kernel, rest, info_json), elems in rows.items():
