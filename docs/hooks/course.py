@@ -431,16 +431,10 @@ def steps_figure(run: dict, stages: list[tuple[str, dict]], shapes: list[str], c
             '<rect width="3" height="6" fill="#fff" fill-opacity="0.55"/></pattern></defs>']
     y = 6.0
     for key, found in groups:
-        previous, side = sorted({step.previous for _, step in found}), {step.side_by_side for _, step in found}
-        source = ("timed side by side in one run" if side == {True} else "the ratio of medians from separate runs"
-                  if side == {False} else "hatched: separate runs")
-        idea = ideas.get(key) or idea_of(run["stages"][key].get("title", key))
-        body.append(f'<text class="fm-label" x="0" y="{y + 13:.1f}">{stage_name(key)} over '
-                    f'{" and ".join(stage_name(p).lower() for p in previous)} '
-                    f'({source})</text><text class="fm-axis" x="0" y="{y + 27:.1f}">{html.escape(idea)}</text>')
+        body.append(step_heading(key, [step for _, step in found], ideas.get(key) or idea_of(run["stages"][key].get("title", key)), y))
         y += head
         for shape, step in found:
-            body += step_bar(shape, step, len(previous) > 1, x, y, row - 2, colors[shape], hatch)
+            body += step_bar(shape, step, len({s.previous for _, s in found}) > 1, x, y, row - 2, colors[shape], hatch)
             y += row
         y += gap
     for t in (2.0 ** k for k in range(math.ceil(math.log2(lo)), math.floor(math.log2(hi)) + 1)):
@@ -451,6 +445,16 @@ def steps_figure(run: dict, stages: list[tuple[str, dict]], shapes: list[str], c
                   "(log scale; colours: the shapes, as above). Solid bars: the two kernels timed side by side in one "
                   "grader run; hatched bars: the ratio of the medians the two stages recorded in separate runs, each "
                   "at its own commit and date (in the table below). Hover over a bar for both times.")
+
+
+def step_heading(key: str, steps: list[Step], idea: str, y: float) -> str:
+    """"Stage 3 over stage 2 (timed side by side in one run)", and the idea that stage 3 adds."""
+    previous, side = sorted({step.previous for step in steps}), {step.side_by_side for step in steps}
+    source = ("timed side by side in one run" if side == {True} else "the ratio of medians from separate runs"
+              if side == {False} else "hatched: separate runs")
+    over = " and ".join(stage_name(p).lower() for p in previous)
+    return (f'<text class="fm-label" x="0" y="{y + 13:.1f}">{stage_name(key)} over {over} ({source})</text>'
+            f'<text class="fm-axis" x="0" y="{y + 27:.1f}">{html.escape(idea)}</text>')
 
 
 def step_note(step: Step, name_it: bool) -> str:
