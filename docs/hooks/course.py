@@ -429,17 +429,18 @@ def steps_figure(run: dict, stages: list[tuple[str, dict]], shapes: list[str], c
     x = lambda r: left + math.log(r / lo) / math.log(hi / lo) * (W - left - right)
     body = [f'<defs><pattern id="{hatch}" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
             '<rect width="3" height="6" fill="#fff" fill-opacity="0.55"/></pattern></defs>']
-    y = 6.0
+    y, spans, ticks = 6.0, [], [2.0 ** k for k in range(math.ceil(math.log2(lo)), math.floor(math.log2(hi)) + 1)]
     for key, found in groups:
         body.append(step_heading(key, [step for _, step in found], ideas.get(key) or idea_of(run["stages"][key].get("title", key)), y))
         y += head
+        spans.append((y - 2, y + len(found) * row))  # the grid lines run behind the bars, not the headings
         for shape, step in found:
             body += step_bar(shape, step, len({s.previous for _, s in found}) > 1, x, y, row - 2, colors[shape], hatch)
             y += row
         y += gap
-    for t in (2.0 ** k for k in range(math.ceil(math.log2(lo)), math.floor(math.log2(hi)) + 1)):
-        body.insert(1, f'<line class="fm-grid{" fm-one" if t == 1 else ""}" x1="{x(t):.1f}" x2="{x(t):.1f}" y1="6" y2="{y:.1f}"/>'
-                       f'<text class="fm-axis" x="{x(t):.1f}" y="{y + 12:.1f}" text-anchor="middle">{t:g}×</text>')
+    body[1:1] = [f'<line class="fm-grid{" fm-one" if t == 1 else ""}" x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{a:.1f}" y2="{b:.1f}"/>'
+                 for t in ticks for a, b in spans]
+    body += [f'<text class="fm-axis" x="{x(t):.1f}" y="{y + 12:.1f}" text-anchor="middle">{t:g}×</text>' for t in ticks]
     svg = svg_root("fm-steps", W, y + 18, "Speed-up of each stage over the one before it", body)
     return figure(svg, "What each stage bought: its speed-up over the stage before it at the same shape on the same GPU "
                   "(log scale; colours: the shapes, as above). Solid bars: the two kernels timed side by side in one "
