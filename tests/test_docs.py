@@ -6,6 +6,7 @@ selenium; it is skipped, with the reason, where they are missing, and fails inst
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import importlib.util
@@ -16,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import types
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -32,49 +34,73 @@ def stage_page(stage_dir: Path) -> str:
 
 
 # ---------------------------------------------------------------- a fake results file
-# In the form grader/results.py writes (stage 0, stage 2), and the older flat form (stage 6).
+# In the form grader/results.py writes (stages 0, 2, 5), and the older flat form (stage 6).
 
-def _bench(shape, label, ms, tflops, pct_ref, baselines, ref=("cudnn", 0.5, 600.0)):
+def _bench(shape, label, ms, tflops, pct_ref, baselines, ref=("cudnn", 0.5, 600.0), **extra):
     return {"shape": shape, "label": label, "dtype": "float16", "ms": ms, "ms_min": round(ms * 0.98, 3), "spread": 0.012,
             "tflops": tflops, "pct_peak": round(tflops / 9.894, 1), "pct_bandwidth": 3.0, "pct_of_reference": pct_ref,
             "speedup_vs_naive": 2.5, "extra_memory_bytes": 0, "flags": [],
-            "reference": {"name": ref[0], "ms": ref[1], "tflops": ref[2]}, "baselines": baselines}
+            "reference": {"name": ref[0], "ms": ref[1], "tflops": ref[2]}, "baselines": baselines, **extra}
 
 
-def _stage(key, title, grade, benches, goal="the naive baseline"):
+def _launch(grid, block, smem, blocks, warps):
+    return {"grid": grid, "block": block, "smem": smem, "blocks_per_sm": blocks, "warps_per_sm": warps,
+            "occupancy": round(warps / 64, 3)}
+
+
+def _measured(commit, date):
+    return {"gpu": "NVIDIA H100 80GB HBM3", "sm_clock_mhz": 1980, "driver": "580.65.06", "driver_cuda": "13.0",
+            "nvrtc": "13.0", "torch": "2.9.0", "cuda_core": "0.4.0", "commit": commit, "dirty": False, "date": date}
+
+
+def _stage(key, title, grade, benches, goal="the naive baseline", problem="attention", measured=None):
     check = {"output": "o", "passed": True, "tolerance": 9.8e-4, "quality": "acceptable",
              "kernel": {"max_abs": 1.2e-4, "mean_abs": 3e-5, "max_rel": 2e-4, "finite": True}}
-    return {"title": title, "problem": "attention", "kernel_path": f"stages/{key}/attention.cu", "source_sha256": "0" * 64,
+    return {"title": title, "problem": problem, "kernel_path": f"stages/{key}/attention.cu", "source_sha256": "0" * 64,
             "grade": grade, "score": 0.734, "goal": {"baseline": "naive", "fraction": 1.0, "text": goal},
+            "measured": measured or _measured("0123456789abcdef", "2025-01-01T00:00:00+00:00"),
             "correctness": {"passed": 23, "failed": 1, "seed": 0, "trials": 2, "cases": [
                 {"name": "B1 H1 Sq1 Skv1 D64 full fp16", "seed": 0, "passed": True, "inputs_unmodified": True,
                  "checks": [check, dict(check, output="lse", quality="n/a")]},
                 {"name": "B2 H3 Sq17 Skv17 D64 causal fp16", "seed": 2, "passed": False,
                  "failure": "error: CUDA error (illegal memory address)"}]},
-            "resources": {"ELEM_T=__half,HEAD_DIM=64": {"attention_fwd": {
+            "resources": {variant: {"attention_fwd": {
                 "registers": 168, "shared_bytes": 49152, "stack_bytes": 0, "spill_stores": 0, "spill_loads": 0,
-                "sass": {"HMMA": 64, "LDSM": 24}}}},
+                "sass": {"HMMA": 64, "LDSM": 24}}} for variant in ("ELEM_T=__half,HEAD_DIM=64", "ELEM_T=__nv_bfloat16,HEAD_DIM=64")},
             "benchmarks": benches}
 
 
 ATTN = {"B": 16, "H": 16, "Sq": 2048, "Skv": 2048, "D": 64, "causal": False}
+ROUTING = {"tokens": 32768, "experts": 32, "top_k": 2, "block": 128, "hidden": 4096}
 FAKE = {
     "gpu": "NVIDIA H100 80GB HBM3",
-    "provenance": {"gpu": "NVIDIA H100 80GB HBM3", "sm_clock_mhz": 1980, "driver": "580.65.06", "driver_cuda": "13.0",
-                   "nvrtc": "13.0", "torch": "2.9.0", "cuda_core": "0.4.0", "commit": "0123456789abcdef", "dirty": False,
-                   "date": "2025-01-01T00:00:00+00:00"},
+    "provenance": _measured("fedcba9876543210", "2025-01-03T00:00:00+00:00"),
     "stages": {
         "stage0_naive": _stage("stage0_naive", "Stage 0 — naive attention: three kernels", "D", [
             _bench(ATTN, "B16 H16 S2048 D64", 12.345, 11.1, 1.9,
                    {"cudnn": 0.5, "flash": 0.61, "efficient": 1.1, "math": None, "naive": 14.2}),
             _bench({**ATTN, "causal": True}, "B16 H16 S2048 D64 causal", 7.5, 9.4, 2.2,
-                   {"cudnn": 0.3, "flash": 0.36, "efficient": 0.7, "math": None, "naive": 9.9})]),
+                   {"cudnn": 0.3, "flash": 0.36, "efficient": 0.7, "math": None, "naive": 9.9}),
+            _bench({**ATTN, "B": 4}, "B4 H16 S2048 D64", 3.1, 11.0, 1.9, {"cudnn": 0.13, "naive": 3.6})],
+            measured=_measured("aaaaaaa1111111", "2025-01-01T10:00:00+00:00")),
         "stage2_warp": _stage("stage2_warp", "Stage 2 — tensor cores", "B", [
+            # timed beside stage 1's kernel in the same run: what stage 2 bought, side by side
             _bench(ATTN, "B16 H16 S2048 D64", 0.734, 187.3, 68.1,
-                   {"cudnn": 0.5, "flash": 0.61, "efficient": 1.1, "math": 20.0, "naive": 14.2})],
-            goal="0.6 × the flash baseline"),
+                   {"cudnn": 0.5, "flash": 0.61, "efficient": 1.1, "math": 20.0, "naive": 14.2},
+                   previous_stage={"stage": "stage1_tiled", "ms": 0.98, "speedup": 1.335},
+                   launches={"attention_fwd": _launch([32, 256], [128], 27648, 3, 12)}),
+            # no previous_stage: the ratio of stage 0's and stage 2's separately recorded medians
+            _bench({**ATTN, "causal": True}, "B16 H16 S2048 D64 causal", 0.45, 153.2, 66.7,
+                   {"cudnn": 0.3, "flash": 0.36, "naive": 9.9},
+                   launches={"attention_fwd": _launch([32, 256], [128], 27648, 3, 12)})],
+            goal="0.6 × the flash baseline", measured=_measured("bbbbbbb2222222", "2025-01-02T11:30:00+00:00")),
+        "stage5_moe_routing": _stage("stage5_moe_routing", "Stage 5 — MoE routing: top-k", "A", [
+            dict(_bench(ROUTING, "T32768 E32 k2 block128 hidden4096", 0.344, 1.58, 985.7,
+                        {"torch": 3.39, "naive": 10.8, "layer_grouped_mm": 34.02}, ref=("torch", 3.39, 0.16)),
+                 pct_bandwidth=70.3, notes=["routing + permutation + combine = 1.01% of the whole layer"])],
+            goal="the fastest library baseline", problem="moe_routing"),
         "stage6_grouped_gemm": {
-            "title": "Stage 6 — grouped GEMM", "problem": "moe", "grade": "C", "score": 0.65,
+            "title": "Stage 6 — grouped GEMM", "problem": "moe_experts", "grade": "C", "score": 0.65,
             "goal": {"baseline": "reference", "fraction": 1.0, "text": "the fastest library baseline"},
             "correctness": {"passed": 20, "failed": 0, "cases": [
                 {"name": "tokens 17", "passed": True, "max_abs": 1e-3, "mean_abs": 1e-4, "max_rel": 1e-3,
@@ -93,6 +119,7 @@ FAKE = {
 def load_hook():
     spec = importlib.util.spec_from_file_location("course_hook", ROOT / "docs" / "hooks" / "course.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -162,8 +189,8 @@ def test_lessons_include_the_real_kernels(site):
 
 def test_ladder_and_tables_show_the_recorded_numbers(fake_site):
     home = (fake_site / "index.html").read_text()
-    assert '<svg class="fm-chart fm-ladder"' in home
-    for number in ("11.1", "187.3", "321.9", "Stage 6"):  # TFLOP/s of three stages, and the MoE stage's label
+    assert '<svg class="fm-chart fm-ladder"' in home and '<svg class="fm-chart fm-steps"' in home
+    for number in ("11.1 TFLOP/s", "187 TFLOP/s", "322 TFLOP/s", "70.3 % of bandwidth", "Stage 6"):  # in the bars' tooltips
         assert number in home, number
     for d in STAGE_DIRS:
         html = (fake_site / stage_page(d) / "index.html").read_text()
@@ -181,14 +208,73 @@ def test_results_markdown_from_the_hook(fake_results, monkeypatch):
     runs = hook.load_runs()
     stage0 = hook.results_md("stage0_naive", runs)
     assert "12.345" in stage0 and "Grade D" in stage0 and "NVIDIA H100 80GB HBM3" in stage0
-    assert "B16 H16 S2048 D64 causal" in stage0 and "fp16 D64" in stage0 and "`HMMA` 64" in stage0
+    assert "B16 H16 S2048 D64 causal" in stage0 and "fp16/bf16 D64" in stage0 and "`HMMA` 64" in stage0
     assert "| 1.100 | — | 14.200 |" in stage0  # efficient, the math baseline that did not run, naive
     assert "illegal memory address" in stage0 and "1.2 %" in stage0  # a failed case; the spread
+    assert "commit `aaaaaaa` on 2025-01-01 10:00 UTC" in stage0  # the stage's own provenance, not the run's
     moe = hook.results_md("stage6_grouped_gemm", runs)
     assert "tokens4096 hidden4096 inter14336 experts8 top_k2 bf16" in moe and "321.9" in moe
     assert "not measured yet" in hook.results_md("stage9_missing", runs)
     ladder = hook.ladder_md(runs)
-    assert "<svg" in ladder and "187.3" in ladder and "Grade" in ladder
+    assert "<svg" in ladder and "187" in ladder and "Grade" in ladder
+
+
+def test_the_key_columns_come_first_and_the_details_fold(fake_results, monkeypatch):
+    monkeypatch.setenv("FLASHMOE_RESULTS_DIR", str(fake_results))
+    hook = load_hook()
+    stage2 = hook.results_md("stage2_warp", hook.load_runs())
+    header = next(line for line in stage2.splitlines() if line.startswith("| Shape | ms |"))
+    assert header == "| Shape | ms | TFLOP/s | % of the reference | × naive | × the stage before |"
+    assert '??? info "Timing details' in stage2 and "    | Shape | Median ms | Min ms |" in stage2
+
+
+def test_launches_and_static_shared_memory(fake_results, monkeypatch):
+    """ptxas's shared memory is the static part; the dynamic part and the occupancy come from the launches."""
+    monkeypatch.setenv("FLASHMOE_RESULTS_DIR", str(fake_results))
+    hook = load_hook()
+    stage2 = hook.results_md("stage2_warp", hook.load_runs())
+    assert "| `attention_fwd` | all | 32 × 256 | 128 | 27.0 KiB | 3 blocks, 12 warps (19 %) |" in stage2
+    assert "Static shared memory" in stage2 and "| `attention_fwd` | fp16/bf16 D64 | 168 | 48.0 KiB |" in stage2
+
+
+def test_what_each_stage_bought(fake_results, monkeypatch):
+    """A row's previous_stage (timed side by side) wins over the ratio of separately recorded medians,
+    and each figure says which it is."""
+    monkeypatch.setenv("FLASHMOE_RESULTS_DIR", str(fake_results))
+    hook = load_hook()
+    run = hook.load_runs()[0]
+    bench, causal = FAKE["stages"]["stage2_warp"]["benchmarks"]
+    side = hook.step_at(run, "stage2_warp", bench)
+    assert (side.previous, side.speedup, side.side_by_side) == ("stage1_tiled", 1.335, True)
+    apart = hook.step_at(run, "stage2_warp", causal)
+    assert apart.previous == "stage0_naive" and not apart.side_by_side
+    assert apart.speedup == pytest.approx(7.5 / 0.45)
+    stage2 = hook.results_md("stage2_warp", [run])
+    assert "1.33× <small>over stage 1, same run</small>" in stage2 and "16.7× <small>over stage 0, separate runs</small>" in stage2
+    steps = hook.steps_figure(run, list(hook.ordered_stages(run))[:2], [bench["label"], causal["label"]],
+                              {bench["label"]: "#000", causal["label"]: "#111"}, "h")
+    assert "Stage 2 over stage 0 and stage 1" in steps and 'fill="url(#h)"' in steps  # the separate-runs bar is hatched
+
+
+def test_one_panel_per_problem(fake_results, monkeypatch):
+    """Attention in TFLOP/s at the shapes all its stages measured, routing in % of bandwidth, each
+    panel's shapes in distinct colours, and every stage's own commit in the grades table."""
+    monkeypatch.setenv("FLASHMOE_RESULTS_DIR", str(fake_results))
+    hook = load_hook()
+    run = hook.load_runs()[0]
+    panels = {panel.problems: (panel, stages) for panel, stages in hook.run_panels(run)}
+    attention, stages = panels[("attention",)]
+    shapes, others = hook.panel_shapes(stages)
+    assert shapes == ["B16 H16 S2048 D64", "B16 H16 S2048 D64 causal"] and others == ["B4 H16 S2048 D64"]
+    assert panels[("moe_routing",)][0].metric == "pct_bandwidth"
+    assert len(set(hook.palette(12))) == 12
+    ladder = hook.ladder_md([run])
+    assert "% of bandwidth" in ladder and "layer_grouped_mm" not in ladder  # a yardstick, not a rival
+    assert "Measured by only some of these stages, so not drawn" in ladder and "B4 H16 S2048 D64" in ladder
+    for stage, commit, day in (("0", "aaaaaaa", "2025-01-01"), ("2", "bbbbbbb", "2025-01-02"), ("5", "0123456", "2025-01-01"),
+                               ("6", "fedcba9", "2025-01-03")):  # stage 6 has no record of its own: the run's
+        assert re.search(rf"\[Stage {stage}\]\(stages/stage{stage}\.md\) \|.*\| `{commit}`, <span[^>]*>{day}</span> \|",
+                         ladder), stage
 
 
 def test_nulls_and_a_second_gpu(tmp_path, monkeypatch):
@@ -211,6 +297,84 @@ def test_without_results_the_pages_say_not_measured(empty_site):
     assert "fm-ladder" not in (empty_site / "index.html").read_text()
     for d in STAGE_DIRS:
         assert "not measured yet" in (empty_site / stage_page(d) / "index.html").read_text(), d.name
+
+
+# ---------------------------------------------------------------- measured figures in the lessons' prose
+# A measured figure in a lesson comes from the results when the site is built, through a placeholder
+# `<!-- figure:<stage>:<shape label>:<field> -->` (docs/hooks/course.py lists the fields), or sits in
+# a passage labelled as a dated measurement the results do not hold: "A/B on an H100, session of
+# 2026-11-22: ...", "Profile on the H100, session of ...", "Measured on the H100, session of ...".
+# A passage of datasheet values, goals or arithmetic says so in an HTML comment, `<!-- not measured:
+# why -->`. A table takes the label of the paragraph just before it.
+
+FIGURE = re.compile(r"<!-- figure:(\w+):([^:>]+):([\w.]+) -->")
+MEASURED_LOOKING = re.compile(r"\d+(?:\.\d+)? ?(?:ms\b|TFLOP/s|x\b|%|×(?! ?(?:\d|[A-Z]\b)))")  # not "16 × 8", "64 × D"
+DATED = re.compile(r"\b(?:A/B|[Pp]rofile|[Mm]easured)\s+on\s+(?:an|the)\s+[\w\s]+?,\s+session\s+of\s+\d{4}-\d{2}-\d{2}")
+NOT_MEASURED = re.compile(r"<!-- not measured: [^>]+-->")
+FENCED = re.compile(r"^[ \t]*```.*?^[ \t]*```[ \t]*$", re.S | re.M)
+PAGES = sorted((ROOT / "docs").rglob("*.md"))
+
+
+def bare_figures(markdown: str) -> list[str]:
+    """Measured-looking numbers outside placeholders, code and labelled passages, with their context."""
+    found, labelled = [], False
+    for block in re.split(r"\n[ \t]*\n", FENCED.sub("", markdown)):
+        is_table = block.lstrip().startswith("|")
+        labelled = bool(DATED.search(block) or NOT_MEASURED.search(block)) or (is_table and labelled)
+        if labelled:
+            continue
+        prose = re.sub(r"<!--.*?-->|`[^`\n]*`", "", block, flags=re.S)
+        found += [f"{m[0]!r} in: {' '.join(prose[max(0, m.start() - 70):m.end() + 20].split())}"
+                  for m in MEASURED_LOOKING.finditer(prose)]
+    return found
+
+
+def test_no_bare_measured_figures_in_the_lessons():
+    stale = [f"{page.relative_to(ROOT)}: {text}" for page in PAGES for text in bare_figures(page.read_text())]
+    assert not stale, ("a measured-looking figure that is neither a <!-- figure:... --> placeholder nor in a "
+                       "labelled passage (see the comment above bare_figures):\n" + "\n".join(stale))
+
+
+def test_the_scan_catches_bare_figures():
+    assert bare_figures("Stage 6 runs at 656 TFLOP/s, 1.2× the library.") == [
+        "'656 TFLOP/s' in: Stage 6 runs at 656 TFLOP/s, 1.2× the library.",
+        "'1.2×' in: Stage 6 runs at 656 TFLOP/s, 1.2× the library."]
+    assert bare_figures("It takes 0.25 ms, under 1% of the layer.") != []
+    assert bare_figures("A/B on the H100, session of 2026-11-22: 28.5 vs 27.4 ms.\n\n| a | 3 ms |") == []
+    assert bare_figures("A/B on the H100, session of 2026-11-22.\n\nThen 27.4 ms.") != []  # one paragraph only
+    assert bare_figures("<!-- not measured: the datasheet -->\n989 TFLOP/s of tensor math") == []
+    assert bare_figures("A 16 × 8 tile, 64 × D values, `x % 8`, <!-- figure:s:t:ms -->.\n\n```\n3 ms\n```") == []
+
+
+def test_prose_figures_come_from_the_results(monkeypatch):
+    """Every placeholder in the lessons names a stage, shape and field that results/*.json holds."""
+    monkeypatch.delenv("FLASHMOE_RESULTS_DIR", raising=False)
+    hook = load_hook()
+    runs = hook.load_runs()
+    missing = []
+    for page in PAGES:
+        for stage, shape, field in FIGURE.findall(page.read_text()):
+            run = next((r for r in runs if stage in r.get("stages", {})), {})
+            try:
+                hook.figure_value(run, stage, shape, field)
+            except hook.MissingFigure as error:
+                missing.append(f"{page.relative_to(ROOT)}: {error}")
+    assert not missing, "\n".join(missing)
+
+
+def test_a_figure_the_results_lack_fails_the_build(monkeypatch, fake_results):
+    monkeypatch.delenv("FLASHMOE_RESULTS_DIR", raising=False)
+    hook = load_hook()
+    page = types.SimpleNamespace(file=types.SimpleNamespace(src_path="stages/stage6.md"))
+    stage6 = hook.load_runs()[0]["stages"]["stage6_grouped_gemm"]["benchmarks"][0]["label"]
+    good = hook.on_page_markdown(f"<!-- figure:stage6_grouped_gemm:{stage6}:tflops -->", page, None, None)
+    assert re.fullmatch(r'<span class="fm-figure-value" title="[^"]+">[\d.,]+ TFLOP/s</span>', good)
+    for wrong in (f"stage6_grouped_gemm:T1 E1 k1:ms", f"stage9_missing:{stage6}:ms", f"stage6_grouped_gemm:{stage6}:gflops",
+                  f"stage6_grouped_gemm:{stage6}:x.no_such_baseline", f"stage6_grouped_gemm:{stage6}:previous_stage.x"):
+        with pytest.raises(hook.MissingFigure, match="stages/stage6.md"):
+            hook.on_page_markdown(f"<!-- figure:{wrong} -->", page, None, None)
+    monkeypatch.setenv("FLASHMOE_RESULTS_DIR", str(fake_results))  # someone else's results: no failure
+    assert "not measured" in hook.on_page_markdown("<!-- figure:stage6_grouped_gemm:T1 E1 k1:ms -->", page, None, None)
 
 
 # ---------------------------------------------------------------- in a browser
@@ -247,19 +411,32 @@ def browser(tmp_path):
     driver.quit()
 
 
-@pytest.fixture
-def served(fake_site):
+@contextlib.contextmanager
+def serve(folder: Path):
     class Quiet(SimpleHTTPRequestHandler):
         def log_message(self, *args):
             pass
 
-    handler = functools.partial(Quiet, directory=str(fake_site))
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(folder)))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def served(fake_site):
+    with serve(fake_site) as url:
+        yield url
+
+
+@pytest.fixture
+def served_site(site):
+    with serve(site) as url:
+        yield url
 
 
 @pytest.mark.browser
@@ -283,3 +460,24 @@ def test_pages_in_a_browser(browser, served):
     box.send_keys("softmax")
     WebDriverWait(browser, 20).until(lambda b: b.find_elements(By.CSS_SELECTOR, ".md-search-result__item"),
                                      "search gave no results")
+
+
+# A table wider than the page scrolls sideways inside the box Material wraps it in.
+OVERFLOWING_TABLES = """return Array.from(document.querySelectorAll('.fm-results table'))
+    .filter(t => !t.closest('details') || t.closest('details').open)
+    .filter(t => { const box = t.closest('.md-typeset__scrollwrap') || t; return box.scrollWidth > box.clientWidth + 1; })
+    .map(t => t.rows[0].innerText.replace(/\\s+/g, ' '))"""
+
+
+@pytest.mark.browser
+def test_results_tables_fit_a_1400_pixel_window(browser, served_site):
+    """The recorded results, as CI builds them: at 1400 px, with the nav and the table of contents
+    beside it, no visible results table scrolls sideways, so its key columns are on screen."""
+    from selenium.webdriver.common.by import By
+
+    browser.set_window_size(1400, 1000)
+    for page in [""] + [stage_page(d) + "/" for d in STAGE_DIRS]:  # the home page's grades, each stage's results
+        browser.get(f"{served_site}/{page}")
+        if browser.find_elements(By.CSS_SELECTOR, ".fm-results"):
+            assert browser.find_element(By.CSS_SELECTOR, ".md-sidebar--secondary").is_displayed()
+            assert browser.execute_script(OVERFLOWING_TABLES) == [], f"/{page}: a results table scrolls sideways"

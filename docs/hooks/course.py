@@ -2,9 +2,19 @@
 
 - on_config: the nav's "Stages" section gets one page, docs/stages/stage<N>.md, per directory
   stages/stage<N>_*/, titled with the first line of the stage's __init__.py docstring.
-- on_page_markdown: in a page, `<!-- ladder -->` and `<!-- results:<stage directory> -->` become
-  charts and tables drawn from results/*.json ($FLASHMOE_RESULTS_DIR overrides the folder), and
-  `<!-- stage-list -->` the list of stages (home page only: its links are relative to docs/).
+- on_page_markdown: placeholders in a page become what results/*.json holds ($FLASHMOE_RESULTS_DIR
+  overrides the folder):
+    <!-- ladder -->                    one panel per problem: each stage's speed at the shapes all the
+                                       panel's stages measured, what each stage bought over the one
+                                       before, and the grades with each stage's own provenance
+    <!-- results:<stage directory> --> a stage's results: speed, launches, compiler output, cases
+    <!-- figure:<stage directory>:<shape label>:<field> -->
+                                       one measured figure in a lesson's prose (FIELDS lists the
+                                       fields), e.g. "<!-- figure:stage6_grouped_gemm:T32768 E32 k2
+                                       hidden4096 inter11008:tflops -->" becomes "678 TFLOP/s"
+    <!-- stage-list -->                the list of stages (home page only: its links are relative to docs/)
+  A figure the results do not hold fails the build when the results are the repository's own; with
+  $FLASHMOE_RESULTS_DIR (another GPU's results, a test's) it reads "not measured".
 
 Charts are inline SVG written here: no JavaScript, nothing fetched when the page is read.
 """
@@ -16,27 +26,54 @@ import json
 import math
 import os
 import re
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
+
+from mkdocs.exceptions import PluginError
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGE_DIR = re.compile(r"stage(\d+)_\w+")
-PLACEHOLDER = re.compile(r"<!-- (ladder|stage-list|results:(\w+)) -->")
-COLORS = ["#3b82f6", "#f59e0b", "#10b981", "#ef4444", "#8b5cf6", "#06b6d4", "#ec4899", "#84cc16",
-          "#1e3a8a", "#b45309", "#065f46", "#991b1b", "#5b21b6", "#0e7490", "#9d174d", "#3f6212"]
+PLACEHOLDER = re.compile(r"<!-- (ladder|stage-list|results:(\w+)|figure:(\w+):([^:>]+):([\w.]+)) -->")
+COLORS = ["#3b82f6", "#f59e0b", "#10b981", "#ef4444", "#8b5cf6", "#06b6d4", "#ec4899", "#84cc16"]
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 NOT_MEASURED = "Not measured yet"
 
 
-# ---------------------------------------------------------------- stages and results files
+# ---------------------------------------------------------------- stages, problems and results files
+
+@dataclass(frozen=True)
+class StageInfo:
+    number: int
+    name: str      # the directory: "stage3_pipeline"
+    title: str     # "Stage 3 — an asynchronous cp.async pipeline with swizzled shared memory"
+    idea: str      # the title after its dash: what the stage adds
+    summary: str   # the docstring's first paragraph after the title
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One panel of the ladder: the stages solving these problems, compared in one metric."""
+    title: str
+    problems: tuple[str, ...]
+    metric: str    # a key of METRICS
+
+
+METRICS = {"tflops": "TFLOP/s", "pct_bandwidth": "% of bandwidth"}
+PANELS = (
+    Panel("Attention forward", ("attention",), "tflops"),
+    Panel("MoE routing: memory-bound, so in % of the memory bandwidth", ("moe_routing",), "pct_bandwidth"),
+    Panel("MoE expert GEMMs, and the whole layer", ("moe_experts", "moe_layer"), "tflops"),
+)
+
 
 def stage_number(name: str) -> int:
     m = STAGE_DIR.match(name)
     return int(m[1]) if m else 1_000
 
 
-def stage_dirs(root: Path = ROOT) -> list[tuple[int, str, str, str]]:
-    """(number, directory, title, summary) for every stages/stage<N>_*/ directory, in stage order:
-    the title is the first line of its __init__.py docstring, the summary the paragraph after it."""
+def stage_dirs(root: Path = ROOT) -> list[StageInfo]:
+    """Every stages/stage<N>_*/ directory, in stage order, described by its __init__.py docstring."""
     found = []
     for d in (root / "stages").glob("stage*_*"):
         if d.is_dir() and STAGE_DIR.fullmatch(d.name):
@@ -44,10 +81,10 @@ def stage_dirs(root: Path = ROOT) -> list[tuple[int, str, str, str]]:
                 doc = ast.get_docstring(ast.parse((d / "__init__.py").read_text())) or d.name
             except (OSError, SyntaxError):
                 doc = d.name
-            title, _, rest = doc.strip().partition("\n")
+            heading, _, rest = doc.strip().partition("\n")
             summary = " ".join(rest.strip().split("\n\n")[0].split())
-            found.append((stage_number(d.name), d.name, short_title(title), summary))
-    return sorted(found)
+            found.append(StageInfo(stage_number(d.name), d.name, short_title(heading), idea_of(heading), summary))
+    return sorted(found, key=lambda info: info.number)
 
 
 def short_title(title: str) -> str:
@@ -55,17 +92,63 @@ def short_title(title: str) -> str:
     return title.split(": ")[0]
 
 
+def idea_of(title: str) -> str:
+    """"Stage 2 — tensor cores with mma.sync" -> "tensor cores with mma.sync"."""
+    return title.partition(" — ")[2].strip().rstrip(".") or title
+
+
+def stage_name(key: str) -> str:
+    """"stage3_pipeline" -> "Stage 3"."""
+    return f"Stage {stage_number(key)}" if STAGE_DIR.match(key) else key
+
+
+def results_folder() -> tuple[Path, bool]:
+    """The results folder, and whether it is the repository's own (where prose figures must exist)."""
+    override = os.environ.get("FLASHMOE_RESULTS_DIR")
+    return (Path(override), False) if override else (ROOT / "results", True)
+
+
 def load_runs() -> list[dict]:
     """Every results/*.json, the H100 first: one "run" per GPU."""
-    folder = Path(os.environ.get("FLASHMOE_RESULTS_DIR") or ROOT / "results")
+    folder, _ = results_folder()
     runs = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
     return sorted(runs, key=lambda run: "H100" not in str(run.get("gpu")))
+
+
+def ordered_stages(run: dict) -> list[tuple[str, dict]]:
+    return sorted(run.get("stages", {}).items(), key=lambda kv: (stage_number(kv[0]), kv[0]))
+
+
+def timed(st: dict) -> list[dict]:
+    """The stage's benchmark rows that have a time (not those that failed)."""
+    return timed_rows(st.get("benchmarks") or [])
+
+
+def timed_rows(benches: list[dict]) -> list[dict]:
+    return [b for b in benches if "failure" not in b and b.get("ms")]
+
+
+def bench_at(st: dict, shape: str) -> dict | None:
+    return next((b for b in timed(st) if label(b) == shape), None)
+
+
+def panel_of(problem: str | None) -> Panel:
+    return next((p for p in PANELS if problem in p.problems), Panel(problem or "Other", (problem or "",), "tflops"))
+
+
+def run_panels(run: dict) -> list[tuple[Panel, list[tuple[str, dict]]]]:
+    """The run's timed stages grouped by panel, the panels in the order of their first stage."""
+    groups: dict[Panel, list[tuple[str, dict]]] = {}
+    for key, st in ordered_stages(run):
+        if timed(st):
+            groups.setdefault(panel_of(st.get("problem")), []).append((key, st))
+    return list(groups.items())
 
 
 # ---------------------------------------------------------------- mkdocs events
 
 def on_config(config):
-    pages = [{title: f"stages/stage{n}.md"} for n, _, title, _ in stage_dirs()]
+    pages = [{info.title: f"stages/stage{info.number}.md"} for info in stage_dirs()]
     for entry in config.nav or []:
         if isinstance(entry, dict) and "Stages" in entry:
             entry["Stages"] = pages
@@ -79,8 +162,12 @@ def on_page_markdown(markdown, page, config, files):
 
     def fill(m):
         if m[1] == "stage-list":  # links are relative to the page: the home page, docs/index.md
-            return "\n".join(f"- [**{title}**](stages/stage{n}.md). {summary}" for n, _, title, summary in stage_dirs())
-        return ladder_md(runs) if m[1] == "ladder" else results_md(m[2], runs)
+            return "\n".join(f"- [**{s.title}**](stages/stage{s.number}.md). {s.summary}" for s in stage_dirs())
+        if m[1] == "ladder":
+            return ladder_md(runs)
+        if m[2]:
+            return results_md(m[2], runs)
+        return figure_md(runs, m[3], m[4], m[5], page.file.src_path)
 
     return PLACEHOLDER.sub(fill, markdown)
 
@@ -89,6 +176,18 @@ def on_page_markdown(markdown, page, config, files):
 
 def num(value, fmt: str = ".2f", unit: str = "") -> str:
     return "—" if value is None else f"{value:{fmt}}{unit}"
+
+
+def sig3(value: float) -> str:
+    """Three significant digits, no exponent: 0.344, 6.92, 53.8, 678, 1,235."""
+    if value == 0:
+        return "0"
+    decimals = max(0, 2 - math.floor(math.log10(abs(value))))
+    return f"{value:,.{decimals}f}"
+
+
+def ratio(value: float) -> str:
+    return f"{value:.2f}×" if value < 10 else f"{value:.1f}×"
 
 
 def shape_label(bench: dict) -> str:
@@ -100,18 +199,26 @@ def shape_label(bench: dict) -> str:
     return " ".join(parts + ([DTYPES.get(dtype, dtype)] if dtype else []))
 
 
+def label(bench: dict) -> str:
+    return bench.get("label") or shape_label(bench)
+
+
 def mib(nbytes) -> str:
     return "—" if nbytes is None else "0" if nbytes == 0 else f"{nbytes / 2**20:,.1f} MiB"
 
 
-def ordered_stages(run: dict) -> list[tuple[str, dict]]:
-    return sorted(run.get("stages", {}).items(), key=lambda kv: (stage_number(kv[0]), kv[0]))
+def kib(nbytes) -> str:
+    return "—" if nbytes is None else "0" if nbytes == 0 else f"{nbytes / 1024:,.1f} KiB"
 
 
-def speed_at(bench: dict, baseline: str):
-    """TFLOP/s of a baseline on the same shape: same FLOPs, its own time."""
-    ms = (bench.get("baselines") or {}).get(baseline)
-    return bench["tflops"] * bench["ms"] / ms if ms and bench.get("tflops") and bench.get("ms") else None
+def at_time(bench: dict, metric: str, ms):
+    """The metric had the same work taken `ms` (TFLOP/s and % of bandwidth are both work over time)."""
+    return bench[metric] * bench["ms"] / ms if ms and bench.get(metric) and bench.get("ms") else None
+
+
+def is_yardstick(baseline: str) -> bool:
+    """A baseline timed for scale, not as a rival: the whole MoE layer beside the routing."""
+    return baseline.startswith("layer_")
 
 
 def figure(svg: str, caption: str) -> str:
@@ -119,20 +226,88 @@ def figure(svg: str, caption: str) -> str:
     return f'\n\n<figure class="fm-figure">\n{svg}\n<figcaption>{caption}</figcaption>\n</figure>\n\n'
 
 
+def svg_root(cls: str, width: int, height: float, aria: str, body: list[str]) -> str:
+    return (f'<svg class="fm-chart {cls}" viewBox="0 0 {width} {height:.0f}" role="img" '
+            f'xmlns="http://www.w3.org/2000/svg" aria-label="{html.escape(aria)}">{"".join(body)}</svg>')
+
+
 def swatch(color: str, text: str, cls: str = "fm-swatch") -> str:
     return f'<span class="fm-key"><span class="{cls}" style="--c:{color}"></span>{html.escape(text)}</span>'
 
 
-def provenance(p: dict) -> str:
-    """What the numbers were measured with, in one line."""
-    bits = [text.format(p[key]) for key, text in (("sm_clock_mhz", "SM clock {} MHz"), ("driver", "driver {}"),
-            ("driver_cuda", "driver CUDA {}"), ("cuda", "CUDA {}"), ("nvrtc", "NVRTC {}"), ("torch", "torch {}"),
-            ("cuda_core", "cuda.core {}")) if p.get(key)]
+def palette(n: int) -> list[str]:
+    """n distinct colours: the course's eight, or evenly spaced hues beyond eight."""
+    return COLORS[:n] if n <= len(COLORS) else [f"hsl({360 * i // n}, 70%, 50%)" for i in range(n)]
+
+
+PROVENANCE = (("gpu", "{}"), ("sm_clock_mhz", "SM clock {} MHz"), ("driver", "driver {}"),
+              ("driver_cuda", "driver CUDA {}"), ("cuda", "CUDA {}"), ("nvrtc", "NVRTC {}"), ("torch", "torch {}"),
+              ("cuda_core", "cuda.core {}"))
+
+
+def measured(run: dict, st: dict) -> dict:
+    """Where and with what a stage was measured: its own record, else the run's."""
+    return st.get("measured") or run.get("provenance") or {}
+
+
+def environment(p: dict, keys=None) -> str:
+    """The GPU, clock, driver and library versions of a provenance record (only `keys`, if given)."""
+    return ", ".join(text.format(p[key]) for key, text in PROVENANCE if p.get(key) and (keys is None or key in keys))
+
+
+def when(p: dict) -> str:
+    """"commit `82792ab` on 2026-11-23 12:28 UTC", or what of it is known."""
+    bits = []
     if p.get("commit"):
-        bits.append(f"commit `{str(p['commit'])[:10]}`" + (" (with local changes)" if p.get("dirty") else ""))
+        bits.append(f"commit `{str(p['commit'])[:7]}`" + (" (with local changes)" if p.get("dirty") else ""))
     if p.get("date"):
-        bits.append(f"on {p['date']}")
-    return ", ".join(bits)
+        bits.append(f"on {readable_date(p['date'])}")
+    return " ".join(bits) or "no commit recorded"
+
+
+def readable_date(iso: str) -> str:
+    try:
+        stamp = datetime.fromisoformat(str(iso))
+    except ValueError:
+        return str(iso)
+    utc = stamp.utcoffset() is not None and stamp.utcoffset().total_seconds() == 0
+    return stamp.strftime("%Y-%m-%d %H:%M") + (" UTC" if utc else "")
+
+
+# ---------------------------------------------------------------- what each stage bought
+
+@dataclass(frozen=True)
+class Step:
+    """A stage's speed-up over an earlier stage at one shape."""
+    previous: str        # the earlier stage's directory
+    speedup: float
+    side_by_side: bool   # both timed in one run (the row's previous_stage), or two separate runs' medians
+    detail: str          # where the two times come from, for a tooltip
+
+
+def previous_stage(run: dict, key: str) -> str | None:
+    """The last stage before `key` in this run that solves the same problem and has timings."""
+    problem = run["stages"][key].get("problem")
+    before = [k for k, st in ordered_stages(run)
+              if stage_number(k) < stage_number(key) and st.get("problem") == problem and timed(st)]
+    return before[-1] if before else None
+
+
+def step_at(run: dict, key: str, bench: dict) -> Step | None:
+    """What `key` bought at this shape: the previous stage timed beside it in the same run (the
+    row's "previous_stage") where the grader did that, else the ratio of the two recorded medians."""
+    side = bench.get("previous_stage") or {}
+    if side.get("stage") and (side.get("speedup") or side.get("ms")):
+        speedup = side.get("speedup") or side["ms"] / bench["ms"]
+        return Step(side["stage"], speedup, True,
+                    f"{stage_name(side['stage'])} timed side by side in the same run: {num(side.get('ms'), '.3f')} ms")
+    previous = previous_stage(run, key)
+    other = bench_at(run["stages"][previous], label(bench)) if previous else None
+    if not other:
+        return None
+    p = measured(run, run["stages"][previous])
+    return Step(previous, other["ms"] / bench["ms"], False,
+                f"separate runs: {stage_name(previous)} {other['ms']:.3f} ms, measured {when(p).replace('`', '')}")
 
 
 # ---------------------------------------------------------------- the ladder (home page)
@@ -143,144 +318,372 @@ def ladder_md(runs: list[dict]) -> str:
                 "not measured yet.\n\n")
     out = []
     for run in runs:
-        if not run.get("stages"):
-            continue
-        out.append(f"### On the {run.get('gpu', 'unknown GPU')}\n\n" + ladder_figure(run))
-        rows = ["| Stage | Grade | Score: % of the goal | Goal | % of the reference | Correct cases |",
-                "|---|---|--:|---|--:|--:|"]
-        for key, st in ordered_stages(run):
-            pct = [b["pct_of_reference"] for b in st.get("benchmarks", []) if b.get("pct_of_reference")]
-            geo = math.exp(sum(map(math.log, pct)) / len(pct)) if pct else None
-            c = st.get("correctness") or {}
-            rows.append(f"| {short_title(st.get('title', key))} | **{st.get('grade', '—')}** | {num(100 * st['score'] if st.get('score') is not None else None, '.0f', ' %')} "
-                        f"| {(st.get('goal') or {}).get('text', '—')} | {num(geo, '.1f', ' %')} "
-                        f"| {c.get('passed', '—')} / {(c.get('passed') or 0) + (c.get('failed') or 0)} |")
-        out.append("\n".join(rows) + f"\n\n<small>Measured with {provenance(run.get('provenance') or {}) or 'no provenance recorded'}. "
-                   "Both percentages are geometric means over the benchmark shapes.</small>\n\n")
-    return "\n\n" + "\n\n".join(out)
+        if run.get("stages"):
+            out.append(f"### On the {run.get('gpu', 'unknown GPU')}\n")
+            out += [panel_md(run, panel, stages, i) for i, (panel, stages) in enumerate(run_panels(run))]
+            out.append(grades_table(run))
+    return "\n\n" + "\n\n".join(out) + "\n\n"
 
 
-def ladder_figure(run: dict) -> str:
-    """Grouped bars: one group per stage, one bar per benchmark shape, TFLOP/s on a log scale."""
-    stages = [(key, st) for key, st in ordered_stages(run) if st.get("benchmarks")]
-    labels = list(dict.fromkeys(label(b) for _, st in stages for b in st["benchmarks"]))
-    color = {text: COLORS[i % len(COLORS)] for i, text in enumerate(labels)}
-    values = [v for _, st in stages for b in st["benchmarks"]
-              for v in (b.get("tflops"), (b.get("reference") or {}).get("tflops"), speed_at(b, "flash")) if v]
-    if not values:
-        return "<p>No TFLOP/s recorded.</p>"
-    W, H, left, right, top, bottom = 760, 340, 58, 10, 14, 48
-    lo, hi = math.floor(math.log10(min(values))), math.ceil(math.log10(max(values)))
-    hi += hi == lo
-    y = lambda v: top + (hi - math.log10(v)) / (hi - lo) * (H - top - bottom)
-    body = [f'<text class="fm-axis" x="14" y="{(top + H - bottom) / 2}" transform="rotate(-90 14 {(top + H - bottom) / 2})" '
-            'text-anchor="middle">TFLOP/s (log scale)</text>']
-    for k in range(lo, hi + 1):
-        body.append(f'<line class="fm-grid" x1="{left}" x2="{W - right}" y1="{y(10**k):.1f}" y2="{y(10**k):.1f}"/>'
-                    f'<text class="fm-axis" x="{left - 6}" y="{y(10**k) + 4:.1f}" text-anchor="end">{10**k:g}</text>')
+def panel_md(run: dict, panel: Panel, stages: list[tuple[str, dict]], index: int) -> str:
+    shapes, others = panel_shapes(stages)
+    colors = dict(zip(shapes, palette(len(shapes))))
+    text = f"#### {panel.title}\n" + ladder_figure(panel, stages, shapes, colors)
+    if others:
+        text += ("Measured by only some of these stages, so not drawn (see their pages): "
+                 + ", ".join(html.escape(s) for s in others) + ".\n\n")
+    return text + steps_figure(run, stages, shapes, colors, f"fm-hatch-{index}")
+
+
+def panel_shapes(stages: list[tuple[str, dict]]) -> tuple[list[str], list[str]]:
+    """The shapes every stage of the panel measured (in the first stage's order) and the others; if
+    no shape is common to all, every shape, drawn with its gaps."""
+    per_stage = [[label(b) for b in timed(st)] for _, st in stages]
+    every = [s for s in per_stage[0] if all(s in other for other in per_stage[1:])]
+    others = [s for s in dict.fromkeys(s for labels in per_stage for s in labels) if s not in every]
+    return (every, others) if every else (others, [])
+
+
+def value_axis(values: list[float], metric: str, length: float):
+    """A map from values to 0..length pixels, its ticks, and whether it is logarithmic: log where
+    the values span more than a factor of 20, else linear from 0 (% of bandwidth: up to 100 at least)."""
+    lo, hi = min(values), max(values)
+    if metric == "tflops" and hi / lo > 20:
+        a, b = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+        b += b == a
+        return (lambda v: (math.log10(v) - a) / (b - a) * length), [10.0 ** k for k in range(a, b + 1)], True
+    hi = max(hi, 100.0) if metric == "pct_bandwidth" else hi
+    step = nice_step(hi / 4)
+    top = step * math.ceil(hi / step - 1e-9)
+    return (lambda v: v / top * length), [step * k for k in range(round(top / step) + 1)], False
+
+
+def nice_step(x: float) -> float:
+    """The smallest of 1, 2, 5 times a power of ten that is >= x."""
+    power = 10.0 ** math.floor(math.log10(x))
+    return next(m * power for m in (1, 2, 5, 10) if m * power >= x)
+
+
+def ladder_figure(panel: Panel, stages: list[tuple[str, dict]], shapes: list[str], colors: dict) -> str:
+    """Grouped bars: one group per stage, one bar per shape, the reference (and flash) as ticks."""
+    metric, unit = panel.metric, METRICS[panel.metric]
+    marks = [v for _, st in stages for s in shapes if (b := bench_at(st, s))
+             for v in (b.get(metric), at_time(b, metric, (b.get("reference") or {}).get("ms")),
+                       at_time(b, metric, (b.get("baselines") or {}).get("flash"))) if v]
+    if not marks:
+        return f"<p>No {unit} recorded.</p>\n\n"
+    W, H, left, right, top, bottom = 760, 300, 58, 10, 14, 44
+    scale, ticks, log = value_axis(marks, metric, H - top - bottom)
+    y = lambda v: H - bottom - scale(v)
+    middle = (top + H - bottom) / 2
+    body = [f'<text class="fm-axis" x="14" y="{middle}" transform="rotate(-90 14 {middle})" text-anchor="middle">'
+            f'{html.escape(unit)}{" (log scale)" if log else ""}</text>']
+    for t in ticks:
+        body.append(f'<line class="fm-grid" x1="{left}" x2="{W - right}" y1="{y(t):.1f}" y2="{y(t):.1f}"/>'
+                    f'<text class="fm-axis" x="{left - 6}" y="{y(t) + 4:.1f}" text-anchor="end">{t:g}</text>')
     group = (W - left - right) / len(stages)
+    bar = min(26.0, group * 0.8 / len(shapes))
     for g, (key, st) in enumerate(stages):
-        benches = st["benchmarks"]
-        bar = min(26.0, group * 0.8 / len(benches))
-        x0 = left + g * group + (group - bar * len(benches)) / 2
-        for i, b in enumerate(benches):
-            x, text = x0 + i * bar, label(b)
-            ref = b.get("reference") or {}
-            tip = (f"{short_title(st.get('title', key))}, {text}: {num(b.get('tflops'), '.1f')} TFLOP/s; "
-                   f"reference ({ref.get('name', '—')}) {num(ref.get('tflops'), '.1f')} TFLOP/s")
-            if b.get("tflops"):
-                body.append(f'<rect x="{x:.1f}" y="{y(b["tflops"]):.1f}" width="{bar - 2:.1f}" '
-                            f'height="{H - bottom - y(b["tflops"]):.1f}" fill="{color[text]}"><title>{html.escape(tip)}</title></rect>')
-            for value, cls in ((ref.get("tflops"), "fm-ref"), (speed_at(b, "flash"), "fm-flash")):
-                if value:
-                    body.append(f'<line class="{cls}" x1="{x - 1:.1f}" x2="{x + bar - 1:.1f}" y1="{y(value):.1f}" y2="{y(value):.1f}"/>')
-        cx, name = left + (g + 0.5) * group, st.get("title", key).split(" — ")[0]
-        body.append(f'<text class="fm-label" x="{cx:.1f}" y="{H - bottom + 16}" text-anchor="middle">{html.escape(name)}</text>'
+        x0 = left + g * group + (group - bar * len(shapes)) / 2
+        for i, shape in enumerate(shapes):
+            body += ladder_bar(st, bench_at(st, shape), shape, metric, colors[shape], x0 + i * bar, bar, y, H - bottom)
+        cx = left + (g + 0.5) * group
+        body.append(f'<text class="fm-label" x="{cx:.1f}" y="{H - bottom + 16}" text-anchor="middle">{stage_name(key)}</text>'
                     f'<text class="fm-axis" x="{cx:.1f}" y="{H - bottom + 32}" text-anchor="middle">grade {st.get("grade", "—")}</text>')
-    svg = (f'<svg class="fm-chart fm-ladder" viewBox="0 0 {W} {H}" role="img" xmlns="http://www.w3.org/2000/svg" '
-           f'aria-label="TFLOP/s of each stage at each benchmark shape">{"".join(body)}</svg>')
-    keys = [swatch(color[text], text) for text in labels]
-    keys += [swatch("", "the reference: the fastest library baseline", "fm-swatch fm-ref-key"),
-             swatch("", "SDPA flash backend", "fm-swatch fm-flash-key")]
-    return figure(svg, " ".join(keys))
+    svg = svg_root("fm-ladder", W, H, f"{unit} of each stage at each shape", body)
+    keys = [swatch(colors[s], s) for s in shapes] + [swatch("", "the reference: the fastest library baseline", "fm-swatch fm-ref-key")]
+    if any(at_time(b, metric, (b.get("baselines") or {}).get("flash")) for _, st in stages for b in timed(st)):
+        keys.append(swatch("", "SDPA flash backend", "fm-swatch fm-flash-key"))
+    return figure(svg, f"{html.escape(unit)} of each stage at the same shapes{', log scale' if log else ''}. " + " ".join(keys))
+
+
+def ladder_bar(st: dict, bench: dict | None, shape: str, metric: str, color: str, x: float, width: float, y, base: float) -> list[str]:
+    """One bar and its reference ticks, or a marked gap where the stage has no time at this shape."""
+    unit = METRICS[metric]
+    if not bench or not bench.get(metric):
+        return [f'<text class="fm-axis" x="{x + width / 2 - 1:.1f}" y="{base - 3}" text-anchor="middle">'
+                f'×<title>{html.escape(st.get("title", ""))}: not measured at {html.escape(shape)}</title></text>']
+    ref = bench.get("reference") or {}
+    tip = (f"{short_title(st.get('title', ''))}, {shape}: {sig3(bench[metric])} {unit}; "
+           f"the reference ({ref.get('name', '—')}): {num(at_time(bench, metric, ref.get('ms')), '.1f')} {unit}")
+    out = [f'<rect x="{x:.1f}" y="{y(bench[metric]):.1f}" width="{width - 2:.1f}" height="{base - y(bench[metric]):.1f}" '
+           f'fill="{color}"><title>{html.escape(tip)}</title></rect>']
+    for value, cls in ((at_time(bench, metric, ref.get("ms")), "fm-ref"),
+                       (at_time(bench, metric, (bench.get("baselines") or {}).get("flash")), "fm-flash")):
+        if value:
+            out.append(f'<line class="{cls}" x1="{x - 1:.1f}" x2="{x + width - 1:.1f}" y1="{y(value):.1f}" y2="{y(value):.1f}"/>')
+    return out
+
+
+def steps_figure(run: dict, stages: list[tuple[str, dict]], shapes: list[str], colors: dict, hatch: str) -> str:
+    """Horizontal bars, log scale: each stage's speed-up over the one before it, shape by shape."""
+    groups = [(key, found) for key, st in stages
+              if (found := [(s, step) for s in shapes if (b := bench_at(st, s)) and (step := step_at(run, key, b))])]
+    if not groups:
+        return ""
+    ideas = {info.name: info.idea for info in stage_dirs()}
+    speedups = [step.speedup for _, found in groups for _, step in found]
+    mixed = any(len({step.previous for _, step in found}) > 1 for _, found in groups)  # bars then name their stage
+    W, left, right, row, head, gap = 760, 190, 170 if mixed else 60, 13, 34, 8
+    lo, hi = min(1.0, min(speedups)) / 1.1, max(2.0, max(speedups)) * 1.1
+    x = lambda r: left + math.log(r / lo) / math.log(hi / lo) * (W - left - right)
+    body = [f'<defs><pattern id="{hatch}" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
+            '<rect width="3" height="6" fill="#fff" fill-opacity="0.55"/></pattern></defs>']
+    y, spans, ticks = 6.0, [], [2.0 ** k for k in range(math.ceil(math.log2(lo)), math.floor(math.log2(hi)) + 1)]
+    for key, found in groups:
+        body.append(step_heading(key, [step for _, step in found], ideas.get(key) or idea_of(run["stages"][key].get("title", key)), y))
+        y += head
+        spans.append((y - 2, y + len(found) * row))  # the grid lines run behind the bars, not the headings
+        for shape, step in found:
+            body += step_bar(shape, step, len({s.previous for _, s in found}) > 1, x, y, row - 2, colors[shape], hatch)
+            y += row
+        y += gap
+    body[1:1] = [f'<line class="fm-grid{" fm-one" if t == 1 else ""}" x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{a:.1f}" y2="{b:.1f}"/>'
+                 for t in ticks for a, b in spans]
+    body += [f'<text class="fm-axis" x="{x(t):.1f}" y="{y + 12:.1f}" text-anchor="middle">{t:g}×</text>' for t in ticks]
+    svg = svg_root("fm-steps", W, y + 18, "Speed-up of each stage over the one before it", body)
+    return figure(svg, "What each stage bought: its speed-up over the stage before it at the same shape on the same GPU "
+                  "(log scale; colours: the shapes, as above). Solid bars: the two kernels timed side by side in one "
+                  "grader run; hatched bars: the ratio of the medians the two stages recorded in separate runs, each "
+                  "at its own commit and date (in the table below). Hover over a bar for both times.")
+
+
+def step_heading(key: str, steps: list[Step], idea: str, y: float) -> str:
+    """"Stage 3 over stage 2 (timed side by side in one run)", and the idea that stage 3 adds."""
+    previous, side = sorted({step.previous for step in steps}), {step.side_by_side for step in steps}
+    source = ("timed side by side in one run" if side == {True} else "the ratio of medians from separate runs"
+              if side == {False} else "hatched: separate runs")
+    over = " and ".join(stage_name(p).lower() for p in previous)
+    return (f'<text class="fm-label" x="0" y="{y + 13:.1f}">{stage_name(key)} over {over} ({source})</text>'
+            f'<text class="fm-axis" x="0" y="{y + 27:.1f}">{html.escape(idea)}</text>')
+
+
+def step_note(step: Step, name_it: bool) -> str:
+    """"same run" or "separate runs", and which stage where a table or chart mixes two."""
+    return (f"over {stage_name(step.previous).lower()}, " if name_it else "") + ("same run" if step.side_by_side else "separate runs")
+
+
+def step_bar(shape: str, step: Step, name_it: bool, x, y: float, height: float, color: str, hatch: str) -> list[str]:
+    x0, x1 = sorted((x(1.0), x(step.speedup)))
+    tip = html.escape(f"{shape}: {ratio(step.speedup)} ({step.detail})")
+    out = [f'<text class="fm-axis" x="{x(min(1.0, step.speedup)) - 6:.1f}" y="{y + height - 1:.1f}" text-anchor="end">{html.escape(shape)}</text>',
+           f'<rect x="{x0:.1f}" y="{y:.1f}" width="{max(x1 - x0, 1):.1f}" height="{height}" fill="{color}"><title>{tip}</title></rect>']
+    if not step.side_by_side:
+        out.append(f'<rect x="{x0:.1f}" y="{y:.1f}" width="{max(x1 - x0, 1):.1f}" height="{height}" fill="url(#{hatch})"><title>{tip}</title></rect>')
+    text = ratio(step.speedup) + (f" ({step_note(step, True)})" if name_it else "")
+    out.append(f'<text class="fm-axis" x="{x(max(1.0, step.speedup)) + 4:.1f}" y="{y + height - 1:.1f}">{text}</text>')
+    return out
+
+
+def grades_table(run: dict) -> str:
+    """One row per stage: grade, score, goal, % of the reference, cases, and where it was measured."""
+    stages = ordered_stages(run)
+    records = [measured(run, st) for _, st in stages]
+    shared = [key for key, _ in PROVENANCE if len({str(p.get(key)) for p in records}) == 1]
+    rows = ["| Stage | Grade (score) | Goal | % of the reference | Correct | Commit, date |", "|---|---|---|--:|--:|---|"]
+    for (key, st), p in zip(stages, records):
+        pct = [b["pct_of_reference"] for b in timed(st) if b.get("pct_of_reference")]
+        geo = math.exp(sum(map(math.log, pct)) / len(pct)) if pct else None
+        c = st.get("correctness") or {}
+        own = environment(p, [k for k, _ in PROVENANCE if k not in shared])
+        score = 100 * st["score"] if st.get("score") is not None else None
+        rows.append(f"| [{stage_name(key)}](stages/stage{stage_number(key)}.md) | **{st.get('grade', '—')}** ({num(score, '.0f', ' %')}) "
+                    f"| {(st.get('goal') or {}).get('text', '—')} | {num(geo, '.1f', ' %')} "
+                    f"| {c.get('passed', '—')} / {(c.get('passed') or 0) + (c.get('failed') or 0)} "
+                    f"| {commit_and_day(p)}{'; ' + own if own else ''} |")
+    common = environment(records[0], shared) if records else ""
+    return ("#### Grades, and where each stage was measured\n\n" + '<div class="fm-results" markdown>\n\n'
+            + "\n".join(rows) + "\n\n</div>\n\n<small>Each stage was graded at its own commit and date. "
+            + (f"All with {common}. " if common else "")
+            + "Both percentages are geometric means over the stage's benchmark shapes.</small>\n")
+
+
+def commit_and_day(p: dict) -> str:
+    """"`82792ab`, 2026-11-23" (the date never split across lines): a short form of when() for a table."""
+    commit = f"`{str(p['commit'])[:7]}`" + ("+" if p.get("dirty") else "") if p.get("commit") else "—"
+    return commit + (f', <span class="fm-nowrap">{str(p["date"])[:10]}</span>' if p.get("date") else "")
 
 
 # ---------------------------------------------------------------- one stage's results
 
 def results_md(key: str, runs: list[dict]) -> str:
-    measured = [run for run in runs if key in run.get("stages", {})]
-    if not measured:
+    found = [run for run in runs if key in run.get("stages", {})]
+    if not found:
         return (f'\n\n!!! note "{NOT_MEASURED}"\n    `results/*.json` has no entry for `{key}`: not measured yet. '
                 "Grade the stage on your own GPU to see its numbers (`python -m grader "
                 f"stage{stage_number(key)} --solution`).\n\n")
-    return "".join(stage_run_md(run, run["stages"][key]) for run in measured)
+    return "".join(stage_run_md(run, key) for run in found)
 
 
-def stage_run_md(run: dict, st: dict) -> str:
-    c, goal = st.get("correctness") or {}, st.get("goal") or {}
+def stage_run_md(run: dict, key: str) -> str:
+    st = run["stages"][key]
+    c, goal, p = st.get("correctness") or {}, st.get("goal") or {}, measured(run, st)
     benches = st.get("benchmarks") or []
+    metric = panel_of(st.get("problem")).metric
     score = f"{100 * st['score']:.0f} % of the goal" if st.get("score") is not None else "no score"
     out = [f"\n\n### On the {run.get('gpu', 'unknown GPU')}\n",
            f"**Grade {st.get('grade', '—')}**: {score} ({goal.get('text', '—')}). "
            f"Correctness: {c.get('passed', '—')} cases passed, {c.get('failed', '—')} failed. "
-           f"Measured with {provenance(st.get('measured') or run.get('provenance') or {}) or 'no provenance recorded'}.\n"]
-    out += speed_table(benches)
-    names = list(dict.fromkeys(n for b in benches for n in (b.get("baselines") or {})))
-    if names:
-        out += ["", "Median milliseconds of this kernel and of the baselines, timed in the same loop "
-                "(—: not timed, e.g. the backend does not take the shape or would run out of memory):", "",
-                "| Shape | This kernel | " + " | ".join(names) + " |", "|---|--:|" + "--:|" * len(names)]
-        out += [f"| {label(b)} | {num(b.get('ms'), '.3f')} | " + " | ".join(num((b.get('baselines') or {}).get(n), ".3f")
-                for n in names) + " |" for b in benches if "baselines" in b]
-    out.append(stage_figure([b for b in benches if "baselines" in b], names))
+           f"Measured {when(p)}, with {environment(p) or 'no environment recorded'}.\n",
+           '<div class="fm-results" markdown>\n']
+    out += speed_table(run, key, benches, metric)
+    out += timing_details(benches)
+    out.append(stage_figure(timed(st), metric))
+    out += launches_table(timed(st))
     out += resources_table(st.get("resources") or {})
+    out.append("\n</div>")
     out += cases_details(c)
     return "\n".join(out) + "\n\n"
 
 
-def label(bench: dict) -> str:
-    return bench.get("label") or shape_label(bench)
-
-
-def speed_table(benches: list[dict]) -> list[str]:
+def speed_table(run: dict, key: str, benches: list[dict], metric: str) -> list[str]:
+    """The key columns only, so that they fit a laptop's screen; the rest is in the details below."""
     if not benches:
         return ["No benchmark was timed (the grader times a stage only once every correctness case passes)."]
-    out = ["| Shape | Median ms | Min ms | Spread | TFLOP/s | % of peak | % of bandwidth | % of the reference "
-           "| Speed-up vs naive | Extra memory |", "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    steps = {label(b): step_at(run, key, b) for b in timed_rows(benches)}
+    previous = {step.previous for step in steps.values() if step}
+    head = ["Shape", "ms", METRICS[metric], "% of the reference", "× naive"]
+    if previous:
+        head.append(f"× {stage_name(next(iter(previous))).lower()}" if len(previous) == 1 else "× the stage before")
+    out = ["| " + " | ".join(head) + " |", "|---|" + "--:|" * (len(head) - 1)]
     for b in benches:
         if "failure" in b:
-            out.append(f"| {label(b)} | {html.escape(str(b['failure']))} |||||||||")
+            out.append(f"| {label(b)} | failed: {html.escape(str(b['failure']))} |" + " |" * (len(head) - 2))
             continue
         ref = b.get("reference") or {}
+        cells = [label(b), num(b.get("ms"), ".3f"), num(b.get(metric), ".1f"),
+                 f"{num(b.get('pct_of_reference'), '.1f')} ({ref.get('name', '—')})", num(b.get("speedup_vs_naive"), ".2f", "×")]
+        if previous:
+            step = steps.get(label(b))
+            cells.append(f"{ratio(step.speedup)} <small>{step_note(step, len(previous) > 1)}</small>" if step else "—")
+        out.append("| " + " | ".join(cells) + " |")
+    remarks = [f"- {label(b)}: {text}" for b in benches for text in (b.get("flags") or []) + (b.get("notes") or [])]
+    return out + (["", "The grader noted:", ""] + remarks if remarks else [])
+
+
+def timing_details(benches: list[dict]) -> list[str]:
+    """Minimum, spread, peak, bandwidth, memory, and every baseline's time, in a collapsed block."""
+    rows = timed_rows(benches)
+    if not rows:
+        return []
+    table = ["| Shape | Median ms | Min ms | Spread | TFLOP/s | % of peak | % of bandwidth | Extra memory |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|"]
+    for b in rows:
         spread = None if b.get("spread") is None else 100 * b["spread"]
-        out.append(f"| {label(b)} | {num(b.get('ms'), '.3f')} | {num(b.get('ms_min'), '.3f')} | {num(spread, '.1f', ' %')} "
-                   f"| {num(b.get('tflops'), '.1f')} | {num(b.get('pct_peak'), '.1f')} | {num(b.get('pct_bandwidth'), '.1f')} "
-                   f"| {num(b.get('pct_of_reference'), '.1f')} ({ref.get('name', '—')}) "
-                   f"| {num(b.get('speedup_vs_naive'), '.1f', '×')} | {mib(b.get('extra_memory_bytes'))} |")
-    flags = [f"- {label(b)}: {flag}" for b in benches for flag in b.get("flags") or []]
-    return out + (["", "The grader flagged:", ""] + flags if flags else [])
+        table.append(f"| {label(b)} | {num(b.get('ms'), '.3f')} | {num(b.get('ms_min'), '.3f')} | {num(spread, '.1f', ' %')} "
+                     f"| {num(b.get('tflops'), '.1f')} | {num(b.get('pct_peak'), '.1f')} | {num(b.get('pct_bandwidth'), '.1f')} "
+                     f"| {mib(b.get('extra_memory_bytes'))} |")
+    names = list(dict.fromkeys(n for b in rows for n in (b.get("baselines") or {})))
+    if names:
+        table += ["", "Median milliseconds of this kernel and of the baselines, timed in the same loop "
+                  "(—: not timed, e.g. the backend does not take the shape or would run out of memory):", "",
+                  "| Shape | This kernel | " + " | ".join(names) + " |", "|---|--:|" + "--:|" * len(names)]
+        table += [f"| {label(b)} | {num(b.get('ms'), '.3f')} | "
+                  + " | ".join(num((b.get("baselines") or {}).get(n), ".3f") for n in names) + " |" for b in rows]
+    return ["", '??? info "Timing details: minimum and spread, % of peak and bandwidth, extra memory, the baselines\' times"',
+            ""] + ["    " + line if line else "" for line in table]
 
 
-def variant_label(key: str) -> str:
-    """"ELEM_T=__half,HEAD_DIM=64" -> "fp16 D64", as the grader's report writes it."""
+def stage_figure(benches: list[dict], metric: str) -> str:
+    """Horizontal bars per shape: this kernel and each baseline (not the yardsticks) in the metric."""
+    names = [n for n in dict.fromkeys(n for b in benches for n in (b.get("baselines") or {})) if not is_yardstick(n)]
+    series = ["this kernel"] + names
+    rows = [(label(b), [b.get(metric)] + [at_time(b, metric, (b.get("baselines") or {}).get(n)) for n in names]) for b in benches]
+    top = max((v for _, vs in rows for v in vs if v), default=None)
+    if not top:
+        return ""
+    unit = METRICS[metric]
+    W, left, right, bar, gap = 760, 260, 56, 9, 12
+    H = 8 + len(rows) * (len(series) * bar + gap)
+    scale = (W - left - right) / top
+    body, y = [], 8
+    for text, values in rows:
+        body.append(f'<text class="fm-label" x="{left - 8}" y="{y + len(series) * bar / 2 + 4:.1f}" text-anchor="end">{html.escape(text)}</text>')
+        for i, v in enumerate(values):
+            if v:
+                body.append(f'<rect x="{left}" y="{y}" width="{v * scale:.1f}" height="{bar - 1}" fill="{COLORS[i % len(COLORS)]}">'
+                            f'<title>{html.escape(series[i])}: {v:.1f} {unit}</title></rect>'
+                            f'<text class="fm-axis" x="{left + v * scale + 4:.1f}" y="{y + bar - 1}">{v:.1f}</text>')
+            y += bar
+        y += gap
+    svg = svg_root("fm-stage", W, H, f"{unit} of this stage and the baselines", body)
+    keys = " ".join(swatch(COLORS[i % len(COLORS)], s) for i, s in enumerate(series))
+    work = "FLOP count" if metric == "tflops" else "fewest bytes the problem must move"
+    return figure(svg, f"{html.escape(unit)} at each benchmark shape (a baseline's: the same {work} over its own time). {keys}")
+
+
+def launches_table(benches: list[dict]) -> list[str]:
+    """How each kernel was launched, and what fits on an SM: one row per kernel and configuration."""
+    configs: dict[tuple, list[tuple[str, list]]] = {}
+    for b in benches:
+        for kernel, launch in (b.get("launches") or {}).items():
+            config = (kernel, tuple(launch.get("block") or ()), launch.get("smem"), launch.get("blocks_per_sm"),
+                      launch.get("warps_per_sm"), launch.get("occupancy"))
+            configs.setdefault(config, []).append((label(b), launch.get("grid") or []))
+    if not configs:
+        return []
+    out = ["", "How each kernel was launched: the grid and block, the dynamic shared memory asked at launch, and how "
+           "many blocks and warps of it fit on one SM at once ([occupancy](../glossary.md#occupancy): those warps over "
+           "the most an SM can hold):", "",
+           "| Kernel | Shapes | Grid | Block | Dynamic shared memory | Per SM (occupancy) |", "|---|---|--:|--:|--:|--:|"]
+    every = [label(b) for b in benches]
+    kernels = list(dict.fromkeys(config[0] for config in configs))  # in launch order, each kernel's rows together
+    for (kernel, block, smem, blocks, warps, occupancy), uses in sorted(configs.items(), key=lambda kv: kernels.index(kv[0][0])):
+        per_sm = f"{blocks} blocks, {warps} warps ({num(None if occupancy is None else 100 * occupancy, '.0f', ' %')})"
+        out.append(f"| `{kernel}` | {shapes_phrase([s for s, _ in uses], every, benches)} | {grid_text([g for _, g in uses])} "
+                   f"| {' × '.join(map(str, block)) or '—'} | {kib(smem)} | {per_sm} |")
+    return out
+
+
+def grid_text(grids: list[list[int]]) -> str:
+    distinct = list(dict.fromkeys(tuple(g) for g in grids))
+    if len(distinct) == 1:
+        return " × ".join(f"{n:,}" for n in distinct[0]) or "—"
+    blocks = [math.prod(g) for g in distinct]
+    return f"{min(blocks):,} – {max(blocks):,} blocks"
+
+
+def shapes_phrase(shapes: list[str], every: list[str], benches: list[dict]) -> str:
+    """"all", "the D128 shapes" when one shape parameter picks exactly these, else the labels."""
+    if sorted(shapes) == sorted(every):
+        return "all"
+    first = next(b.get("shape") or {} for b in benches if label(b) == shapes[0])
+    for name, value in reversed(first.items()):  # the last parameters (the head dimension) first
+        picked = [label(b) for b in benches if (b.get("shape") or {}).get(name) == value]
+        if sorted(picked) == sorted(shapes) and not isinstance(value, bool):
+            return f"the {name}{value} shapes"
+    return ", ".join(shapes)
+
+
+def variant_parts(key: str) -> tuple[str, str]:
+    """"ELEM_T=__half,HEAD_DIM=64" -> ("fp16", "D64"), as the grader's report writes it."""
     parts = dict(item.split("=", 1) for item in key.split(",") if "=" in item)
     elem = {"__half": "fp16", "__nv_bfloat16": "bf16"}.get(parts.pop("ELEM_T", ""), "")
-    return " ".join([elem] + [("D" if k == "HEAD_DIM" else f"{k}=") + v for k, v in parts.items()]).strip() or key
+    return elem, " ".join(("D" if k == "HEAD_DIM" else f"{k}=") + v for k, v in parts.items())
 
 
 def resources_table(resources: dict) -> list[str]:
-    """{variant: {kernel: info}} (or {kernel: info}) as one table: what ptxas and the SASS say."""
-    rows = [(variant_label(v), k, info) for v, kernels in resources.items() if "registers" not in kernels
-            for k, info in kernels.items()]
-    rows += [("", k, info) for k, info in resources.items() if "registers" in info]
+    """{variant: {kernel: info}} (or {kernel: info}) as one table, the variants that compiled alike
+    (fp16 and bf16, usually) in one row: what ptxas and the SASS say."""
+    rows: dict[tuple, list[str]] = {}
+    for variant, kernels in resources.items():
+        if "registers" in kernels:  # the flat form: {kernel: info}
+            rows.setdefault((variant, "", json.dumps(kernels, sort_keys=True)), [])
+            continue
+        elem, rest = variant_parts(variant)
+        for kernel, info in kernels.items():
+            rows.setdefault((kernel, rest, json.dumps(info, sort_keys=True)), []).append(elem)
     if not rows:
         return []
-    out = ["", "What the compiler made of each kernel:", "",
-           "| Variant | Kernel | Registers / thread | Shared memory | Spills (stores / loads) | Key SASS instructions |",
+    out = ["", "What the compiler made of each kernel ([static shared memory](../glossary.md#shared-memory): the "
+           "`__shared__` arrays ptxas sees; what a launch asks for at run time is in the launches table):", "",
+           "| Kernel | Variant | Registers / thread | Static shared memory | Spills (stores / loads) | Key SASS instructions |",
            "|---|---|--:|--:|--:|---|"]
-    for variant, kernel, r in rows:
+    for (kernel, rest, info_json), elems in rows.items():
+        r = json.loads(info_json)
         mix = " ".join(f"`{op}` {n}" for op, n in (r.get("sass") or {}).items())
-        out.append(f"| {variant} | `{kernel}` | {r.get('registers', '—')} | {num(r.get('shared_bytes'), ',d', ' B')} "
+        variant = " ".join(filter(None, ["/".join(elems), rest])) or "—"
+        out.append(f"| `{kernel}` | {variant} | {r.get('registers', '—')} | {kib(r.get('shared_bytes'))} "
                    f"| {r.get('spill_stores', '—')} B / {r.get('spill_loads', '—')} B | {mix or '—'} |")
     return out
 
@@ -312,27 +715,78 @@ def cases_details(correctness: dict) -> list[str]:
     return ["", f'??? info "{title}"', ""] + ["    " + row for row in table]
 
 
-def stage_figure(benches: list[dict], names: list[str]) -> str:
-    """Horizontal bars per shape: this kernel and each baseline in TFLOP/s."""
-    series = ["this kernel"] + names
-    rows = [(label(b), [b.get("tflops")] + [speed_at(b, n) for n in names]) for b in benches]
-    top = max((v for _, vs in rows for v in vs if v), default=None)
-    if not top:
-        return ""
-    W, left, right, bar, gap = 760, 260, 56, 9, 12
-    H = 8 + len(rows) * (len(series) * bar + gap)
-    scale = (W - left - right) / top
-    body, y = [], 8
-    for text, values in rows:
-        body.append(f'<text class="fm-label" x="{left - 8}" y="{y + len(series) * bar / 2 + 4:.1f}" text-anchor="end">{html.escape(text)}</text>')
-        for i, v in enumerate(values):
-            if v:
-                body.append(f'<rect x="{left}" y="{y}" width="{v * scale:.1f}" height="{bar - 1}" fill="{COLORS[i % len(COLORS)]}">'
-                            f'<title>{html.escape(series[i])}: {v:.1f} TFLOP/s</title></rect>'
-                            f'<text class="fm-axis" x="{left + v * scale + 4:.1f}" y="{y + bar - 1}">{v:.1f}</text>')
-            y += bar
-        y += gap
-    svg = (f'<svg class="fm-chart fm-stage" viewBox="0 0 {W} {H}" role="img" xmlns="http://www.w3.org/2000/svg" '
-           f'aria-label="TFLOP/s of this stage and the baselines">{"".join(body)}</svg>')
-    keys = " ".join(swatch(COLORS[i % len(COLORS)], s) for i, s in enumerate(series))
-    return figure(svg, f"TFLOP/s at each benchmark shape (a baseline's: the same FLOP count over its own time). {keys}")
+# ---------------------------------------------------------------- figures in a lesson's prose
+
+class MissingFigure(PluginError):
+    """A lesson quotes a figure that the results do not hold (or a field the hook does not know)."""
+
+
+FIELDS = {  # name: (kind, what it is); "{}": the field's argument, a baseline or a stage directory
+    "ms": ("ms", "the median time"),
+    "tflops": ("tflops", "TFLOP/s"),
+    "pct_of_reference": ("pct", "% of the reference's speed"),
+    "pct_bandwidth": ("pct", "% of the memory bandwidth"),
+    "pct_peak": ("pct", "% of the tensor cores' peak"),
+    "speedup_vs_naive": ("ratio", "the speed-up over naive PyTorch"),
+    "previous_stage": ("ratio", "the speed-up over the previous stage, timed side by side in the same run"),
+    "baseline": ("ms", "the median time of {}"),
+    "x": ("ratio", "the speed-up over {}"),
+    "pct_of": ("pct", "% of the speed of {}"),
+    "tflops_of": ("tflops", "the TFLOP/s of {} (the same FLOPs over its time)"),
+    "share_of": ("pct", "the time as a % of the time of {}"),
+    "vs": ("ratio", "the speed-up over {}'s recorded median (separate runs)"),
+}
+TAKES_ARGUMENT = {"baseline", "x", "pct_of", "tflops_of", "share_of", "vs"}
+
+
+def figure_value(run: dict, stage: str, shape: str, field: str) -> float:
+    """One figure of the results, e.g. ("stage5_moe_routing", "T32768 ...", "share_of.layer_grouped_mm");
+    MissingFigure if the results do not hold it, or the field is unknown."""
+    name, _, arg = field.partition(".")
+    if name not in FIELDS or (name in TAKES_ARGUMENT) != bool(arg):
+        raise MissingFigure(f"unknown field {field!r}; the fields: " + ", ".join(
+            f"{n}.<{'stage' if n == 'vs' else 'baseline'}>" if n in TAKES_ARGUMENT else n for n in FIELDS))
+    st = (run.get("stages") or {}).get(stage)
+    if st is None:
+        raise MissingFigure(f"no results for {stage}")
+    bench = bench_at(st, shape)
+    if bench is None:
+        raise MissingFigure(f"{stage} has no timed shape {shape!r} (it has: {', '.join(label(b) for b in timed(st))})")
+    value = raw_figure(run, bench, name, arg)
+    if not value:
+        raise MissingFigure(f"{stage} at {shape!r} has no {field!r}")
+    return value
+
+
+def raw_figure(run: dict, bench: dict, name: str, arg: str):
+    if name == "previous_stage":
+        side = bench.get("previous_stage") or {}
+        return side.get("speedup") or (side.get("ms") and side["ms"] / bench["ms"])
+    if name not in TAKES_ARGUMENT:
+        return bench.get(name)
+    if name == "vs":
+        other = bench_at(run["stages"].get(arg) or {}, label(bench))
+        return other and other["ms"] / bench["ms"]
+    base = (bench.get("baselines") or {}).get(arg)
+    return base and {"baseline": base, "x": base / bench["ms"], "pct_of": 100 * base / bench["ms"],
+                     "tflops_of": at_time(bench, "tflops", base), "share_of": 100 * bench["ms"] / base}[name]
+
+
+def written(value: float, kind: str) -> str:
+    return {"ms": f"{sig3(value)} ms", "tflops": f"{sig3(value)} TFLOP/s", "pct": f"{sig3(value)}%"}.get(kind) or ratio(value)
+
+
+def figure_md(runs: list[dict], stage: str, shape: str, field: str, page: str = "") -> str:
+    """The figure from the first run (the H100's) that has the stage, with its provenance on hover."""
+    run = next((r for r in runs if stage in (r.get("stages") or {})), runs[0] if runs else {})
+    try:
+        value = figure_value(run, stage, shape, field)
+    except MissingFigure as missing:
+        if results_folder()[1]:
+            raise MissingFigure(f"{page}: <!-- figure:{stage}:{shape}:{field} -->: {missing}") from None
+        return '<span class="fm-missing">not measured</span>'
+    p = measured(run, run["stages"][stage])
+    name, _, arg = field.partition(".")
+    kind, what = FIELDS[name]
+    tip = f"{stage_name(stage)}, {shape}: {what.format(arg)}, measured {when(p).replace('`', '')} ({run.get('gpu', '')})"
+    return f'<span class="fm-figure-value" title="{html.escape(tip)}">{written(value, kind)}</span>'
