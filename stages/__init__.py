@@ -46,6 +46,13 @@ class Stage:
     specializations: dict[str, str] = field(default_factory=dict)  # -D macro -> the problem parameter it takes
     goal: Goal = Goal()
     extra_benchmarks: tuple = ()    # shapes timed after the problem's own (dicts as problem.benchmarks())
+    rung: str = ""                  # "" for the stage's own kernel; else a rung of its ladder (see RUNGS)
+    constants: dict[str, str] = field(default_factory=dict)  # -D macros every build of it gets
+
+    @property
+    def key(self) -> str:
+        """Its name in reports and results: the folder, then ":rung" for a rung ("stage6_grouped_gemm:simt")."""
+        return f"{self.name}:{self.rung}" if self.rung else self.name
 
     @property
     def number(self) -> int:
@@ -62,7 +69,8 @@ class Stage:
     @property
     def title(self) -> str:
         doc = importlib.import_module(f"stages.{self.name}").__doc__ or self.name
-        return doc.strip().splitlines()[0]
+        title = doc.strip().splitlines()[0]
+        return f"{title} [{self.rung} rung]" if self.rung else title
 
     def variants(self, problem) -> list[dict]:
         """Every variant of the problem to compile for: its dtypes × the values of the parameters the
@@ -74,7 +82,7 @@ class Stage:
     def defines(self, variant: dict) -> dict[str, str]:
         """The -D macros of a variant: ELEM_T for the dtype, then each specialization's parameter."""
         return {"ELEM_T": ELEM_TYPES[variant["dtype"]],
-                **{macro: str(variant[name]) for macro, name in self.specializations.items()}}
+                **{macro: str(variant[name]) for macro, name in self.specializations.items()}, **self.constants}
 
 
 def variant_key(defines: dict[str, str]) -> str:
@@ -95,9 +103,26 @@ def previous(stage: Stage) -> Stage | None:
 
 
 def load(name: str) -> Stage:
-    """A stage by folder name ("stage0_naive") or by short name ("stage0", "0")."""
+    """A stage by folder name ("stage0_naive") or by short name ("stage0", "0"); a rung of its ladder
+    after a colon ("stage6:mma_sync")."""
+    name, _, rung = name.partition(":")
     wanted = name if name.startswith("stage") else f"stage{name}"
     for full in stage_names():
         if full == wanted or full.split("_")[0] == wanted:
-            return importlib.import_module(f"stages.{full}").STAGE
-    raise KeyError(name)
+            if not rung:
+                return importlib.import_module(f"stages.{full}").STAGE
+            for lower in rungs(full):
+                if lower.rung == rung:
+                    return lower
+    raise KeyError(f"{name}:{rung}" if rung else name)
+
+
+def rungs(name: str) -> tuple[Stage, ...]:
+    """The lower rungs of a stage's ladder (the module's RUNGS): the same problem, solved with the
+    techniques of earlier stages, graded as the stage is; they run where the stage's own kernel may not."""
+    return getattr(importlib.import_module(f"stages.{name}"), "RUNGS", ())
+
+
+def with_rungs(name: str) -> list[Stage]:
+    """A stage, then its rungs."""
+    return [load(name), *rungs(load(name).name)]

@@ -56,3 +56,4 @@ STAGE = Stage(
     archs=("sm_90a",),
     goal=Goal("reference", 1.0),  # the fastest library baseline: torch._grouped_mm where it runs
 )
+from stages.stage6_grouped_gemm.ladder import RUNGS  # noqa: E402  (the ladder's lower rungs, graded alike)

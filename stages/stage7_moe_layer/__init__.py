@@ -1,15 +1,18 @@
 """Stage 7 — the whole MoE layer: route, permute, grouped GEMMs, combine
 
-sm_90a only (stage 6's GEMMs). The layer from the course's kernels, in eight launches and no host
-synchronization: router logits, stage 5's top-k, offsets and permutation, a gather of the tokens
-into expert order, stage 6's two grouped GEMMs (SwiGLU fused into the first), stage 5's combine.
+The layer from the course's kernels, in eight launches and no host synchronization: router logits,
+stage 5's top-k, offsets and permutation, a gather of the tokens into expert order, stage 6's two
+grouped GEMMs (SwiGLU fused into the first), stage 5's combine. sm_90a with stage 6's wgmma GEMMs;
+its mma_sync rung runs on sm_80 and newer with stage 6's mma_sync rung instead.
 """
+from functools import partial
+
 import torch
 
-from stages import Goal, Stage
+from stages import ALL_ARCHS, Goal, Stage
 from stages.stage5_moe_routing import STAGE as ROUTING
 from stages.stage5_moe_routing import combine, route
-from stages.stage6_grouped_gemm import BLOCK_M
+from stages.stage6_grouped_gemm import BLOCK_M, ladder
 from stages.stage6_grouped_gemm import STAGE as EXPERTS
 from stages.stage6_grouped_gemm import run_experts
 
@@ -19,44 +22,61 @@ ROUTER_TOKENS = 64
 GATHER_THREADS = 128
 
 
-def launch(kernels, x, wr, bias, w1, w2, top_k, out, topk_ids):
-    tokens, hidden = x.shape
-    experts, inter = w1.shape[0], w2.shape[1]
-    # The permuted buffers' capacity: every expert pads fewer than BLOCK_M rows. Known on the host
-    # without looking at the routing; the kernels use the offsets[E] rows actually needed.
-    rows = tokens * top_k + experts * (BLOCK_M - 1)
-    device, f32, i32 = x.device, torch.float32, torch.int32
-    logits = torch.empty(tokens, experts, dtype=f32, device=device)
-    topk_weights = torch.empty(tokens, top_k, dtype=f32, device=device)
-    dest = torch.empty(tokens, top_k, dtype=i32, device=device)
-    counts_offsets = torch.empty(2 * experts + 1, dtype=i32, device=device)
-    counts, offsets = counts_offsets[:experts], counts_offsets[experts:]
-    source_token = torch.empty(rows, dtype=i32, device=device)
-    balance = torch.empty(2, dtype=f32, device=device)  # load-balancing loss, usage variance
-    x_perm = torch.empty(rows, hidden, dtype=x.dtype, device=device)
-    h = torch.empty(rows, inter, dtype=x.dtype, device=device)
-    y_perm = torch.empty(rows, hidden, dtype=x.dtype, device=device)
+def layer_launch(run_experts):
+    """The layer's launch, with `run_experts` for its grouped GEMMs (stage 6's, or a rung's)."""
+    def launch(kernels, x, wr, bias, w1, w2, top_k, out, topk_ids):
+        tokens, hidden = x.shape
+        experts, inter = w1.shape[0], w2.shape[1]
+        # The permuted buffers' capacity: every expert pads fewer than BLOCK_M rows. Known on the host
+        # without looking at the routing; the kernels use the offsets[E] rows actually needed.
+        rows = tokens * top_k + experts * (BLOCK_M - 1)
+        device, f32, i32 = x.device, torch.float32, torch.int32
+        logits = torch.empty(tokens, experts, dtype=f32, device=device)
+        topk_weights = torch.empty(tokens, top_k, dtype=f32, device=device)
+        dest = torch.empty(tokens, top_k, dtype=i32, device=device)
+        counts_offsets = torch.empty(2 * experts + 1, dtype=i32, device=device)
+        counts, offsets = counts_offsets[:experts], counts_offsets[experts:]
+        source_token = torch.empty(rows, dtype=i32, device=device)
+        balance = torch.empty(2, dtype=f32, device=device)  # load-balancing loss, usage variance
+        x_perm = torch.empty(rows, hidden, dtype=x.dtype, device=device)
+        h = torch.empty(rows, inter, dtype=x.dtype, device=device)
+        y_perm = torch.empty(rows, hidden, dtype=x.dtype, device=device)
 
-    kernels.router_logits((-(-tokens // ROUTER_TOKENS),), (ROUTER_THREADS,), x, wr, bias, logits, tokens, hidden,
-                          experts)
-    route(kernels, logits, top_k, BLOCK_M, ALPHA, topk_ids, topk_weights, counts, offsets, dest, source_token,
-          balance[0:], balance[1:])
-    kernels.gather_rows((rows,), (GATHER_THREADS,), x, source_token, offsets, experts, x_perm, hidden)
-    run_experts(kernels, x_perm, offsets, w1, w2, h, y_perm)
-    combine(kernels, y_perm, dest, topk_weights, out, top_k)
+        kernels.router_logits((-(-tokens // ROUTER_TOKENS),), (ROUTER_THREADS,), x, wr, bias, logits, tokens,
+                              hidden, experts)
+        route(kernels, logits, top_k, BLOCK_M, ALPHA, topk_ids, topk_weights, counts, offsets, dest, source_token,
+              balance[:1], balance[1:])
+        kernels.gather_rows((rows,), (GATHER_THREADS,), x, source_token, offsets, experts, x_perm, hidden)
+        run_experts(kernels, x_perm, offsets, w1, w2, h, y_perm)
+        combine(kernels, y_perm, dest, topk_weights, out, top_k)
+    return launch
 
+
+OWN_KERNELS = {
+    "router_logits": "const elem_t*, const elem_t*, const float*, float*, int, int, int",
+    **ROUTING.kernels,
+    "gather_rows": "const elem_t*, const int*, const int*, int, elem_t*, int",
+}
 
 STAGE = Stage(
     name="stage7_moe_layer",
     problem="moe_layer",
     source="layer.cu",
-    kernels={
-        "router_logits": "const elem_t*, const elem_t*, const float*, float*, int, int, int",
-        **ROUTING.kernels,
-        "gather_rows": "const elem_t*, const int*, const int*, int, elem_t*, int",
-        **EXPERTS.kernels,
-    },
-    launch=launch,
+    kernels={**OWN_KERNELS, **EXPERTS.kernels},
+    launch=layer_launch(run_experts),
     archs=("sm_90a",),
     goal=Goal("reference", 1.0),  # the fastest library baseline: the torch._grouped_mm layer
 )
+
+# Where the GPU has no wgmma (sm_80-sm_89), the same layer on stage 6's mma_sync rung.
+RUNGS = (Stage(
+    name="stage7_moe_layer",
+    problem="moe_layer",
+    source="layer.cu",
+    kernels={**OWN_KERNELS, **ladder.KERNELS},
+    launch=layer_launch(partial(ladder.run_experts, "mma_sync")),
+    archs=ALL_ARCHS,
+    goal=Goal("reference", 0.6),  # as stage 6's mma_sync rung
+    rung="mma_sync",
+    constants={"MMA_SYNC_EXPERTS": "1"},
+),)

@@ -21,7 +21,11 @@
 // time; the combine into the down GEMM's epilogue needs fp32 atomics into an fp32 copy of out (k
 // experts add to each token) for ~1%.
 #include "stage5_moe_routing/routing.cu"
+#ifdef MMA_SYNC_EXPERTS  // the layer's mma_sync rung (sm_80+): stage 6's mma.sync GEMMs, for GPUs without wgmma
+#include "stage6_grouped_gemm/ladder/mma_sync.cu"
+#else
 #include "stage6_grouped_gemm/experts.cu"
+#endif
 
 constexpr int ROUTER_THREADS = 256;                     // 16 token groups × 16 expert groups
 constexpr int ROUTER_TOKENS = 64;                       // tokens per block: 4 per thread

@@ -1,0 +1,53 @@
+"""Stage 6's ladder: the experts' grouped GEMM with the techniques of earlier stages, graded like stage 6.
+
+Both rungs compute what experts.cu computes, with the same tile scheduler, kernels and tile order, as
+persistent grids of 256-thread blocks over 128 × 128 output tiles (grouped.cuh); they differ in how a
+block multiplies its tile: simt.cu on the CUDA cores in fp32 (stage 1's register tiling), mma_sync.cu
+on the tensor cores with mma.sync, ldmatrix and a cp.async ring (stages 2-3). They run on sm_80 and
+newer: on a GPU without wgmma (an A100, an L4, an RTX 4090) the mma_sync rung is stage 6, and stage 7
+builds the MoE layer on it.
+"""
+import torch
+
+from stages import ALL_ARCHS, Goal, Stage
+from stages.common.hopper import sm_count
+
+SIGNATURE = "const elem_t*, const elem_t*, elem_t*, const int*, int, int, int"
+KERNELS = {"expert_up_swiglu": SIGNATURE, "expert_down": SIGNATURE}
+THREADS = 256                       # grouped.cuh's NUM_THREADS
+OFFSETS_BYTES = 4 * (256 + 1)       # grouped.cuh: MAX_EXPERTS + 1 offsets
+BLOCKS_PER_SM = {"expert_up_swiglu": 1, "expert_down": 2}  # the kernels' __launch_bounds__ minimum
+# Dynamic shared memory per kernel (up: SwiGLU, 256 B columns; down: 128), as the .cu files lay it out.
+SHARED_BYTES = {
+    "simt": {"expert_up_swiglu": 2 * 4 * 16 * (128 + 256) + OFFSETS_BYTES,   # 2 fp32 slices of 16 k
+             "expert_down": 2 * 4 * 16 * (128 + 128) + OFFSETS_BYTES},
+    "mma_sync": {"expert_up_swiglu": 2 * 2 * (128 * 64 + 64 * 256) + OFFSETS_BYTES,  # 2 stages of 64 k
+                 "expert_down": 2 * 2 * (128 * 64 + 64 * 128) + OFFSETS_BYTES},
+}
+
+
+def run_experts(rung: str, kernels, x_perm, expert_offsets, w1, w2, h, y_perm):
+    """h = SwiGLU(x_perm · W1), y_perm = h · W2 over the rows each expert owns, as stage 6's run_experts,
+    on a persistent grid of BLOCKS_PER_SM blocks per SM."""
+    experts, hidden, inter = w1.shape[0], w1.shape[1], w2.shape[1]
+    sms = sm_count(x_perm.device)
+
+    def launch(name, *args):
+        getattr(kernels, name)((BLOCKS_PER_SM[name] * sms,), (THREADS,), *args, smem=SHARED_BYTES[rung][name])
+
+    launch("expert_up_swiglu", x_perm, w1, h, expert_offsets, experts, inter, hidden)
+    launch("expert_down", h, w2, y_perm, expert_offsets, experts, hidden, inter)
+
+
+def rung(name: str, goal: Goal) -> Stage:
+    def launch(kernels, x_perm, expert_offsets, expert_counts, w1, w2, y_perm):
+        h = torch.empty(x_perm.shape[0], w2.shape[1], dtype=x_perm.dtype, device=x_perm.device)
+        run_experts(name, kernels, x_perm, expert_offsets, w1, w2, h, y_perm)
+
+    return Stage(name="stage6_grouped_gemm", problem="moe_experts", source=f"ladder/{name}.cu", kernels=KERNELS,
+                 launch=launch, archs=ALL_ARCHS, goal=goal, rung=name)
+
+
+# Goals scale to what each technique can reach against the fastest library baseline (tensor cores):
+# CUDA cores in fp32 reach about 1/15 of the 16-bit tensor-core rate, mma.sync about 2/3 of wgmma's.
+RUNGS = (rung("mma_sync", Goal("reference", 0.6)), rung("simt", Goal("reference", 0.06)))
