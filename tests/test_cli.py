@@ -31,7 +31,7 @@ def test_unknown_stage():
 
 def test_missing_kernel_file():
     r = grader("stage0", "--kernel", "nowhere.cu")
-    assert r.returncode != 0 and "no such kernel file: nowhere.cu" in r.stdout
+    assert r.returncode == 2 and "error: stage0_naive: no such kernel file: nowhere.cu" in r.stdout
 
 
 def test_no_gpu_compiles_only_and_says_so(tmp_path):
