@@ -1,5 +1,7 @@
 """The command line, as a learner meets it: one-line errors, non-zero exits, compile-only without a GPU."""
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -161,3 +163,19 @@ def test_an_80_column_report_shows_every_figure_in_full():
             assert f"regs {info['registers']} " in body and f"smem {info['shared_bytes']} B" in body
             for op, count in info["sass"].items():
                 assert f" {op}:{count}" in body, (variant, kernel, op)
+
+
+def test_ci_installs_exactly_as_the_readme_tells_a_learner_without_a_gpu(tmp_path):
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"<!-- ci: cpu-install -->\n```bash\n(.*?)^```$", readme, re.DOTALL | re.MULTILINE)
+    assert block, "README.md has no CPU-only install block marked for CI"
+    assert "--index-url https://download.pytorch.org/whl/cpu" in block[1] and re.search(r"torch==\d", block[1])
+    # Only these tools on PATH: a .ci/run that ignored --print-install could install nothing, nor run these tests.
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for tool in ("awk", "dirname"):
+        (tools / tool).symlink_to(shutil.which(tool))
+    ci = subprocess.run([shutil.which("bash"), ".ci/run", "--print-install"], cwd=REPO, env={"PATH": str(tools)},
+                        capture_output=True, text=True, timeout=60)
+    assert ci.returncode == 0 and ci.stdout == block[1], ci.stdout + ci.stderr
+    assert "pip install" not in (REPO / ".ci/run").read_text()  # nothing installed but the README's block
