@@ -37,8 +37,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def fail(message: str) -> int:
+    from rich.text import Text
     from grader.report import console
-    console.print(f"[red]error:[/red] {message}", soft_wrap=True)
+
+    console.print(Text("error: ", style="red") + Text(message), soft_wrap=True)  # no markup: messages hold [ ]
     return 2
 
 
@@ -88,7 +90,7 @@ def say_compile_only(args, no_gpu_why: str) -> None:
         return  # --arch asked for exactly this
     head = f"--arch {args.arch}: compiling only" if args.arch else f"No GPU ({no_gpu_why}): compiling only"
     tail = f"; not used without a GPU run: {' '.join(unused)}" if unused else \
-        "; results need an NVIDIA GPU (sm_80 or newer)"
+        f"; results need an NVIDIA GPU (sm_{LOWEST_ARCH} or newer)"
     console.print(f"[yellow]{head}[/yellow]{tail}.", soft_wrap=True)
 
 
@@ -209,7 +211,7 @@ def grade_one(stage, args, gpu) -> tuple[dict | None, int]:
         return None, fail(f"{stage.name}: {error}")
     except CompileError as error:
         console.print(f"[red]{stage.name}: compile error for {error.arch}[/red]")
-        console.print(error.log, markup=False)
+        console.print(error.log, markup=False, soft_wrap=True)  # the log's lines as NVRTC wrote them
         return None, 1
     result["nvrtc"] = nvrtc_version()  # what made the registers and SASS the report shows
     report.print_stage(result, gpu.name if gpu else None)
