@@ -1,22 +1,27 @@
-"""python -m grader <stage> | all | list | init <stage>   (python -m grader --help)"""
+"""python -m grader <stage>... | all | list | init <stage>...   (python -m grader --help)"""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
 
-USAGE = """python -m grader STAGE [options]     grade a stage (e.g. stage0, stage3, 3)
+USAGE = """python -m grader STAGE [STAGE ...] [options]   grade stages in turn (e.g. stage0, stage3, 3)
        python -m grader all [options]       grade every stage (instructors: --json results/<gpu>.json)
        python -m grader list                the stages, the architectures each needs, their last recorded grade
-       python -m grader init STAGE          write an exercise copy to workspace/ (graded from then on)"""
+       python -m grader init STAGE [STAGE ...]  write exercise copies to workspace/ (graded from then on)"""
+
+ARCH = re.compile(r"sm_(\d+)(a?)")  # sm_80, sm_90a: a GPU generation, "a" for its arch-specific features
+LOWEST_ARCH = 80                    # the course's kernels use cp.async, ldmatrix and bf16 mma.sync
+GPU_ONLY = ("cases", "no_bench", "json", "seed", "trials", "budget", "timeout")  # options that only a GPU run uses
 
 
-def parse(argv):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m grader", usage=USAGE,
                                 description="Compile, check, time and grade the course's CUDA kernels.")
     p.add_argument("command", help="a stage, all, list or init")
-    p.add_argument("stage", nargs="?", help="the stage, after init")
+    p.add_argument("stages", nargs="*", metavar="STAGE", help="more stages to grade; after init, the stages to copy")
     p.add_argument("--kernel", type=Path, help="grade this .cu file instead of the stage's own or your workspace copy")
     p.add_argument("--solution", action="store_true", help="grade the course's kernel even if you have a workspace copy")
     p.add_argument("--arch", help="compile only, for this architecture (e.g. sm_90a); needs no GPU")
@@ -28,25 +33,75 @@ def parse(argv):
     p.add_argument("--timeout", type=float, default=60.0, help="seconds without progress before a kernel counts as hung")
     p.add_argument("--json", type=Path, help="write the results here (updates the stages it holds)")
     p.add_argument("--force", action="store_true", help="init: overwrite your workspace copy")
-    return p.parse_args(argv)
+    return p
 
 
 def fail(message: str) -> int:
+    from rich.text import Text
     from grader.report import console
-    console.print(f"[red]error:[/red] {message}", soft_wrap=True)
+
+    console.print(Text("error: ", style="red") + Text(message), soft_wrap=True)  # no markup: messages hold [ ]
     return 2
+
+
+def option_problem(args) -> str | None:
+    """What is wrong with --arch or --cases whatever the stage, said in one line; None if nothing."""
+    if args.arch:
+        match = ARCH.fullmatch(args.arch)
+        if not match:
+            return f"--arch {args.arch}: not an architecture; write sm_NN or sm_NNa (e.g. sm_80, sm_90a)"
+        if int(match[1]) < LOWEST_ARCH:
+            return f"--arch {args.arch}: the course's kernels need sm_{LOWEST_ARCH} or newer"
+    if args.cases is not None:
+        try:
+            re.compile(args.cases)
+        except re.error as error:
+            return f"--cases {args.cases!r} is not a regular expression: {error}"
+    return None
+
+
+def arch_problem(stage, arch: str) -> str | None:
+    """Why `stage` cannot be compiled for `arch`, or None. The rule of grader.device.arch_for: a stage
+    with a plain arch compiles for its lowest arch and any newer plain one; an "a" arch (sm_90a:
+    wgmma, setmaxnreg) only where the stage lists it, for exactly that generation."""
+    if arch in stage.archs:
+        return None
+    number, arch_specific = ARCH.fullmatch(arch).groups()
+    lowest = min(int(ARCH.fullmatch(a)[1]) for a in stage.archs)
+    any_plain = not all(a.endswith("a") for a in stage.archs)
+    if any_plain and not arch_specific and int(number) >= lowest:
+        return None
+    allowed = ", ".join(stage.archs) + (" or a newer sm_NN" if any_plain else " only")
+    return f"{stage.name} compiles for {allowed}, not {arch}"
+
+
+def unused_gpu_options(args) -> list[str]:
+    """The GPU-only options given (not left at their defaults), as typed: ["--cases", "--json"]."""
+    defaults = parser()
+    return [f"--{name.replace('_', '-')}" for name in GPU_ONLY if getattr(args, name) != defaults.get_default(name)]
+
+
+def say_compile_only(args, no_gpu_why: str) -> None:
+    """One line: this run compiles only, and which of the options given it does not use."""
+    from grader.report import console
+
+    unused = unused_gpu_options(args)
+    if args.arch and not unused:
+        return  # --arch asked for exactly this
+    head = f"--arch {args.arch}: compiling only" if args.arch else f"No GPU ({no_gpu_why}): compiling only"
+    tail = f"; not used without a GPU run: {' '.join(unused)}" if unused else \
+        f"; results need an NVIDIA GPU (sm_{LOWEST_ARCH} or newer)"
+    console.print(f"[yellow]{head}[/yellow]{tail}.", soft_wrap=True)
 
 
 def cmd_list() -> int:
     import stages
     from grader import results
-    from grader.report import console
-    from rich.table import Table
+    from grader.compiler import nvrtc_version
+    from grader.report import console, show
 
     recorded = results.load_all()
-    table = Table(title="Stages")
-    for column in ("stage", "title", "architectures", *[f"grade on {gpu}" for gpu in recorded]):
-        table.add_column(column)
+    rows = []
     for name in stages.stage_names():
         stage = stages.load(name)
         grades = []
@@ -54,28 +109,38 @@ def cmd_list() -> int:
             entry = data["stages"].get(name)
             fresh = entry and entry.get("source_sha256") == results.source_digest(stage)
             grades.append("—" if not entry else f"{entry.get('grade', '?')}" + ("" if fresh else " (stale: kernel changed)"))
-        table.add_row(name, stage.title, ", ".join(stage.archs), *grades)
-    console.print(table)
+        rows.append([name, stage.title, ", ".join(stage.archs), *grades])
+    show("Stages", ["stage", "title", "architectures", *[f"grade on {gpu}" for gpu in recorded]], rows)
+    console.print(f"NVRTC here: {nvrtc_version()}", soft_wrap=True)
+    for gpu, data in recorded.items():
+        measured = data.get("provenance") or {}
+        console.print(f"{gpu}'s results: NVRTC {measured.get('nvrtc', '?')}, torch {measured.get('torch', '?')}",
+                      soft_wrap=True)
     return 0
 
 
-def cmd_init(name: str | None, force: bool) -> int:
+def cmd_init(names: list[str], force: bool) -> int:
     import stages
     from grader import exercise
     from grader.report import console
 
-    if not name:
+    if not names:
         return fail("init needs a stage, e.g. python -m grader init stage1")
-    try:
-        stage = stages.load(name)
-        path = exercise.init(stage, force)
-    except KeyError:
-        return fail(f"unknown stage {name!r}; python -m grader list shows them")
-    except (FileExistsError, exercise.MarkerError) as error:
-        return fail(str(error))
-    console.print(f"Wrote {exercise.shown(path)}: fill in the TODO(exercise) blocks, then run "
-                  f"[bold]python -m grader {stage.name.split('_')[0]}[/bold] (it grades your copy; --solution grades ours).")
-    return 0
+    status = 0
+    for name in names:
+        try:
+            stage = stages.load(name)
+            path = exercise.init(stage, force)
+        except KeyError:
+            status = fail(f"unknown stage {name!r}; python -m grader list shows them")
+            continue
+        except (FileExistsError, exercise.MarkerError) as error:
+            status = fail(str(error))
+            continue
+        console.print(f"Wrote {exercise.shown(path)}: fill in the TODO(exercise) blocks, then run "
+                      f"[bold]python -m grader {stage.name.split('_')[0]}[/bold] (it grades your copy; --solution grades ours).",
+                      soft_wrap=True)
+    return status
 
 
 def kernel_path_for(stage, args) -> Path:
@@ -94,70 +159,80 @@ def kernel_path_for(stage, args) -> Path:
 def grade(names: list[str], args) -> int:
     import stages
     from grader import device, report, results
-    from grader.compiler import CompileError
-    from grader.run import GraderError, grade_stage
 
-    console = report.console
     try:
-        chosen = [stages.load(n) for n in names]
+        chosen = list({stage.name: stage for stage in map(stages.load, names)}.values())  # each stage once
     except KeyError as error:
         return fail(f"unknown stage {error.args[0]!r}; python -m grader list shows them")
-    gpu, why = (None, "--arch asks to compile only") if args.arch else device.probe()
-    if gpu is None and not args.arch:
-        console.print(f"[yellow]No GPU ({why}): compiling only.[/yellow] Results need an NVIDIA GPU (sm_80 or newer).")
-    elif gpu:
-        console.print(f"GPU: {gpu.name} ({gpu.arch}, {gpu.sms} SMs, driver CUDA {gpu.driver})")
+    gpu, why = (None, "") if args.arch else device.probe()
+    if gpu is None:
+        say_compile_only(args, why)
+    else:
+        report.console.print(f"GPU: {gpu.name} ({gpu.arch}, {gpu.sms} SMs, driver CUDA {gpu.driver})")
 
     all_results, status = {}, 0
     for stage in chosen:
-        try:
-            kernel_path = kernel_path_for(stage, args)
-            arch = args.arch or (device.arch_for(gpu, stage.archs) if gpu else max(stage.archs))
-            started = time.perf_counter()
-            with console.status(f"{stage.name}: compiling") as status_line:
-                def progress(what, done, total, label, ok):
-                    status_line.update(f"{stage.name}: {what} {done}/{total} {label}")
-                    if what == "case" and not ok:
-                        console.print(f"  [red]FAIL[/red] {label}")
+        result, stage_status = grade_one(stage, args, gpu)
+        status = max(status, stage_status)
+        if result is not None:
+            result["measured"] = results.provenance(gpu) if gpu else None
+            all_results[stage.name] = result
 
-                result = grade_stage(stage, kernel_path, gpu, arch, seed=args.seed, trials=args.trials,
-                                     timeout_s=args.timeout, budget_s=args.budget, bench=not args.no_bench,
-                                     only=args.cases, progress=progress)
-        except (GraderError, FileNotFoundError, ValueError) as error:
-            status = fail(f"{stage.name}: {error}")
-            continue
-        except CompileError as error:
-            console.print(f"[red]{stage.name}: compile error for {error.arch}[/red]")
-            console.print(error.log, markup=False)
-            status = 1
-            continue
-        report.print_stage(result, gpu.name if gpu else None)
-        console.print(f"({time.perf_counter() - started:.0f} s)")
-        if result.get("correctness", {}).get("failed"):
-            status = 1
-        result["measured"] = results.provenance(gpu) if gpu else None
-        all_results[stage.name] = result
-
-    if args.json and all_results:
-        if gpu is None:
-            console.print("[yellow]No GPU: nothing measured, so no results file written.[/yellow]")
-        else:
-            latest = list(all_results.values())[-1]["measured"]  # the file's provenance: its newest stage's
-            results.write(args.json, gpu.name, latest, all_results)
-            console.print(f"Results written to {args.json}")
+    if args.json and all_results and gpu is not None:
+        latest = list(all_results.values())[-1]["measured"]  # the file's provenance: its newest stage's
+        results.write(args.json, gpu.name, latest, all_results)
+        report.console.print(f"Results written to {args.json}")
     return status
 
 
+def grade_one(stage, args, gpu) -> tuple[dict | None, int]:
+    """(the result, or None if there is none, and the exit status) of one stage, reported as it goes."""
+    from grader import device, report
+    from grader.compiler import CompileError, nvrtc_version
+    from grader.run import GraderError, grade_stage
+
+    console = report.console
+    if args.arch and (problem := arch_problem(stage, args.arch)):
+        return None, fail(problem)
+    try:
+        kernel_path = kernel_path_for(stage, args)
+        arch = args.arch or (device.arch_for(gpu, stage.archs) if gpu else max(stage.archs))
+        started = time.perf_counter()
+        with console.status(f"{stage.name}: compiling") as status_line:
+            def progress(what, done, total, label, ok):
+                status_line.update(f"{stage.name}: {what} {done}/{total} {label}")
+                if what == "case" and not ok:
+                    console.print(f"  [red]FAIL[/red] {label}")
+
+            result = grade_stage(stage, kernel_path, gpu, arch, seed=args.seed, trials=args.trials,
+                                 timeout_s=args.timeout, budget_s=args.budget, bench=not args.no_bench,
+                                 only=args.cases, progress=progress)
+    except (GraderError, FileNotFoundError, ValueError) as error:
+        return None, fail(f"{stage.name}: {error}")
+    except CompileError as error:
+        console.print(f"[red]{stage.name}: compile error for {error.arch}[/red]")
+        console.print(error.log, markup=False, soft_wrap=True)  # the log's lines as NVRTC wrote them
+        return None, 1
+    result["nvrtc"] = nvrtc_version()  # what made the registers and SASS the report shows
+    report.print_stage(result, gpu.name if gpu else None)
+    console.print(f"({time.perf_counter() - started:.0f} s)")
+    return result, 1 if result.get("correctness", {}).get("failed") else 0
+
+
 def main(argv=None) -> int:
-    args = parse(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command in ("list", "all") and args.stages:
+        return fail(f"{args.command} takes no stage (got {' '.join(args.stages)})")
+    if problem := option_problem(args):
+        return fail(problem)
     if args.command == "list":
         return cmd_list()
     if args.command == "init":
-        return cmd_init(args.stage, args.force)
+        return cmd_init(args.stages, args.force)
     if args.command == "all":
         import stages
         return grade(stages.stage_names(), args)
-    return grade([args.command], args)
+    return grade([args.command, *args.stages], args)
 
 
 if __name__ == "__main__":

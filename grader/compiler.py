@@ -26,7 +26,8 @@ class CompileError(Exception):
     """NVRTC rejected the source; `log` is NVRTC's log (file(line): error: ...)."""
 
     def __init__(self, path: Path, arch: str, log: str):
-        self.path, self.arch, self.log = path, arch, log.strip()
+        # NVRTC's log ends with the C string's NUL byte, which makes grep call the output binary.
+        self.path, self.arch, self.log = path, arch, log.replace("\0", "").strip()
         super().__init__(f"{path} does not compile for {arch}:\n{self.log}")
 
 
@@ -96,7 +97,7 @@ def compile_cubin(path: Path, arch: str, defines: dict[str, str] | None = None, 
     key = hashlib.sha256(key_text.encode()).hexdigest()[:24]
     cubin_path, log_path = CACHE_DIR / f"{key}.cubin", CACHE_DIR / f"{key}.log"
     if cubin_path.exists() and log_path.exists():
-        return Cubin(cubin_path, arch, defines, log_path.read_text())
+        return Cubin(cubin_path, arch, defines, _with_c_linkage(path, arch, log_path.read_text()))
 
     options["include_path"] = [str(path.parent), *options["include_path"]]
     log = io.StringIO()
@@ -111,7 +112,24 @@ def compile_cubin(path: Path, arch: str, defines: dict[str, str] | None = None, 
     tmp.write_bytes(code)
     log_path.write_text(log.getvalue())
     tmp.replace(cubin_path)
-    return Cubin(cubin_path, arch, defines, log.getvalue())
+    return Cubin(cubin_path, arch, defines, _with_c_linkage(path, arch, log.getvalue()))
+
+
+def _with_c_linkage(path: Path, arch: str, ptxas_log: str) -> str:
+    """The log, if every kernel in it has C linkage; else CompileError. The launch code finds a kernel
+    by its plain name, which a kernel declared without extern "C" does not have (it is mangled)."""
+    mangled = re.findall(r"Compiling entry function '(_Z\w+)'", ptxas_log)
+    if mangled:
+        symbol, name = mangled[0], _demangled_name(mangled[0])
+        raise CompileError(path, arch, f'{_display_name(path)}: error: kernel {name} has C++ linkage (symbol {symbol}): '
+                                       f'declare it extern "C" __global__ so that it can be launched by name')
+    return ptxas_log
+
+
+def _demangled_name(symbol: str) -> str:
+    """"_Z13attention_fwdPKfi" -> "attention_fwd"; a name inside a namespace is left mangled."""
+    match = re.match(r"_Z(\d+)(\w+)", symbol)
+    return match[2][:int(match[1])] if match else symbol
 
 
 def _display_name(path: Path) -> str:

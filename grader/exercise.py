@@ -9,15 +9,16 @@ In a stage's `.cu` file the key idea sits between two marker comments:
 
 `python -m grader init stage1` writes the exercise copy to workspace/stage1_tiled/, with each
 marked block replaced by `// TODO(exercise): hint` and its stubs; the grader then grades that copy.
+FLASHMOE_WORKSPACE names another workspace folder (the tests use a temporary one).
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 from grader.compiler import REPO
 
-WORKSPACE = REPO / "workspace"
 BEGIN = re.compile(r"^(\s*)// EXERCISE: ?(.*)$")
 END = re.compile(r"^\s*// END EXERCISE\s*$")
 STUB = re.compile(r"^\s*// STUB: ?(.*)$")
@@ -65,8 +66,12 @@ def shown(path: Path) -> str:
     return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
+def workspace_dir() -> Path:
+    return Path(os.environ.get("FLASHMOE_WORKSPACE") or REPO / "workspace").resolve()
+
+
 def workspace_path(stage) -> Path:
-    return WORKSPACE / stage.name / stage.source
+    return workspace_dir() / stage.name / stage.source
 
 
 def init(stage, force: bool = False) -> Path:

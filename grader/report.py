@@ -1,10 +1,14 @@
-"""Print a stage's result as tables (rich), for a terminal or a log."""
+"""Print a stage's result, for a terminal or a log: as tables where they fit the width, else as
+records (a pipe or a CI log is 80 columns wide, where a table would cut its figures short: `FFM…`)."""
 from __future__ import annotations
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
+from rich.text import Text
 
 console = Console(highlight=False)
+INDENT, SEPARATOR = 2, " · "  # of a record's lines (cells hold commas and semicolons of their own)
 
 
 def _fmt(value, spec=".3g", missing="—"):
@@ -23,63 +27,110 @@ def variant_label(key: str) -> str:
                                                                for k, v in parts.items()]).strip()
 
 
+def show(title: str, columns: list[str], rows: list[list[str]], keys: int = 1, right: tuple = ()) -> None:
+    """`rows` as a table if it fits the console with no cell wrapped, else as records (_print_records).
+    A row with fewer cells than `columns` is its keys and a message (a failure). Cells may hold markup."""
+    table = Table(title=title, title_justify="left")
+    for column in columns:
+        table.add_column(column, justify="right" if column in right else "left", overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    unlimited = console.options.update_width(10**6)
+    if Measurement.get(console, unlimited, table).maximum <= console.width:
+        console.print(table)
+    else:
+        _print_records(title, columns, rows, keys)
+
+
+def _print_records(title: str, columns: list[str], rows: list[list[str]], keys: int) -> None:
+    """Each row as its first `keys` cells on a line, then `column value` items packed into indented
+    lines; an item is split only where it is longer than a line, at a space (a SASS mix)."""
+    console.print(Text(title, style="bold"))
+    for row in rows:
+        head, cells = " ".join(c for c in row[:keys] if c), row[keys:]
+        if len(row) == len(columns):
+            cells = [f"{column} {cell}" for column, cell in zip(columns[keys:], cells) if cell]
+        if head:
+            console.print(Text(head, style="bold"))
+        for line in _packed(cells, console.width - INDENT):
+            for piece in Text.from_markup(line).wrap(console, console.width - INDENT):
+                piece.rstrip()
+                console.print(Text(" " * INDENT) + piece)
+
+
+def _packed(items: list[str], width: int) -> list[str]:
+    """The items joined by SEPARATOR into lines of at most `width` cells; an item longer than that
+    gets a line of its own, which the console wraps at its spaces."""
+    lines, current = [], ""
+    for item in items:
+        joined = f"{current}{SEPARATOR}{item}" if current else item
+        if current and Text.from_markup(joined).cell_len > width:
+            lines.append(current)
+            joined = item
+        current = joined
+    return lines + [current] if current else lines
+
+
 def print_resources(result: dict) -> None:
-    table = Table(title=f"Compiled for {result['arch']}: resources per kernel", title_justify="left")
-    for column in ("variant", "kernel", "regs", "smem", "stack", "spills st/ld", "SASS: key instructions (count)"):
-        table.add_column(column, no_wrap=column != "SASS: key instructions (count)")
+    compiler = f" by NVRTC {result['nvrtc']}" if result.get("nvrtc") else ""
+    rows = []
     for variant, kernels in result["resources"].items():
         for name, info in kernels.items():
             spills = f"{info['spill_stores']}/{info['spill_loads']}"
             mix = " ".join(f"{op}:{n}" for op, n in info["sass"].items())
-            table.add_row(variant_label(variant), name, str(info["registers"]), f"{info['shared_bytes']} B",
-                          f"{info['stack_bytes']} B", spills if spills == "0/0" else f"[red]{spills}[/red]", mix)
-    console.print(table)
+            rows.append([variant_label(variant), name, str(info["registers"]), f"{info['shared_bytes']} B",
+                         f"{info['stack_bytes']} B", spills if spills == "0/0" else f"[red]{spills}[/red]", mix])
+    show(f"Compiled for {result['arch']}{compiler}: resources per kernel",
+         ["variant", "kernel", "regs", "smem", "stack", "spills st/ld", "SASS (key instructions)"], rows, keys=2)
 
 
 def print_correctness(correctness: dict) -> None:
-    table = Table(title=f"Correctness: {correctness['passed']} passed, {correctness['failed']} failed "
-                        f"(seed {correctness['seed']}, {correctness['trials']} trials each, fresh inputs per trial)",
-                  title_justify="left")
-    for column in ("case", "output", "max abs", "mean abs", "max rel", "tolerance", "quality", "result"):
-        table.add_column(column)
+    rows = []
     for case in correctness["cases"]:
         if "failure" in case:
-            table.add_row(case["name"], "", "", "", "", "", "", f"[red]FAIL[/red] {case['failure']}")
+            rows.append([case["name"], "", "", "", "", "", "", f"[red]FAIL[/red] {case['failure']}"])
             continue
         for i, check in enumerate(case["checks"]):
             k = check["kernel"]
             ok = check["passed"] and case["inputs_unmodified"]
             note = "" if case["inputs_unmodified"] else " (inputs modified!)"
-            table.add_row(case["name"] if i == 0 else "", check["output"], _fmt(k["max_abs"], ".2e"),
-                          _fmt(k["mean_abs"], ".2e"), _fmt(k["max_rel"], ".2e"), _fmt(check["tolerance"], ".2e"),
-                          check["quality"], ("[green]pass[/green]" if ok else "[red]FAIL[/red]") + note)
-    console.print(table)
+            rows.append([case["name"] if i == 0 else "", check["output"], _fmt(k["max_abs"], ".2e"),
+                         _fmt(k["mean_abs"], ".2e"), _fmt(k["max_rel"], ".2e"), _fmt(check["tolerance"], ".2e"),
+                         check["quality"], ("[green]pass[/green]" if ok else "[red]FAIL[/red]") + note])
+    show(f"Correctness: {correctness['passed']} passed, {correctness['failed']} failed "
+         f"(seed {correctness['seed']}, {correctness['trials']} trials each, fresh inputs per trial)",
+         ["case", "output", "max abs", "mean abs", "max rel", "tolerance", "quality", "result"], rows)
 
 
 def print_benchmarks(result: dict, gpu_name: str) -> None:
-    table = Table(title=f"Speed on {gpu_name} (median of side-by-side runs, L2 flushed)", title_justify="left")
-    for column in ("shape", "ms", "min", "spread", "TFLOP/s", "% peak", "% BW", "reference", "% of ref",
-                   "vs naive", "extra memory", "occupancy"):
-        table.add_column(column, justify="right" if column != "shape" else "left")
+    rows = []
     for bench in result["benchmarks"]:
         if "failure" in bench:
-            table.add_row(bench["label"], f"[red]{bench['failure']}[/red]")
+            rows.append([bench["label"], f"[red]{bench['failure']}[/red]"])
             continue
         ref = bench.get("reference")
         occupancy = ", ".join(f"{o['blocks_per_sm']} blk/SM" for o in bench["launches"].values())
-        table.add_row(bench["label"], _fmt(bench["ms"], ".3f"), _fmt(bench["ms_min"], ".3f"),
-                      f"{100 * bench['spread']:.1f}%", _fmt(bench["tflops"], ".1f"), _fmt(bench.get("pct_peak"), ".1f"),
-                      _fmt(bench.get("pct_bandwidth"), ".1f"),
-                      f"{ref['name']} {ref['ms']:.3f} ms" if ref else "—", _fmt(bench.get("pct_of_reference"), ".1f"),
-                      f"{bench['speedup_vs_naive']:.2f}x" if bench.get("speedup_vs_naive") else "—",
-                      _mib(bench["extra_memory_bytes"]), occupancy)
-    console.print(table)
-    baselines = Table(title="Baselines (ms; extra memory)", title_justify="left")
-    names = sorted({n for b in result["benchmarks"] for n in [*b.get("baselines", {}), *b.get("skipped", {})]})
-    baselines.add_column("shape")
-    for name in names:
-        baselines.add_column(name, justify="right")
+        rows.append([bench["label"], _fmt(bench["ms"], ".3f"), _fmt(bench["ms_min"], ".3f"),
+                     f"{100 * bench['spread']:.1f}%", _fmt(bench["tflops"], ".1f"), _fmt(bench.get("pct_peak"), ".1f"),
+                     _fmt(bench.get("pct_bandwidth"), ".1f"),
+                     f"{ref['name']} {ref['ms']:.3f} ms" if ref else "—", _fmt(bench.get("pct_of_reference"), ".1f"),
+                     f"{bench['speedup_vs_naive']:.2f}x" if bench.get("speedup_vs_naive") else "—",
+                     _mib(bench["extra_memory_bytes"]), occupancy])
+    columns = ["shape", "ms", "min", "spread", "TFLOP/s", "% peak", "% BW", "reference", "% of ref",
+               "vs naive", "extra memory", "occupancy"]
+    show(f"Speed on {gpu_name} (median of side-by-side runs, L2 flushed)", columns, rows, right=tuple(columns[1:]))
+    print_baselines(result["benchmarks"])
     for bench in result["benchmarks"]:
+        for note in bench.get("notes", []):
+            console.print(f"[cyan]note[/cyan] {bench['label']}: {note}")
+        for flag in bench.get("flags", []):
+            console.print(f"[yellow]suspect[/yellow] {bench['label']}: {flag}")
+
+
+def print_baselines(benchmarks: list[dict]) -> None:
+    names = sorted({n for b in benchmarks for n in [*b.get("baselines", {}), *b.get("skipped", {})]})
+    rows = []
+    for bench in benchmarks:
         if "baselines" in bench:
             cells = []
             for name in names:
@@ -87,13 +138,8 @@ def print_benchmarks(result: dict, gpu_name: str) -> None:
                 why = bench.get("skipped", {}).get(name)
                 mem = bench.get("baseline_extra_memory_bytes", {}).get(name)
                 cells.append(why or ("—" if ms is None else f"{ms:.3f}; {_mib(mem)}"))
-            baselines.add_row(bench["label"], *cells)
-    console.print(baselines)
-    for bench in result["benchmarks"]:
-        for note in bench.get("notes", []):
-            console.print(f"[cyan]note[/cyan] {bench['label']}: {note}")
-        for flag in bench.get("flags", []):
-            console.print(f"[yellow]suspect[/yellow] {bench['label']}: {flag}")
+            rows.append([bench["label"], *cells])
+    show("Baselines (ms; extra memory)", ["shape", *names], rows, right=tuple(names))
 
 
 def print_grade(result: dict) -> None:
@@ -109,7 +155,10 @@ def print_grade(result: dict) -> None:
 
 
 def print_stage(result: dict, gpu_name: str | None) -> None:
-    console.rule(f"[bold]{result['title']}")
+    if len(result["title"]) + 6 <= console.width:
+        console.rule(f"[bold]{result['title']}")
+    else:  # a rule would cut the title short
+        console.print(Text(result["title"], style="bold"))
     console.print(f"Graded file: [bold]{result['kernel_path']}[/bold]  (sha256 {result['source_sha256'][:12]}…)")
     print_resources(result)
     if "correctness" in result:

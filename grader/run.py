@@ -63,6 +63,8 @@ def _explain_signature_error(error: CompileError, stage, kernel_path) -> GraderE
             return GraderError(f"{relative(kernel_path)}: no kernel named {name} (expected {expected})")
         if f'"GRADER-SIGNATURE {name}"' in error.log:
             return GraderError(f"{relative(kernel_path)}: kernel {name} does not have the signature the stage launches: {expected}")
+        if f"kernel {name} has C++ linkage" in error.log:  # compiler.py's check of the entry functions
+            return GraderError(f"{relative(kernel_path)}: kernel {name} must be declared {expected}")
     return None
 
 

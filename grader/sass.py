@@ -5,6 +5,8 @@ nvidia-cuda-nvdisasm wheel) lists the SASS of a cubin.
 """
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
 import subprocess
@@ -15,6 +17,7 @@ from pathlib import Path
 # The instructions a lesson is about, in the order the report lists them.
 KEY_OPCODES = ("HGMMA", "HMMA", "FFMA", "MUFU", "LDSM", "LDGSTS", "UTMALDG", "LDG", "STG", "LDS", "STS",
                "SHFL", "BAR", "LDL", "STL")
+MIX_FORMAT = 1  # the version of parse_listing's output: change it when the parser changes
 
 
 def resources(ptxas_log: str) -> dict[str, dict]:
@@ -52,9 +55,23 @@ def disassemble(cubin: Path) -> str:
 
 
 def instruction_mix(cubin: Path) -> dict[str, Counter]:
-    """{kernel: Counter of opcodes without modifiers, e.g. "HMMA", "LDGSTS"} from the SASS listing."""
+    """{kernel: Counter of opcodes without modifiers, e.g. "HMMA", "LDGSTS"} of a cubin, kept beside it
+    (<key>.sass<N>.json): nvdisasm takes about half a second a cubin, and a cubin's name is the hash of
+    all that made it. N, MIX_FORMAT, changes with the parser, so that an older parser's counts are not read."""
+    cached = Path(cubin).with_suffix(f".sass{MIX_FORMAT}.json")
+    if cached.exists():
+        return {kernel: Counter(counts) for kernel, counts in json.loads(cached.read_text()).items()}
+    mix = parse_listing(disassemble(cubin))
+    tmp = cached.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(mix))
+    tmp.replace(cached)  # atomic: a parallel run reads the whole file or none
+    return mix
+
+
+def parse_listing(listing: str) -> dict[str, Counter]:
+    """The instruction mix of an nvdisasm listing (see instruction_mix)."""
     mix, current = {}, None
-    for line in disassemble(cubin).splitlines():
+    for line in listing.splitlines():
         if m := re.match(r"\s*\.text\.(\w+):", line):
             current = mix.setdefault(m.group(1), Counter())
         elif current is not None and (m := re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)):

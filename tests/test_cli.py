@@ -1,25 +1,39 @@
 """The command line, as a learner meets it: one-line errors, non-zero exits, compile-only without a GPU."""
-import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 
+import pytest
+
+import stages
 from conftest import REPO
+from grader import results
+from grader.compiler import nvrtc_version
+from grader.report import variant_label
+from grader.run import compile_stage, resources
 
 
-def grader(*args, env_extra=None):
-    env = dict(os.environ, FLASHMOE_NO_GPU="1", COLUMNS="160", **(env_extra or {}))
+def grader(*args, env_extra=None, columns=160):
+    env = dict(os.environ, FLASHMOE_NO_GPU="1", COLUMNS=str(columns), **(env_extra or {}))
     return subprocess.run([sys.executable, "-m", "grader", *args], cwd=REPO, env=env, capture_output=True, text=True)
 
 
+def assert_one_line_error(r, *fragments):
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert len(r.stdout.strip().splitlines()) == 1 and r.stdout.startswith("error: "), r.stdout
+    for fragment in fragments:
+        assert fragment in r.stdout, r.stdout
+
+
 def test_unknown_stage():
-    r = grader("stage42")
-    assert r.returncode == 2 and "unknown stage 'stage42'" in r.stdout and len(r.stdout.strip().splitlines()) == 1
+    assert_one_line_error(grader("stage42"), "unknown stage 'stage42'")
 
 
 def test_missing_kernel_file():
     r = grader("stage0", "--kernel", "nowhere.cu")
-    assert r.returncode != 0 and "no such kernel file: nowhere.cu" in r.stdout
+    assert r.returncode == 2 and "error: stage0_naive: no such kernel file: nowhere.cu" in r.stdout
 
 
 def test_no_gpu_compiles_only_and_says_so(tmp_path):
@@ -30,9 +44,48 @@ def test_no_gpu_compiles_only_and_says_so(tmp_path):
     assert not out.exists()
 
 
+def test_gpu_only_options_without_a_gpu_are_named_in_one_line():
+    r = grader("stage0", "--cases", "x10", "--no-bench")
+    assert r.returncode == 0, r.stdout + r.stderr
+    note = r.stdout.splitlines()[0]
+    assert "compiling only" in note and "--cases --no-bench" in note and "Compiled for" in r.stdout
+
+
 def test_arch_option_compiles_for_that_arch():
     r = grader("stage0", "--arch", "sm_80")
     assert r.returncode == 0 and "Compiled for sm_80" in r.stdout
+
+
+@pytest.mark.parametrize("stage,arch,fragment", [
+    ("stage4", "sm_80", "stage4_hopper compiles for sm_90a only, not sm_80"),
+    ("stage4", "sm_90", "stage4_hopper compiles for sm_90a only, not sm_90"),
+    ("stage0", "sm_100a", "stage0_naive compiles for sm_80, sm_86, sm_89, sm_90a or a newer sm_NN, not sm_100a"),
+    ("stage0", "sm_75", "--arch sm_75: the course's kernels need sm_80 or newer"),
+    ("stage0", "foo", "--arch foo: not an architecture; write sm_NN or sm_NNa"),
+])
+def test_arch_is_checked_in_one_line(stage, arch, fragment):
+    assert_one_line_error(grader(stage, "--arch", arch), fragment)
+
+
+def test_a_newer_plain_arch_compiles_a_plain_stage():
+    r = grader("stage0", "--arch", "sm_120")
+    assert r.returncode == 0 and "Compiled for sm_120" in r.stdout
+
+
+def test_cases_must_be_a_regular_expression():
+    assert_one_line_error(grader("stage0", "--cases", "["), "--cases '[' is not a regular expression")
+
+
+def test_several_stages_are_graded_in_turn():
+    r = grader("stage0", "stage5")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("Compiled for") == 2
+    assert "stages/stage0_naive/attention.cu" in r.stdout and "stages/stage5_moe_routing/routing.cu" in r.stdout
+
+
+@pytest.mark.parametrize("args", [("list", "stage0"), ("all", "stage0")])
+def test_list_and_all_take_no_stage(args):
+    assert_one_line_error(grader(*args), f"{args[0]} takes no stage")
 
 
 def test_compile_error_points_at_the_learners_file_and_line(tmp_path):
@@ -44,6 +97,7 @@ def test_compile_error_points_at_the_learners_file_and_line(tmp_path):
     r = grader("stage0", "--kernel", str(bad))
     assert r.returncode == 1
     assert f"mine.cu({line + 1}): error" in r.stdout
+    assert "\0" not in r.stdout  # NVRTC's log ends with a NUL byte: grep would call the output binary
 
 
 def test_signature_mismatch_is_one_line(tmp_path):
@@ -64,23 +118,64 @@ def test_missing_kernel_is_one_line(tmp_path):
     assert r.returncode == 2 and "no kernel named attention_pv" in r.stdout
 
 
+def test_a_kernel_without_extern_c_is_one_line(tmp_path):
+    source = (REPO / "stages/stage0_naive/attention.cu").read_text()
+    bad = tmp_path / "mine.cu"
+    bad.write_text(source.replace('extern "C" __global__ void attention_softmax(', "__global__ void attention_softmax("))
+    r = grader("stage0", "--kernel", str(bad))
+    expected = 'kernel attention_softmax must be declared extern "C" __global__ void attention_softmax(float*, float*, int)'
+    assert r.returncode == 2 and expected in r.stdout, r.stdout
+    assert len([l for l in r.stdout.splitlines() if l.startswith("error:")]) == 1 and "_Z" not in r.stdout
+
+
 def test_init_then_grade_uses_the_workspace_copy(tmp_path):
-    env = {"HOME": str(tmp_path)}
-    workspace = REPO / "workspace" / "stage0_naive" / "attention.cu"
-    existed = workspace.exists()
-    if not existed:
-        r = grader("init", "stage0", env_extra=env)
-        assert r.returncode == 0 and "workspace/stage0_naive/attention.cu" in r.stdout
-    try:
-        r = grader("stage0", env_extra=env)
-        assert "Graded file: workspace/stage0_naive/attention.cu" in r.stdout
-        r = grader("stage0", "--solution", env_extra=env)
-        assert "Graded file: stages/stage0_naive/attention.cu" in r.stdout
-    finally:
-        if not existed:
-            workspace.unlink()
+    env = {"FLASHMOE_WORKSPACE": str(tmp_path)}
+    r = grader("init", "stage0", "stage5", env_extra=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    mine = tmp_path / "stage0_naive" / "attention.cu"
+    for written in (mine, tmp_path / "stage5_moe_routing" / "routing.cu"):
+        assert written.is_file() and f"Wrote {written}" in r.stdout
+    r = grader("stage0", env_extra=env)
+    assert f"Graded file: {mine}" in r.stdout
+    r = grader("stage0", "--solution", env_extra=env)
+    assert "Graded file: stages/stage0_naive/attention.cu" in r.stdout
 
 
-def test_list_shows_stages_and_archs():
+def test_list_shows_stages_archs_and_nvrtc_versions():
     r = grader("list")
     assert r.returncode == 0 and "stage0_naive" in r.stdout and "sm_90a" in r.stdout
+    assert f"NVRTC here: {nvrtc_version()}" in r.stdout
+    for gpu, data in results.load_all().items():
+        assert f"{gpu}'s results: NVRTC {data['provenance']['nvrtc']}" in r.stdout
+
+
+def test_an_80_column_report_shows_every_figure_in_full():
+    r = grader("stage0", "--arch", "sm_80", columns=80)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"by NVRTC {nvrtc_version()}" in r.stdout
+    lines = r.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines), "a line wider than the terminal"
+    stage = stages.load("stage0")
+    for variant, kernels in resources(compile_stage(stage, stage.source_path, "sm_80")).items():
+        for kernel, info in kernels.items():
+            record = lines.index(f"{variant_label(variant)} {kernel}")  # the record's heading line
+            body = " ".join(lines[record + 1:record + 4])
+            assert f"regs {info['registers']} " in body and f"smem {info['shared_bytes']} B" in body
+            for op, count in info["sass"].items():
+                assert f" {op}:{count}" in body, (variant, kernel, op)
+
+
+def test_ci_installs_exactly_as_the_readme_tells_a_learner_without_a_gpu(tmp_path):
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"<!-- ci: cpu-install -->\n```bash\n(.*?)^```$", readme, re.DOTALL | re.MULTILINE)
+    assert block, "README.md has no CPU-only install block marked for CI"
+    assert "--index-url https://download.pytorch.org/whl/cpu" in block[1] and re.search(r"torch==\d", block[1])
+    # Only these tools on PATH: a .ci/run that ignored --print-install could install nothing, nor run these tests.
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for tool in ("awk", "dirname"):
+        (tools / tool).symlink_to(shutil.which(tool))
+    ci = subprocess.run([shutil.which("bash"), ".ci/run", "--print-install"], cwd=REPO, env={"PATH": str(tools)},
+                        capture_output=True, text=True, timeout=60)
+    assert ci.returncode == 0 and ci.stdout == block[1], ci.stdout + ci.stderr
+    assert "pip install" not in (REPO / ".ci/run").read_text()  # nothing installed but the README's block

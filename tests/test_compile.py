@@ -42,11 +42,21 @@ def test_stage_compiles_without_spills(name, arch):
 def test_sass_parser_reads_real_cubins():
     stage = stages.load("stage0")
     cubin = next(iter(compile_stage(stage, stage.source_path, "sm_80").values()))
-    mix = sass.instruction_mix(cubin.path)
+    mix = sass.parse_listing(sass.disassemble(cubin.path))  # not the cached mix: the parser itself
     assert set(mix) == set(stage.kernels)
     assert mix["attention_scores"]["FFMA"] > 0 and mix["attention_softmax"]["SHFL"] > 0
     info = sass.resources(cubin.ptxas_log)
     assert info["attention_softmax"]["shared_bytes"] == 128  # block_reduce's 32 floats
+
+
+def test_the_sass_mix_is_kept_beside_the_cubin(monkeypatch):
+    stage = stages.load("stage0")
+    cubin = next(iter(compile_stage(stage, stage.source_path, "sm_86").values()))
+    listed = sass.parse_listing(sass.disassemble(cubin.path))
+    assert sass.instruction_mix(cubin.path) == listed  # computed, or read back from an earlier run
+    assert cubin.path.with_suffix(f".sass{sass.MIX_FORMAT}.json").is_file()
+    monkeypatch.setattr(sass, "disassemble", lambda path: pytest.fail("nvdisasm ran for a cubin it had read"))
+    assert sass.instruction_mix(cubin.path) == listed
 
 
 # Stage 6's ladder (not graded stages): rung 1 on CUDA cores only, rung 2 on mma.sync with ldmatrix and cp.async.

@@ -45,10 +45,15 @@ def test_every_stage_has_an_exercise_that_compiles(name, tmp_path):
 
 
 def test_init_writes_the_workspace_copy_once(tmp_path, monkeypatch):
-    monkeypatch.setattr(exercise, "WORKSPACE", tmp_path)
+    monkeypatch.setenv("FLASHMOE_WORKSPACE", str(tmp_path))
     stage = stages.load("stage0")
     path = exercise.init(stage)
-    assert path == tmp_path / stage.name / stage.source and "TODO(exercise)" in path.read_text()
+    assert path == tmp_path / stage.name / stage.source
+    made = path.read_text()
+    assert made == exercise.make_exercise(stage.source_path.read_text()) and "TODO(exercise)" in made
+    path.write_text("my work")
     with pytest.raises(FileExistsError):
         exercise.init(stage)
+    assert path.read_text() == "my work"  # kept without --force
     exercise.init(stage, force=True)
+    assert path.read_text() == made       # rewritten with it

@@ -12,12 +12,30 @@ def _case(dtype="float16", scale=1.0, causal=True):
     return inputs, P.reference(inputs), P.library_output(inputs)
 
 
-def test_library_output_passes_and_tolerance_follows_the_rule():
+def test_tolerance_is_the_rule_computed_from_the_tensors():
     inputs, exact, library = _case()
     check = tolerance.relative_to_library("o", library["o"], exact["o"], library["o"])
-    u = 2.0**-11
-    assert check.passed
-    assert check.tolerance == 2 * check.library.max_abs + 2 * u * exact["o"].abs().max().item()
+    library_error = (library["o"].double() - exact["o"]).abs().max().item()
+    assert check.tolerance == 2 * library_error + 2 * 2.0**-11 * exact["o"].abs().max().item()
+
+
+def _with_error_at(exact, library, error: float):
+    """The library's output, but one element (where the exact output is near 0, so that float16 holds
+    it finely) set `error` away from the exact value: a kernel's output with a known worst error."""
+    out = library.clone()
+    where = exact.abs().argmin()
+    out.view(-1)[where] = exact.view(-1)[where] + error
+    return out, (out.double() - exact).abs().max().item()
+
+
+def test_errors_just_inside_the_tolerance_pass_and_just_outside_fail():
+    inputs, exact, library = _case()
+    tol = tolerance.relative_to_library("o", library["o"], exact["o"], library["o"]).tolerance
+    inside, inside_error = _with_error_at(exact["o"], library["o"], 0.99 * tol)
+    outside, outside_error = _with_error_at(exact["o"], library["o"], 1.01 * tol)
+    assert 0.98 * tol < inside_error <= tol < outside_error < 1.02 * tol  # float16 kept the planted errors
+    assert tolerance.relative_to_library("o", inside, exact["o"], library["o"]).passed
+    assert not tolerance.relative_to_library("o", outside, exact["o"], library["o"]).passed
 
 
 def test_an_error_beyond_the_tolerance_fails():
