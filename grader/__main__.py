@@ -7,8 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-USAGE = """python -m grader STAGE [STAGE ...] [options]   grade stages in turn (e.g. stage0, stage3, 3)
-       python -m grader all [options]       grade every stage (instructors: --json results/<gpu>.json)
+USAGE = """python -m grader STAGE [STAGE ...] [options]   grade stages in turn (e.g. stage0, stage3, 3, stage6:mma_sync)
+       python -m grader all [options]       grade every stage and rung this GPU runs (instructors: --json results/<gpu>.json)
        python -m grader list                the stages, the architectures each needs, their last recorded grade
        python -m grader init STAGE [STAGE ...]  write exercise copies to workspace/ (graded from then on)"""
 
@@ -72,7 +72,7 @@ def arch_problem(stage, arch: str) -> str | None:
     if any_plain and not arch_specific and int(number) >= lowest:
         return None
     allowed = ", ".join(stage.archs) + (" or a newer sm_NN" if any_plain else " only")
-    return f"{stage.name} compiles for {allowed}, not {arch}"
+    return f"{stage.key} compiles for {allowed}, not {arch}"
 
 
 def unused_gpu_options(args) -> list[str]:
@@ -102,14 +102,13 @@ def cmd_list() -> int:
 
     recorded = results.load_all()
     rows = []
-    for name in stages.stage_names():
-        stage = stages.load(name)
+    for stage in everything():
         grades = []
         for data in recorded.values():
-            entry = data["stages"].get(name)
+            entry = data["stages"].get(stage.key)
             fresh = entry and entry.get("source_sha256") == results.source_digest(stage)
             grades.append("—" if not entry else f"{entry.get('grade', '?')}" + ("" if fresh else " (stale: kernel changed)"))
-        rows.append([name, stage.title, ", ".join(stage.archs), *grades])
+        rows.append([stage.key, stage.title, ", ".join(stage.archs), *grades])
     show("Stages", ["stage", "title", "architectures", *[f"grade on {gpu}" for gpu in recorded]], rows)
     console.print(f"NVRTC here: {nvrtc_version()}", soft_wrap=True)
     for gpu, data in recorded.items():
@@ -156,12 +155,41 @@ def kernel_path_for(stage, args) -> Path:
     return stage.source_path
 
 
-def grade(names: list[str], args) -> int:
+def everything() -> list:
+    """Every stage, each followed by the lower rungs of its ladder."""
+    import stages
+    return [stage for name in stages.stage_names() for stage in stages.with_rungs(name)]
+
+
+def runs_here(stage, gpu, arch: str | None) -> bool:
+    from grader import device
+
+    if arch:
+        return arch_problem(stage, arch) is None
+    try:
+        device.arch_for(gpu, stage.archs)
+        return True
+    except ValueError:
+        return False
+
+
+def instead_of(stage, gpu):
+    """On a GPU the stage's own kernel cannot run on, the highest rung of its ladder that can (an A100
+    grades stage 6 on its mma_sync rung); None where there is none."""
+    import stages
+
+    if gpu is None or stage.rung or runs_here(stage, gpu, None):
+        return None
+    return next((rung for rung in stages.rungs(stage.name) if runs_here(rung, gpu, None)), None)
+
+
+def grade(names: list[str] | None, args) -> int:
+    """Grade the stages named (None: all of them and their rungs, leaving out what this GPU cannot run)."""
     import stages
     from grader import device, report, results
 
     try:
-        chosen = list({stage.name: stage for stage in map(stages.load, names)}.values())  # each stage once
+        chosen = list({stage.key: stage for stage in map(stages.load, names)}.values()) if names else everything()
     except KeyError as error:
         return fail(f"unknown stage {error.args[0]!r}; python -m grader list shows them")
     gpu, why = (None, "") if args.arch else device.probe()
@@ -169,14 +197,23 @@ def grade(names: list[str], args) -> int:
         say_compile_only(args, why)
     else:
         report.console.print(f"GPU: {gpu.name} ({gpu.arch}, {gpu.sms} SMs, driver CUDA {gpu.driver})")
+    if names is None and (gpu or args.arch):
+        skipped = [s.key for s in chosen if not runs_here(s, gpu, args.arch)]
+        chosen = [s for s in chosen if runs_here(s, gpu, args.arch)]
+        if skipped:
+            report.console.print(f"Not run on {args.arch or gpu.arch}: {', '.join(skipped)}", soft_wrap=True)
 
     all_results, status = {}, 0
     for stage in chosen:
+        if rung := instead_of(stage, gpu):
+            report.console.print(f"{stage.key} needs {', '.join(stage.archs)}: grading its {rung.rung} rung "
+                                 f"({rung.key}) on this {gpu.arch} GPU.", soft_wrap=True)
+            stage = rung
         result, stage_status = grade_one(stage, args, gpu)
         status = max(status, stage_status)
         if result is not None:
             result["measured"] = results.provenance(gpu) if gpu else None
-            all_results[stage.name] = result
+            all_results[stage.key] = result
 
     if args.json and all_results and gpu is not None:
         latest = list(all_results.values())[-1]["measured"]  # the file's provenance: its newest stage's
@@ -198,9 +235,9 @@ def grade_one(stage, args, gpu) -> tuple[dict | None, int]:
         kernel_path = kernel_path_for(stage, args)
         arch = args.arch or (device.arch_for(gpu, stage.archs) if gpu else max(stage.archs))
         started = time.perf_counter()
-        with console.status(f"{stage.name}: compiling") as status_line:
+        with console.status(f"{stage.key}: compiling") as status_line:
             def progress(what, done, total, label, ok):
-                status_line.update(f"{stage.name}: {what} {done}/{total} {label}")
+                status_line.update(f"{stage.key}: {what} {done}/{total} {label}")
                 if what == "case" and not ok:
                     console.print(f"  [red]FAIL[/red] {label}")
 
@@ -208,9 +245,9 @@ def grade_one(stage, args, gpu) -> tuple[dict | None, int]:
                                  timeout_s=args.timeout, budget_s=args.budget, bench=not args.no_bench,
                                  only=args.cases, progress=progress)
     except (GraderError, FileNotFoundError, ValueError) as error:
-        return None, fail(f"{stage.name}: {error}")
+        return None, fail(f"{stage.key}: {error}")
     except CompileError as error:
-        console.print(f"[red]{stage.name}: compile error for {error.arch}[/red]")
+        console.print(f"[red]{stage.key}: compile error for {error.arch}[/red]")
         console.print(error.log, markup=False, soft_wrap=True)  # the log's lines as NVRTC wrote them
         return None, 1
     result["nvrtc"] = nvrtc_version()  # what made the registers and SASS the report shows
@@ -230,8 +267,7 @@ def main(argv=None) -> int:
     if args.command == "init":
         return cmd_init(args.stages, args.force)
     if args.command == "all":
-        import stages
-        return grade(stages.stage_names(), args)
+        return grade(None, args)
     return grade([args.command, *args.stages], args)
 
 

@@ -120,6 +120,7 @@ def print_benchmarks(result: dict, gpu_name: str) -> None:
                "vs naive", "extra memory", "occupancy"]
     show(f"Speed on {gpu_name} (median of side-by-side runs, L2 flushed)", columns, rows, right=tuple(columns[1:]))
     print_baselines(result["benchmarks"])
+    print_previous_stage(result["benchmarks"])
     for bench in result["benchmarks"]:
         for note in bench.get("notes", []):
             console.print(f"[cyan]note[/cyan] {bench['label']}: {note}")
@@ -142,6 +143,18 @@ def print_baselines(benchmarks: list[dict]) -> None:
     show("Baselines (ms; extra memory)", ["shape", *names], rows, right=tuple(names))
 
 
+def print_previous_stage(benchmarks: list[dict]) -> None:
+    """What this stage's idea bought: the step below it (the previous stage, or the next lower rung of its
+    ladder), timed in the same loop."""
+    steps = [(bench["label"], bench["ms"], bench["previous_stage"]) for bench in benchmarks if bench.get("previous_stage")]
+    if not steps:
+        return
+    before = steps[0][2]["stage"]
+    rows = [[label, f"{step['ms']:.3f}", f"{ms:.3f}", f"{step['speedup']:.2f}x"] for label, ms, step in steps]
+    show(f"What this stage bought over {before} (its kernel timed in the same loop; ms)",
+         ["shape", before, "this kernel", "speed-up"], rows, right=(before, "this kernel", "speed-up"))
+
+
 def print_grade(result: dict) -> None:
     if "score" not in result:
         return
@@ -160,6 +173,10 @@ def print_stage(result: dict, gpu_name: str | None) -> None:
     else:  # a rule would cut the title short
         console.print(Text(result["title"], style="bold"))
     console.print(f"Graded file: [bold]{result['kernel_path']}[/bold]  (sha256 {result['source_sha256'][:12]}…)")
+    if result.get("rung"):
+        console.print(f"A lower rung of the stage's ladder ({result['rung']}): the technique of an earlier stage, "
+                      f"the way a GPU without the stage's own instructions runs it; here compiled for {result['arch']}.",
+                      soft_wrap=True)
     print_resources(result)
     if "correctness" in result:
         print_correctness(result["correctness"])

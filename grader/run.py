@@ -120,7 +120,7 @@ def previous_stage_job(stage, gpu) -> dict | None:
     except ValueError:
         return None
     cubins = compile_stage(before, before.source_path, arch)
-    return {"stage": before.name, "cubins": {key: str(c.path) for key, c in cubins.items()}}
+    return {"stage": before.key, "cubins": {key: str(c.path) for key, c in cubins.items()}}
 
 
 def _previous_stage_figures(timings: dict, previous: dict | None, ms: float) -> dict | None:
@@ -173,7 +173,7 @@ def benchmark(stage, cubins, gpu, timeout_s: float, budget_s: float, progress) -
 
 
 def _job(stage, cubins, phase: str, **extra) -> dict:
-    return {"stage": stage.name, "phase": phase,
+    return {"stage": stage.key, "phase": phase,
             "cubins": {key: str(c.path) for key, c in cubins.items()}, **extra}
 
 
@@ -183,7 +183,8 @@ def grade_stage(stage, kernel_path: Path, gpu, arch: str, *, seed=0, trials=2, t
     name matches that regular expression (and skips the benchmarks)."""
     cubins = compile_stage(stage, kernel_path, arch)
     progress("compiled", len(cubins), len(cubins), arch, True)
-    result = {"title": stage.title, "problem": stage.problem, "kernel_path": relative(kernel_path),
+    result = {"title": stage.title, "problem": stage.problem, **({"rung": stage.rung} if stage.rung else {}),
+              "kernel_path": relative(kernel_path),
               "source_sha256": source_digest(stage, kernel_path), "arch": arch, "resources": resources(cubins)}
     if gpu is None:
         return result

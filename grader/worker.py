@@ -55,11 +55,11 @@ class Worker:
 
         stage, cubins = stage or self.stage, cubins or self.job["cubins"]
         key = variant_key(stage.defines(self.problem.variant(inputs)))
-        if (stage.name, key) not in self._kernel_sets:
+        if (stage.key, key) not in self._kernel_sets:
             if key not in cubins:
-                raise ValueError(f"{stage.name} was not compiled for {key}")
-            self._kernel_sets[stage.name, key] = KernelSet(cubins[key], list(stage.kernels))
-        return self._kernel_sets[stage.name, key]
+                raise ValueError(f"{stage.key} was not compiled for {key}")
+            self._kernel_sets[stage.key, key] = KernelSet(cubins[key], list(stage.kernels))
+        return self._kernel_sets[stage.key, key]
 
     def run_kernel(self, inputs: dict, outputs: dict):
         import torch

@@ -96,7 +96,12 @@ def stage_names() -> list[str]:
 
 
 def previous(stage: Stage) -> Stage | None:
-    """The stage before `stage` on the same problem (stage 2 for stage 3), or None for the first."""
+    """The step below `stage`: the next lower rung of its ladder (stage 6 -> its mma_sync rung -> its simt
+    rung), else the stage before it on the same problem (stage 2 for stage 3); None for the first."""
+    ladder = [s.key for s in with_rungs(stage.name)]
+    below = ladder[ladder.index(stage.key) + 1:]
+    if below:
+        return load(below[0])
     earlier = [load(n) for n in stage_names() if int(re.match(r"stage(\d+)", n).group(1)) < stage.number]
     same_problem = [s for s in earlier if s.problem == stage.problem]
     return same_problem[-1] if same_problem else None

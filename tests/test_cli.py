@@ -179,3 +179,35 @@ def test_ci_installs_exactly_as_the_readme_tells_a_learner_without_a_gpu(tmp_pat
                         capture_output=True, text=True, timeout=60)
     assert ci.returncode == 0 and ci.stdout == block[1], ci.stdout + ci.stderr
     assert "pip install" not in (REPO / ".ci/run").read_text()  # nothing installed but the README's block
+
+
+def test_list_shows_the_ladders_rungs_with_their_archs():
+    r = grader("list", env_extra={"COLUMNS": "200"})
+    at = r.stdout.find("stage6_grouped_gemm:mma_sync")
+    assert r.returncode == 0 and at >= 0 and "sm_80" in r.stdout[at:at + 300]
+    assert "stage7_moe_layer:mma_sync" in r.stdout and "stage6_grouped_gemm:simt" in r.stdout
+
+
+def test_a_rung_compiles_for_sm80_and_says_it_is_a_rung():
+    r = grader("stage7:mma_sync", "--arch", "sm_80")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "lower rung of the stage's ladder (mma_sync)" in r.stdout and "Compiled for sm_80" in r.stdout
+
+
+def test_an_unknown_rung_is_one_line():
+    r = grader("stage6:tensor_magic")
+    assert r.returncode == 2 and "unknown stage 'stage6:tensor_magic'" in r.stdout
+
+
+def test_a_gpu_without_wgmma_grades_the_highest_rung_that_runs_there():
+    import stages
+    from grader.__main__ import instead_of, runs_here
+    from grader.device import GpuInfo
+
+    a100 = GpuInfo("NVIDIA A100-SXM4-80GB", 8, 0, 108, 40 << 20, 1410, 80 << 30, "12.4")
+    h100 = GpuInfo("NVIDIA H100 80GB HBM3", 9, 0, 132, 50 << 20, 1980, 80 << 30, "13.0")
+    assert instead_of(stages.load("stage6"), a100).key == "stage6_grouped_gemm:mma_sync"
+    assert instead_of(stages.load("stage7"), a100).key == "stage7_moe_layer:mma_sync"
+    assert instead_of(stages.load("stage6"), h100) is None and instead_of(stages.load("stage3"), a100) is None
+    assert not runs_here(stages.load("stage4"), a100, None) and runs_here(stages.load("stage6:simt"), a100, None)
+    assert not runs_here(stages.load("stage6"), None, "sm_80") and runs_here(stages.load("stage6:simt"), None, "sm_80")
