@@ -70,7 +70,7 @@ class Stage:
     def title(self) -> str:
         doc = importlib.import_module(f"stages.{self.name}").__doc__ or self.name
         title = doc.strip().splitlines()[0]
-        return f"{title} [{self.rung} rung]" if self.rung else title
+        return f"{title} ({self.rung} rung)" if self.rung else title
 
     def variants(self, problem) -> list[dict]:
         """Every variant of the problem to compile for: its dtypes × the values of the parameters the
