@@ -119,8 +119,7 @@ def previous_stage_job(stage, gpu) -> dict | None:
         arch = arch_for(gpu, before.archs)
     except ValueError:
         return None
-    cubins = compile_stage(before, before.source_path, arch)
-    return {"stage": before.key, "cubins": {key: str(c.path) for key, c in cubins.items()}}
+    return {"stage": before.key, "cubins": _paths(compile_stage(before, before.source_path, arch))}
 
 
 def _previous_stage_figures(timings: dict, previous: dict | None, ms: float) -> dict | None:
@@ -172,9 +171,12 @@ def benchmark(stage, cubins, gpu, timeout_s: float, budget_s: float, progress) -
     return [rows[i] for i in sorted(rows)]
 
 
+def _paths(cubins: dict) -> dict:
+    return {key: str(cubin.path) for key, cubin in cubins.items()}
+
+
 def _job(stage, cubins, phase: str, **extra) -> dict:
-    return {"stage": stage.key, "phase": phase,
-            "cubins": {key: str(c.path) for key, c in cubins.items()}, **extra}
+    return {"stage": stage.key, "phase": phase, "cubins": _paths(cubins), **extra}
 
 
 def grade_stage(stage, kernel_path: Path, gpu, arch: str, *, seed=0, trials=2, timeout_s=60.0,
