@@ -116,6 +116,50 @@ FAKE = {
 }
 
 
+# Stage 6's ladder as the grader records it: each rung an entry of its own ("stage6_grouped_gemm:mma_sync",
+# with "rung"), its rows timed beside the step below (stage 6 over its mma_sync rung, that over its simt
+# rung, stage 7 over its mma_sync rung); stage 7's rung is left out on the H100, measured on the H200.
+MOE = {"tokens": 4096, "hidden": 4096, "inter": 14336, "experts": 8, "top_k": 2}
+MOE_LABEL = "tokens4096 hidden4096 inter14336 experts8 top_k2 bf16"  # as stage 6's flat entry's label reads
+
+
+def _moe(key, grade, goal, ms, tflops, pct_ref, below=None, problem="moe_experts", measured=None):
+    name, _, rung = key.partition(":")
+    bench = _bench(MOE, MOE_LABEL, ms, tflops, pct_ref, {"torch_grouped_mm": 2.5}, ref=("torch_grouped_mm", 2.5, 413.0),
+                   launches={"expert_up_swiglu": _launch([132], [256], 99328, 1, 8)})
+    if below:
+        bench["previous_stage"] = {"stage": below[0], "ms": below[1], "speedup": below[1] / ms}
+    entry = _stage(name, f"Stage {name[5]} — MoE" + (f" ({rung} rung)" if rung else ""), grade, [bench], goal=goal,
+                   problem=problem, measured=measured)
+    return dict(entry, rung=rung) if rung else entry
+
+
+FAKE["stages"]["stage6_grouped_gemm"]["benchmarks"][0]["previous_stage"] = {
+    "stage": "stage6_grouped_gemm:mma_sync", "ms": 7.9, "speedup": 7.9 / 3.21}
+FAKE["stages"].update({
+    "stage6_grouped_gemm:mma_sync": _moe("stage6_grouped_gemm:mma_sync", "B", "0.6 × the fastest library baseline",
+                                         7.8, 132.4, 32.1, below=("stage6_grouped_gemm:simt", 61.0)),
+    "stage6_grouped_gemm:simt": _moe("stage6_grouped_gemm:simt", "C", "0.06 × the fastest library baseline", 60.3, 17.1, 4.1),
+    "stage7_moe_layer": _moe("stage7_moe_layer", "A", "the fastest library baseline", 3.5, 295.1, 71.4,
+                             below=("stage7_moe_layer:mma_sync", 8.1), problem="moe_layer"),
+})
+# The same stages measured on an H200, a little faster, with stage 7's mma_sync rung.
+FAKE_H200 = copy.deepcopy(FAKE)
+FAKE_H200["gpu"] = "NVIDIA H200"
+FAKE_H200["provenance"] = dict(FAKE["provenance"], gpu="NVIDIA H200")
+for _entry in FAKE_H200["stages"].values():
+    for _b in _entry["benchmarks"]:
+        _b["ms"] = round(_b["ms"] * 0.8, 4)
+        _b["tflops"] = round(_b["tflops"] / 0.8, 1)
+    if "measured" in _entry:
+        _entry["measured"] = dict(_entry["measured"], gpu="NVIDIA H200", date="2025-02-01T00:00:00+00:00")
+FAKE_H200["stages"]["stage7_moe_layer:mma_sync"] = _moe("stage7_moe_layer:mma_sync", "B", "0.6 × the fastest library baseline",
+                                                        6.5, 158.9, 38.5, problem="moe_layer",
+                                                        measured=dict(_measured("0123456789abcdef", "2025-02-01T00:00:00+00:00"),
+                                                                      gpu="NVIDIA H200"))
+H200_MS = FAKE_H200["stages"]["stage6_grouped_gemm:mma_sync"]["benchmarks"][0]["ms"]  # 6.24
+
+
 def load_hook():
     spec = importlib.util.spec_from_file_location("course_hook", ROOT / "docs" / "hooks" / "course.py")
     module = importlib.util.module_from_spec(spec)
@@ -145,6 +189,7 @@ def site(tmp_path_factory):
 def fake_results(tmp_path_factory):
     folder = tmp_path_factory.mktemp("results")
     (folder / "h100-sxm.json").write_text(json.dumps(FAKE))
+    (folder / "h200.json").write_text(json.dumps(FAKE_H200))
     return folder
 
 
@@ -224,7 +269,7 @@ def test_the_key_columns_come_first_and_the_details_fold(fake_results, monkeypat
     hook = load_hook()
     stage2 = hook.results_md("stage2_warp", hook.load_runs())
     header = next(line for line in stage2.splitlines() if line.startswith("| Shape | ms |"))
-    assert header == "| Shape | ms | TFLOP/s | % of the reference | × naive | × the stage before |"
+    assert header == "| Shape | ms | TFLOP/s | % of the reference | × naive | × the step below |"
     assert '??? info "Timing details' in stage2 and "    | Shape | Median ms | Min ms |" in stage2
 
 
