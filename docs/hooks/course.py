@@ -16,6 +16,7 @@
                                        fields), e.g. "<!-- figure:stage6_grouped_gemm:T32768 E32 k2
                                        hidden4096 inter11008:tflops -->" becomes "678 TFLOP/s"
     <!-- stage-list -->                the list of stages (home page only: its links are relative to docs/)
+    <!-- gpus -->                      the GPUs the results files hold, each with its file, the H100's first
   Every results file is shown, one per GPU: with several, each chart and table gets a tab per GPU,
   the H100's first, and the tabs of one GPU are linked across the page. A figure in prose reads the
   H100's file only (PROSE_GPU: the lessons say "on the H100" beside it). A figure that file does not
@@ -45,7 +46,7 @@ from mkdocs.exceptions import PluginError
 ROOT = Path(__file__).resolve().parents[2]
 STAGE_DIR = re.compile(r"stage(\d+)_\w+")
 KEY = r"\w+(?::\w+)?"  # a stage directory, then ":rung" for a rung of its ladder
-PLACEHOLDER = re.compile(rf"<!-- (ladder|stage-list|results:({KEY})|rungs:(\w+)|figure:({KEY}):([^:>]+):([\w.:]+)) -->")
+PLACEHOLDER = re.compile(rf"<!-- (ladder|stage-list|gpus|results:({KEY})|rungs:(\w+)|figure:({KEY}):([^:>]+):([\w.:]+)) -->")
 COLORS = ["#3b82f6", "#f59e0b", "#10b981", "#ef4444", "#8b5cf6", "#06b6d4", "#ec4899", "#84cc16"]
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 NOT_MEASURED = "Not measured yet"
@@ -294,6 +295,8 @@ def on_page_markdown(markdown, page, config, files):
             return "\n".join(f"- [**{s.title}**](stages/stage{s.number}.md). {s.summary}" for s in stage_dirs())
         if m[1] == "ladder":
             return ladder_md(runs)
+        if m[1] == "gpus":
+            return gpus_md(runs)
         if m[2]:
             return results_md(m[2], runs)
         if m[3]:
@@ -450,15 +453,22 @@ def step_at(run: dict, key: str, bench: dict) -> Step | None:
 
 # ---------------------------------------------------------------- the ladder (home page)
 
+def gpus_md(runs: list[dict]) -> str:
+    """"the NVIDIA H100 80GB HBM3 (`results/h100-sxm.json`) and the NVIDIA H200 (`results/h200.json`)"."""
+    files = [f"the {gpu_of(run)} (`results/{run.get('_file', '?')}`)" for run in runs]
+    if not files:
+        return "no GPU yet (`results/` holds no results file: not measured yet)"
+    return files[0] if len(files) == 1 else ", ".join(files[:-1]) + " and " + files[-1]
+
+
 def ladder_md(runs: list[dict]) -> str:
     """Per panel, its charts on each GPU (a tab each where there are several), then the grades."""
     runs = [run for run in runs if run.get("stages")]
     if not runs:
         return (f'\n\n!!! note "{NOT_MEASURED}"\n    No stage has recorded results in `results/*.json`: '
                 "not measured yet.\n\n")
-    files = [f"the {gpu_of(run)} (`results/{run.get('_file', '?')}`)" for run in runs]
-    out = [f"Measured on {files[0]}." if len(runs) == 1 else
-           f"Measured on {len(runs)} GPUs: {', '.join(files)}. Each chart and table has a tab per GPU; choosing "
+    out = [f"Measured on {gpus_md(runs)}." if len(runs) == 1 else
+           f"Measured on {len(runs)} GPUs: {gpus_md(runs)}. Each chart and table has a tab per GPU; choosing "
            "a GPU's tab shows its results everywhere on the page."]
     panels = {run_index: dict(run_panels(run)) for run_index, run in enumerate(runs)}
     for p, panel in enumerate(all_panels(runs)):
@@ -744,35 +754,34 @@ def kernel_label(key: str) -> str:
 
 
 def rungs_table(run: dict, name: str) -> str:
-    """Rows of shapes, each with the ladder's kernels from the lowest up: time, speed, % of the
-    reference, and the speed-up over the row above (the step below)."""
+    """Rows of shapes, each with the ladder's kernels from the lowest up: time, speed, and the
+    speed-up over the row above (the step below); each kernel's own table has the rest."""
     stages = run["stages"]
     keys = [k for k in reversed(ladder_keys(name, run)) if k in stages]  # the lowest rung first
     metric = panel_of(stages[keys[-1]].get("problem")).metric
     benches = {k: {label(b): b for b in stages[k].get("benchmarks") or []} for k in keys}
     shapes = list(dict.fromkeys(shape for k in reversed(keys) for shape in benches[k]))  # the stage's order first
-    rows = [f"| Shape | Kernel | ms | {METRICS[metric]} | % of the reference | × the rung below |", "|---|---|--:|--:|--:|--:|"]
-    for shape in shapes:
+    rows = [f"| Shape, kernel | ms | {METRICS[metric]} | × the rung below |", "|---|--:|--:|--:|"]
+    for shape in shapes:  # a row naming the shape, then one per kernel: four columns fit beside the nav
+        rows.append(f"| **{shape}** | | | |")
         below = None
-        for i, key in enumerate(keys):
-            b, cells = benches[key].get(shape), [shape if i == 0 else "", kernel_label(key)]
+        for key in keys:
+            b, cells = benches[key].get(shape), [f"&emsp;{kernel_label(key)}"]
             if b is None:
-                cells += ["not timed at this shape", "", "", ""]
+                cells += ["not timed at this shape", "", ""]
             elif "failure" in b or not b.get("ms"):
-                cells += [f"failed: {html.escape(str(b.get('failure', 'no time')))}", "", "", ""]
+                cells += [f"failed: {html.escape(str(b.get('failure', 'no time')))}", "", ""]
             else:
                 step = step_at(run, key, b)
-                cells += [num(b.get("ms"), ".3f"), num(b.get(metric), ".1f"), num(b.get("pct_of_reference"), ".1f"),
+                cells += [num(b.get("ms"), ".3f"), num(b.get(metric), ".1f"),
                           f"{ratio(step.speedup)} <small>{step_note(step, step.previous != below, key)}</small>" if step else ""]
                 below = key
             rows.append("| " + " | ".join(cells) + " |")
     grades = "; ".join(f"{kernel_label(k)} **{stages[k].get('grade', '—')}** (goal: {(stages[k].get('goal') or {}).get('text', '—')})"
-                       for k in reversed(keys))
-    refs = sorted({(b.get("reference") or {}).get("name") for k in keys for b in timed(stages[k])} - {None})
+                       for k in keys)
     missing = [k for k in reversed(ladder_keys(name, run)) if k not in stages]
     text = (f"\n\nOn the **{gpu_of(run)}** (`results/{run.get('_file', '?')}`): {grades}.\n\n"
             + '<div class="fm-results" markdown>\n\n' + "\n".join(rows) + "\n\n</div>\n\n<small>"
-            + (f"The reference: the fastest library baseline at each shape ({', '.join(refs)}). " if refs else "")
             + "× the rung below: timed side by side in one grader run (same run), or the ratio of the medians "
               "recorded in separate runs (separate runs).</small>\n")
     if missing:
