@@ -123,6 +123,12 @@ def split_key(key: str) -> tuple[str, str]:
     return name, rung
 
 
+def possessive(key: str) -> str:
+    """"stage6_grouped_gemm:mma_sync" -> "stage 6's mma_sync rung"; a stage's own key -> "stage 6"."""
+    name, rung = split_key(key)
+    return f"{stage_name(name).lower()}'s {rung} rung" if rung else stage_name(name).lower()
+
+
 def short_key(key: str) -> str:
     """What the grader takes on its command line: "stage6_grouped_gemm:mma_sync" -> "stage6:mma_sync"."""
     name, rung = split_key(key)
@@ -684,8 +690,8 @@ def grades_table(run: dict) -> str:
              "graded against its own goal." if any(split_key(k)[1] for k in keys) else "")
     missing = [k for k in keys if k not in stages]
     if missing:
-        rungs += " Not measured yet here: " + ", ".join(f"`python -m grader {short_key(k)}` grades {stage_name(k).lower()}"
-                                                      for k in missing) + "."
+        rungs += (f" {NOT_MEASURED} on this GPU: "
+                  + ", ".join(f"{possessive(k)} (`python -m grader {short_key(k)}`)" for k in missing) + ".")
     return ('<div class="fm-results" markdown>\n\n' + "\n".join(rows) + "\n\n</div>\n\n<small>"
             + f"On the {gpu_of(run)}. Each stage was graded at its own commit and date. "
             + (f"All with {common}. " if common else "")
@@ -796,7 +802,9 @@ def speed_table(run: dict, key: str, benches: list[dict], metric: str) -> list[s
         return ["No benchmark was timed (the grader times a stage only once every correctness case passes)."]
     steps = {label(b): step_at(run, key, b) for b in timed_rows(benches)}
     previous = {step.previous for step in steps.values() if step}
-    head = ["Shape", "ms", METRICS[metric], "% of the reference", "× naive"]
+    refs = {(b.get("reference") or {}).get("name", "—") for b in benches if "failure" not in b}
+    one_ref = next(iter(refs)) if len(refs) == 1 else None  # then named once, in the header: a narrower column
+    head = ["Shape", "ms", METRICS[metric], f"% of the reference{f' ({one_ref})' if one_ref else ''}", "× naive"]
     if previous:
         head.append(f"× {below_name(next(iter(previous)), key)}" if len(previous) == 1 else "× the step below")
     out = ["| " + " | ".join(head) + " |", "|---|" + "--:|" * (len(head) - 1)]
@@ -806,7 +814,8 @@ def speed_table(run: dict, key: str, benches: list[dict], metric: str) -> list[s
             continue
         ref = b.get("reference") or {}
         cells = [label(b), num(b.get("ms"), ".3f"), num(b.get(metric), ".1f"),
-                 f"{num(b.get('pct_of_reference'), '.1f')} ({ref.get('name', '—')})", num(b.get("speedup_vs_naive"), ".2f", "×")]
+                 num(b.get('pct_of_reference'), '.1f') + ("" if one_ref else f" ({ref.get('name', '—')})"),
+                 num(b.get("speedup_vs_naive"), ".2f", "×")]
         if previous:
             step = steps.get(label(b))
             cells.append(f"{ratio(step.speedup)} <small>{step_note(step, len(previous) > 1, key)}</small>" if step else "—")
