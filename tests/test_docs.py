@@ -459,7 +459,8 @@ def test_rung_placeholders(fake_results, monkeypatch):
         value = fill(f"<!-- figure:{key}:{MOE_LABEL}:{field} -->")
         assert re.fullmatch(rf'<span class="fm-figure-value" title="Stage 6 · mma_sync rung, [^"]+">{re.escape(shown)}</span>', value), value
     assert "| &emsp;Stage 6 (wgmma) |" in fill("<!-- rungs:stage6_grouped_gemm -->")
-    assert "not measured yet" in fill("<!-- results:stage6_grouped_gemm:nosuchrung -->")
+    with pytest.raises(hook.PluginError, match="no such stage or rung"):  # a typo fails the build
+        fill("<!-- results:stage6_grouped_gemm:nosuchrung -->")
 
 
 def test_without_the_rungs_tables_say_not_measured_but_a_figure_fails(tmp_path, monkeypatch):

@@ -709,6 +709,9 @@ def commit_and_day(p: dict) -> str:
 def results_md(key: str, runs: list[dict]) -> str:
     """A stage's (or rung's) results on each GPU that measured it, a tab each where there are several."""
     found = [run for run in runs if key in run.get("stages", {})]
+    if not found and key not in ladder_of(split_key(key)[0]):
+        raise PluginError(f"<!-- results:{key} -->: no such stage or rung (stages/{split_key(key)[0]}/ names "
+                          f"{', '.join(ladder_of(split_key(key)[0]))})")
     if not found:
         what = f"the {split_key(key)[1]} rung" if split_key(key)[1] else "the stage"
         return (f'\n\n!!! note "{NOT_MEASURED}"\n    `results/*.json` has no entry for `{key}`: not measured yet. '
