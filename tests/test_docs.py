@@ -107,13 +107,57 @@ FAKE = {
                  "tolerance": 2e-3, "quality": "acceptable"}]},
             "resources": {"grouped_gemm": {"registers": 90, "shared_bytes": 1024, "spill_stores": 0, "spill_loads": 0}},
             "benchmarks": [
-                {"shape": {"tokens": 4096, "hidden": 4096, "inter": 14336, "experts": 8, "top_k": 2}, "dtype": "bfloat16",
+                {"shape": {"T": 4096, "E": 8, "k": 2, "hidden": 4096, "inter": 14336}, "dtype": "bfloat16",
                  "ms": 3.21, "ms_min": 3.2, "spread": 0.01, "tflops": 321.9, "pct_peak": 32.5, "pct_bandwidth": None,
                  "pct_of_reference": 77.7, "speedup_vs_naive": None, "extra_memory_bytes": None,
                  "reference": {"name": "torch_grouped_mm", "ms": 2.5, "tflops": 413.0},
                  "baselines": {"torch_grouped_mm": 2.5}}]},
     },
 }
+
+
+# Stage 6's ladder as the grader records it: each rung an entry of its own ("stage6_grouped_gemm:mma_sync",
+# with "rung"), its rows timed beside the step below (stage 6 over its mma_sync rung, that over its simt
+# rung, stage 7 over its mma_sync rung); stage 7's rung is left out on the H100, measured on the H200.
+MOE = {"T": 4096, "E": 8, "k": 2, "hidden": 4096, "inter": 14336}
+MOE_LABEL = "T4096 E8 k2 hidden4096 inter14336 bf16"  # the label stage 6's flat entry gets from its shape
+
+
+def _moe(key, grade, goal, ms, tflops, pct_ref, below=None, problem="moe_experts", measured=None):
+    name, _, rung = key.partition(":")
+    bench = _bench(MOE, MOE_LABEL, ms, tflops, pct_ref, {"torch_grouped_mm": 2.5}, ref=("torch_grouped_mm", 2.5, 413.0),
+                   launches={"expert_up_swiglu": _launch([132], [256], 99328, 1, 8)})
+    if below:
+        bench["previous_stage"] = {"stage": below[0], "ms": below[1], "speedup": below[1] / ms}
+    entry = _stage(name, f"Stage {name[5]} — MoE" + (f" ({rung} rung)" if rung else ""), grade, [bench], goal=goal,
+                   problem=problem, measured=measured)
+    return dict(entry, rung=rung) if rung else entry
+
+
+FAKE["stages"]["stage6_grouped_gemm"]["benchmarks"][0]["previous_stage"] = {
+    "stage": "stage6_grouped_gemm:mma_sync", "ms": 7.9, "speedup": 7.9 / 3.21}
+FAKE["stages"].update({
+    "stage6_grouped_gemm:mma_sync": _moe("stage6_grouped_gemm:mma_sync", "B", "0.6 × the fastest library baseline",
+                                         7.8, 132.4, 32.1, below=("stage6_grouped_gemm:simt", 61.0)),
+    "stage6_grouped_gemm:simt": _moe("stage6_grouped_gemm:simt", "C", "0.06 × the fastest library baseline", 60.3, 17.1, 4.1),
+    "stage7_moe_layer": _moe("stage7_moe_layer", "A", "the fastest library baseline", 3.5, 295.1, 71.4,
+                             below=("stage7_moe_layer:mma_sync", 8.1), problem="moe_layer"),
+})
+# The same stages measured on an H200, a little faster, with stage 7's mma_sync rung.
+FAKE_H200 = copy.deepcopy(FAKE)
+FAKE_H200["gpu"] = "NVIDIA H200"
+FAKE_H200["provenance"] = dict(FAKE["provenance"], gpu="NVIDIA H200")
+for _entry in FAKE_H200["stages"].values():
+    for _b in _entry["benchmarks"]:
+        _b["ms"] = round(_b["ms"] * 0.8, 4)
+        _b["tflops"] = round(_b["tflops"] / 0.8, 1)
+    if "measured" in _entry:
+        _entry["measured"] = dict(_entry["measured"], gpu="NVIDIA H200", date="2025-02-01T00:00:00+00:00")
+FAKE_H200["stages"]["stage7_moe_layer:mma_sync"] = _moe("stage7_moe_layer:mma_sync", "B", "0.6 × the fastest library baseline",
+                                                        6.5, 158.9, 38.5, problem="moe_layer",
+                                                        measured=dict(_measured("0123456789abcdef", "2025-02-01T00:00:00+00:00"),
+                                                                      gpu="NVIDIA H200"))
+H200_MS = FAKE_H200["stages"]["stage6_grouped_gemm:mma_sync"]["benchmarks"][0]["ms"]  # 6.24
 
 
 def load_hook():
@@ -145,6 +189,7 @@ def site(tmp_path_factory):
 def fake_results(tmp_path_factory):
     folder = tmp_path_factory.mktemp("results")
     (folder / "h100-sxm.json").write_text(json.dumps(FAKE))
+    (folder / "h200.json").write_text(json.dumps(FAKE_H200))
     return folder
 
 
@@ -213,7 +258,7 @@ def test_results_markdown_from_the_hook(fake_results, monkeypatch):
     assert "illegal memory address" in stage0 and "1.2 %" in stage0  # a failed case; the spread
     assert "commit `aaaaaaa` on 2025-01-01 10:00 UTC" in stage0  # the stage's own provenance, not the run's
     moe = hook.results_md("stage6_grouped_gemm", runs)
-    assert "tokens4096 hidden4096 inter14336 experts8 top_k2 bf16" in moe and "321.9" in moe
+    assert "T4096 E8 k2 hidden4096 inter14336 bf16" in moe and "321.9" in moe
     assert "not measured yet" in hook.results_md("stage9_missing", runs)
     ladder = hook.ladder_md(runs)
     assert "<svg" in ladder and "187" in ladder and "Grade" in ladder
@@ -224,7 +269,7 @@ def test_the_key_columns_come_first_and_the_details_fold(fake_results, monkeypat
     hook = load_hook()
     stage2 = hook.results_md("stage2_warp", hook.load_runs())
     header = next(line for line in stage2.splitlines() if line.startswith("| Shape | ms |"))
-    assert header == "| Shape | ms | TFLOP/s | % of the reference | × naive | × the stage before |"
+    assert header == "| Shape | ms | TFLOP/s | % of the reference (cudnn) | × naive | × the step below |"
     assert '??? info "Timing details' in stage2 and "    | Shape | Median ms | Min ms |" in stage2
 
 
@@ -292,6 +337,198 @@ def test_nulls_and_a_second_gpu(tmp_path, monkeypatch):
     assert "On the NVIDIA A100-SXM4-80GB" in text and "On the NVIDIA H100 80GB HBM3" in text
 
 
+# ---------------------------------------------------------------- the ladders' rungs, and a tab per GPU
+
+def test_the_hook_reads_each_stages_ladder():
+    hook = load_hook()
+    assert hook.ladder_of("stage6_grouped_gemm") == (
+        "stage6_grouped_gemm", "stage6_grouped_gemm:mma_sync", "stage6_grouped_gemm:simt")
+    assert hook.ladder_of("stage7_moe_layer") == ("stage7_moe_layer", "stage7_moe_layer:mma_sync")
+    assert hook.ladder_of("stage0_naive") == ("stage0_naive",)
+    assert hook.stage_name("stage6_grouped_gemm:mma_sync") == "Stage 6 · mma_sync rung"
+    assert hook.stage_name("stage6_grouped_gemm") == "Stage 6"
+    assert hook.short_key("stage6_grouped_gemm:simt") == "stage6:simt" and hook.short_key("stage7_moe_layer") == "stage7"
+
+
+def test_the_hooks_ladders_are_the_graders():
+    """The hook reads each module's RUNGS with ast (the site builds without importing torch); the
+    grader imports them. Both must name the same rungs in the same order."""
+    pytest.importorskip("torch")
+    import stages
+    hook = load_hook()
+    for name in stages.stage_names():
+        assert list(hook.ladder_of(name)) == [s.key for s in stages.with_rungs(name)], name
+
+
+def test_grades_list_rungs_under_their_stage(fake_results, monkeypatch):
+    monkeypatch.setenv("FLASHMOE_RESULTS_DIR", str(fake_results))
+    hook = load_hook()
+    table = hook.grades_table(hook.load_runs()[0])
+    rows = [line.split(" | ")[0].lstrip("| ") for line in table.splitlines() if line.startswith("| [Stage")]
+    assert rows == [f"[{name}](stages/stage{n}.md)" for name, n in (
+        ("Stage 0", 0), ("Stage 2", 2), ("Stage 5", 5), ("Stage 6", 6), ("Stage 6 · mma_sync rung", 6),
+        ("Stage 6 · simt rung", 6), ("Stage 7", 7), ("Stage 7 · mma_sync rung", 7))]
+    assert "| **B** (73 %) | 0.6 × the fastest library baseline |" in table  # the mma_sync rung's own goal
+    # stage 7's rung is not in the H100's file: its row, and the note, say so
+    assert re.search(r"\| \[Stage 7 · mma_sync rung\]\(stages/stage7\.md\) \| not measured yet \|", table)
+    assert "stage 7's mma_sync rung (`python -m grader stage7:mma_sync`)" in table
+    h200 = hook.grades_table(hook.load_runs()[1])
+    assert "not measured yet" not in h200 and "On the NVIDIA H200." in h200
+
+
+def test_the_ladder_shows_rungs_beside_their_stage_from_the_lowest_up(fake_results, monkeypatch):
+    monkeypatch.setenv("FLASHMOE_RESULTS_DIR", str(fake_results))
+    hook = load_hook()
+    run = hook.load_runs()[0]
+    panels = {panel.problems: stages for panel, stages in hook.run_panels(run)}
+    moe = panels[("moe_experts", "moe_layer")]
+    assert [key for key, _ in moe] == ["stage6_grouped_gemm:simt", "stage6_grouped_gemm:mma_sync", "stage6_grouped_gemm",
+                                       "stage7_moe_layer"]
+    panel = next(p for p in hook.PANELS if p.problems == ("moe_experts", "moe_layer"))
+    chart = hook.ladder_figure(panel, moe, [MOE_LABEL], {MOE_LABEL: "#000"})
+    groups = re.findall(r'text-anchor="middle">(Stage \d)</text>(?:<text class="fm-label fm-rung"[^>]*>([^<]*)</text>)?', chart)
+    assert groups == [("Stage 6", "simt rung"), ("Stage 6", "mma_sync rung"), ("Stage 6", "wgmma"), ("Stage 7", "")]
+    assert len(set(groups)) == len(groups)  # no two bars under the same name
+    assert "Stage 6 · mma_sync rung, " + MOE_LABEL + ": 132 TFLOP/s" in chart  # a bar's tooltip names its rung
+    steps = hook.steps_figure(run, moe, [MOE_LABEL], {MOE_LABEL: "#000"}, "h")
+    headings = re.findall(r'<text class="fm-label" x="0" y="[\d.]+">([^<]*)</text>', steps)
+    assert headings == ["Stage 6 · mma_sync rung over the simt rung (timed side by side in one run)",
+                        "Stage 6 over the mma_sync rung (timed side by side in one run)",
+                        "Stage 7 over the mma_sync rung (timed side by side in one run)"]
+    assert "7.82×" in steps and "2.46×" in steps and "2.31×" in steps
+
+
+def test_a_rung_without_a_side_by_side_time_steps_down_its_ladder(fake_results, monkeypatch):
+    """Without previous_stage, the step below a stage is its highest rung that has times (separate
+    runs), below the lowest rung there is none (stage 5 solves another problem), and a stage whose
+    rungs are missing has none either."""
+    monkeypatch.setenv("FLASHMOE_RESULTS_DIR", str(fake_results))
+    hook = load_hook()
+    run = copy.deepcopy(hook.load_runs()[0])
+    for entry in run["stages"].values():
+        for bench in entry["benchmarks"]:
+            bench.pop("previous_stage", None)
+    stage6 = run["stages"]["stage6_grouped_gemm"]["benchmarks"][0]
+    step = hook.step_at(run, "stage6_grouped_gemm", stage6)
+    assert (step.previous, step.side_by_side) == ("stage6_grouped_gemm:mma_sync", False)
+    assert step.speedup == pytest.approx(7.8 / 3.21)
+    assert hook.previous_stage(run, "stage6_grouped_gemm:mma_sync") == "stage6_grouped_gemm:simt"
+    assert hook.previous_stage(run, "stage6_grouped_gemm:simt") is None
+    assert hook.previous_stage(run, "stage2_warp") == "stage0_naive"  # attention: the stage before, as ever
+    del run["stages"]["stage6_grouped_gemm:mma_sync"]
+    assert hook.previous_stage(run, "stage6_grouped_gemm") == "stage6_grouped_gemm:simt"
+    del run["stages"]["stage6_grouped_gemm:simt"]
+    assert hook.previous_stage(run, "stage6_grouped_gemm") is None
+
+
+def test_a_stage_and_its_rungs_side_by_side(fake_results, monkeypatch):
+    monkeypatch.setenv("FLASHMOE_RESULTS_DIR", str(fake_results))
+    hook = load_hook()
+    runs = hook.load_runs()
+    table = hook.rungs_table(runs[0], "stage6_grouped_gemm")
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    assert rows[0] == "| Shape, kernel | ms | TFLOP/s | × the rung below |"
+    assert rows[1] == f"| **{MOE_LABEL}** | | | |"
+    assert rows[2] == "| &emsp;simt rung | 60.300 | 17.1 |  |"
+    assert rows[3] == "| &emsp;mma_sync rung | 7.800 | 132.4 | 7.82× <small>same run</small> |"
+    assert rows[4] == "| &emsp;Stage 6 (wgmma) | 3.210 | 321.9 | 2.46× <small>same run</small> |"
+    assert "simt rung **C** (goal: 0.06 × the fastest library baseline)" in table
+    stage7 = hook.rungs_table(runs[0], "stage7_moe_layer")  # its rung is missing on the H100
+    assert "Not measured yet on the NVIDIA H100 80GB HBM3: mma_sync rung (`python -m grader stage7:mma_sync`)" in stage7
+    # the rung it was timed beside has no row here: the cell names it
+    assert "| &emsp;Stage 7 (wgmma) | 3.500 | 295.1 | 2.31× <small>over the mma_sync rung, same run</small> |" in stage7
+    both = hook.rungs_md("stage6_grouped_gemm", runs)  # a tab per GPU, the H100's first
+    assert both.index(">H100 80GB HBM3</label>") < both.index(">H200</label>")
+    assert f"| &emsp;mma_sync rung | {H200_MS:.3f} |" in both
+    with pytest.raises(hook.PluginError, match="no ladder"):
+        hook.rungs_md("stage2_warp", runs)
+
+
+def test_rung_placeholders(fake_results, monkeypatch):
+    """results: and figure: take a rung's key; rungs: a stage's directory."""
+    monkeypatch.setenv("FLASHMOE_RESULTS_DIR", str(fake_results))
+    hook = load_hook()
+    page = types.SimpleNamespace(file=types.SimpleNamespace(src_path="stages/stage6.md"))
+    fill = lambda text: hook.on_page_markdown(text, page, None, None)
+    results = fill("<!-- results:stage6_grouped_gemm:mma_sync -->")
+    assert "Stage 6 · mma_sync rung (`python -m grader stage6:mma_sync`)" in results and "7.800" in results
+    assert "× the simt rung" in results and "7.82× <small>same run</small>" in results
+    key = "stage6_grouped_gemm:mma_sync"
+    for field, shown in (("tflops", "132 TFLOP/s"), ("ms", "7.80 ms"), ("previous_stage", "7.82×"),
+                         ("vs.stage6_grouped_gemm:simt", "7.73×")):
+        value = fill(f"<!-- figure:{key}:{MOE_LABEL}:{field} -->")
+        assert re.fullmatch(rf'<span class="fm-figure-value" title="Stage 6 · mma_sync rung, [^"]+">{re.escape(shown)}</span>', value), value
+    assert "| &emsp;Stage 6 (wgmma) |" in fill("<!-- rungs:stage6_grouped_gemm -->")
+    with pytest.raises(hook.PluginError, match="no such stage or rung"):  # a typo fails the build
+        fill("<!-- results:stage6_grouped_gemm:nosuchrung -->")
+
+
+def test_without_the_rungs_tables_say_not_measured_but_a_figure_fails(tmp_path, monkeypatch):
+    """The repository's own results before the rungs were graded: the tables say "not measured yet",
+    a figure a lesson quotes from a rung fails the build."""
+    old = copy.deepcopy(FAKE)
+    old["stages"] = {k: v for k, v in old["stages"].items() if ":" not in k}
+    (tmp_path / "h100-sxm.json").write_text(json.dumps(old))
+    monkeypatch.delenv("FLASHMOE_RESULTS_DIR", raising=False)
+    hook = load_hook()
+    monkeypatch.setattr(hook, "results_folder", lambda: (tmp_path, True))  # as if they were results/
+    runs = hook.load_runs()
+    page = types.SimpleNamespace(file=types.SimpleNamespace(src_path="stages/stage6.md"))
+    fill = lambda text: hook.on_page_markdown(text, page, None, None)
+    grades = hook.grades_table(runs[0])
+    assert "| [Stage 6 · mma_sync rung](stages/stage6.md) | not measured yet |" in grades
+    assert "| [Stage 6 · simt rung](stages/stage6.md) | not measured yet |" in grades
+    assert "Not measured yet on the NVIDIA H100 80GB HBM3: simt rung (`python -m grader stage6:simt`), " \
+           "mma_sync rung (`python -m grader stage6:mma_sync`)" in fill("<!-- rungs:stage6_grouped_gemm -->")
+    assert "not measured yet" in fill("<!-- results:stage6_grouped_gemm:simt -->")
+    with pytest.raises(hook.MissingFigure, match="stages/stage6.md.*no results for stage6_grouped_gemm:mma_sync"):
+        fill(f"<!-- figure:stage6_grouped_gemm:mma_sync:{MOE_LABEL}:tflops -->")
+    (tmp_path / "h100-sxm.json").unlink()
+    assert "not measured yet" in fill("<!-- rungs:stage6_grouped_gemm -->")  # no results at all
+
+
+def test_prose_figures_read_the_h100s_file(fake_results, monkeypatch):
+    """Whatever other GPUs' files hold: the H100's figure, its GPU named on hover; a figure only
+    another GPU measured is not quoted."""
+    monkeypatch.setenv("FLASHMOE_RESULTS_DIR", str(fake_results))
+    hook = load_hook()
+    runs = list(reversed(hook.load_runs()))  # the H200's first: the figure still reads the H100's
+    value = hook.figure_md(runs, "stage6_grouped_gemm:mma_sync", MOE_LABEL, "ms")
+    assert ">7.80 ms<" in value and "measured on the NVIDIA H100 80GB HBM3" in value
+    assert "not measured" in hook.figure_md(runs, "stage7_moe_layer:mma_sync", MOE_LABEL, "ms")  # only the H200 has it
+
+
+def test_the_lessons_say_which_gpu_a_figure_is_from():
+    """A paragraph that quotes a figure from the results names the GPU those figures come from."""
+    hook = load_hook()
+    unnamed = [f"{page.relative_to(ROOT)}: {' '.join(block.split())[:120]}"
+               for page in PAGES for block in re.split(r"\n[ \t]*\n", FENCED.sub("", page.read_text()))
+               if FIGURE.search(block) and hook.PROSE_GPU not in block]
+    assert not unnamed, "say which GPU (\"on the H100\") beside these figures:\n" + "\n".join(unnamed)
+
+
+def test_every_gpu_has_a_tab(fake_site):
+    """Both results files on the site: a tab per GPU wherever a chart or table is drawn, the H100's
+    first and checked, the radio buttons children of the tab set as Material's tabs want them."""
+    home = (fake_site / "index.html").read_text()
+    sets = re.findall(r'<div class="tabbed-set tabbed-alternate fm-gpus" data-tabs="[\d:]+">(.*?)<div class="tabbed-labels">'
+                      r'(.*?)</div>', home, re.S)
+    assert len(sets) == 4  # attention, routing, the MoE GEMMs and layer, the grades
+    for inputs, labels in sets:
+        assert re.fullmatch(r'\s*<input class="fm-gpu-input" checked id="[\w-]+" name="[\w-]+" type="radio" />'
+                            r'<input class="fm-gpu-input" id="[\w-]+" name="[\w-]+" type="radio" />\s*', inputs), inputs
+        assert re.findall(r">([^<]+)</label>", labels) == ["H100 80GB HBM3", "H200"]
+    assert "<p><input" not in home
+    assert "Measured on 2 GPUs: the NVIDIA H100 80GB HBM3 (<code>results/h100-sxm.json</code>) and the NVIDIA H200" in home
+    stage6 = (fake_site / "stages" / "stage6" / "index.html").read_text()
+    assert stage6.count('class="tabbed-set tabbed-alternate fm-gpus"') == 4  # the side-by-side table, stage 6, 2 rungs
+    assert f"{H200_MS:.3f}" in stage6 and "On the <strong>NVIDIA H200</strong>" in stage6
+    stage7 = (fake_site / "stages" / "stage7" / "index.html").read_text()
+    assert stage7.count('class="tabbed-set tabbed-alternate fm-gpus"') == 2  # its rung only on the H200: no tabs
+    assert "On the <strong>NVIDIA H200</strong> (<code>results/h200.json</code>), Stage 7 · mma_sync rung" in stage7
+
+
+
 def test_without_results_the_pages_say_not_measured(empty_site):
     assert "not measured yet" in (empty_site / "index.html").read_text()
     assert "fm-ladder" not in (empty_site / "index.html").read_text()
@@ -307,7 +544,7 @@ def test_without_results_the_pages_say_not_measured(empty_site):
 # A passage of datasheet values, goals or arithmetic says so in an HTML comment, `<!-- not measured:
 # why -->`. A table takes the label of the paragraph just before it.
 
-FIGURE = re.compile(r"<!-- figure:(\w+):([^:>]+):([\w.]+) -->")
+FIGURE = re.compile(r"<!-- figure:(\w+(?::\w+)?):([^:>]+):([\w.:]+) -->")
 MEASURED_LOOKING = re.compile(r"\d+(?:\.\d+)? ?(?:ms\b|TFLOP/s|x\b|%|×(?! ?(?:\d|[A-Z]\b)))")  # not "16 × 8", "64 × D"
 DATED = re.compile(r"\b(?:A/B|[Pp]rofile|[Mm]easured)\s+on\s+(?:an|the)\s+[\w\s]+?,\s+session\s+of\s+\d{4}-\d{2}-\d{2}")
 NOT_MEASURED = re.compile(r"<!-- not measured: [^>]+-->")
@@ -481,3 +718,43 @@ def test_results_tables_fit_a_1400_pixel_window(browser, served_site):
         if browser.find_elements(By.CSS_SELECTOR, ".fm-results"):
             assert browser.find_element(By.CSS_SELECTOR, ".md-sidebar--secondary").is_displayed()
             assert browser.execute_script(OVERFLOWING_TABLES) == [], f"/{page}: a results table scrolls sideways"
+
+
+CLICK_TAB = """const label = Array.from(document.querySelectorAll('.fm-gpus .tabbed-labels label'))
+    .find(l => l.innerText.trim() === arguments[0]); label.click(); return !!label;"""
+SHOWN_TABS = """return Array.from(document.querySelectorAll('.fm-gpus')).map(set =>
+    Array.from(set.querySelectorAll(':scope > .tabbed-content > .tabbed-block')).map(b => b.offsetHeight > 0))"""
+
+
+@pytest.mark.browser
+def test_gpu_tabs_in_a_browser(browser, served):
+    """The H100's tab shows first; choosing the H200's in one tab set shows the H200's results in
+    every set of the page (Material's linked tabs)."""
+    import time
+
+    from selenium.webdriver.common.by import By
+
+    browser.get(served + "/")
+    assert browser.execute_script(SHOWN_TABS) == [[True, False]] * 4
+    h100_bars = [b for b in browser.find_elements(By.CSS_SELECTOR, "svg.fm-ladder rect") if b.size["height"] > 0]
+    assert h100_bars, "the H100's ladder is not drawn"
+    assert browser.execute_script(CLICK_TAB, "H200")
+    for _ in range(50):  # Material switches the linked tab sets from a script
+        if browser.execute_script(SHOWN_TABS) == [[False, True]] * 4:
+            break
+        time.sleep(0.1)
+    assert browser.execute_script(SHOWN_TABS) == [[False, True]] * 4
+    shown = [b for b in browser.find_elements(By.CSS_SELECTOR, "svg.fm-ladder rect") if b.size["height"] > 0]
+    assert shown and not set(shown) & set(h100_bars), "the H200's ladder is not drawn in its tab"
+
+
+@pytest.mark.browser
+def test_rung_and_gpu_tables_fit_a_1400_pixel_window(browser, served):
+    """With rungs and two GPUs: the grades, the side-by-side tables and the rungs' results fit in
+    each GPU's tab at 1400 px."""
+    browser.set_window_size(1400, 1000)
+    for page in ["", "stages/stage6/", "stages/stage7/"]:
+        browser.get(f"{served}/{page}")
+        for gpu in ("H100 80GB HBM3", "H200"):
+            assert browser.execute_script(CLICK_TAB, gpu)
+            assert browser.execute_script(OVERFLOWING_TABLES) == [], f"/{page} on the {gpu}: a results table scrolls sideways"

@@ -3,25 +3,36 @@
 - on_config: the nav's "Stages" section gets one page, docs/stages/stage<N>.md, per directory
   stages/stage<N>_*/, titled with the first line of the stage's __init__.py docstring.
 - on_page_markdown: placeholders in a page become what results/*.json holds ($FLASHMOE_RESULTS_DIR
-  overrides the folder):
-    <!-- ladder -->                    one panel per problem: each stage's speed at the shapes all the
-                                       panel's stages measured, what each stage bought over the one
-                                       before, and the grades with each stage's own provenance
-    <!-- results:<stage directory> --> a stage's results: speed, launches, compiler output, cases
-    <!-- figure:<stage directory>:<shape label>:<field> -->
+  overrides the folder). A <key> is a stage directory, or a rung of its ladder after a colon
+  ("stage6_grouped_gemm:mma_sync"), as the results files key them:
+    <!-- ladder -->                    one panel per problem: each stage's and rung's speed at the shapes
+                                       all the panel's kernels measured, a stage's rungs beside it from
+                                       the lowest up, what each step bought over the one below, and the
+                                       grades (rungs under their stage) with each one's own provenance
+    <!-- results:<key> -->             a stage's (or a rung's) results: speed, launches, compiler output, cases
+    <!-- rungs:<stage directory> -->   the stage and the rungs of its ladder side by side at each shape
+    <!-- figure:<key>:<shape label>:<field> -->
                                        one measured figure in a lesson's prose (FIELDS lists the
                                        fields), e.g. "<!-- figure:stage6_grouped_gemm:T32768 E32 k2
                                        hidden4096 inter11008:tflops -->" becomes "678 TFLOP/s"
     <!-- stage-list -->                the list of stages (home page only: its links are relative to docs/)
-  A figure the results do not hold fails the build when the results are the repository's own; with
-  $FLASHMOE_RESULTS_DIR (another GPU's results, a test's) it reads "not measured".
+    <!-- gpus -->                      the GPUs the results files hold, each with its file, the H100's first
+  Every results file is shown, one per GPU: with several, each chart and table gets a tab per GPU,
+  the H100's first, and the tabs of one GPU are linked across the page. A figure in prose reads the
+  H100's file only (PROSE_GPU: the lessons say "on the H100" beside it). A figure that file does not
+  hold fails the build when the results are the repository's own; with $FLASHMOE_RESULTS_DIR
+  (another GPU's results, a test's) it reads "not measured". A stage, rung or ladder with no results
+  reads "not measured yet".
+- on_page_content: the tabs' radio buttons taken out of the paragraph Markdown puts them in.
 
 Charts are inline SVG written here: no JavaScript, nothing fetched when the page is read.
 """
 from __future__ import annotations
 
 import ast
+import functools
 import html
+import itertools
 import json
 import math
 import os
@@ -34,10 +45,12 @@ from mkdocs.exceptions import PluginError
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGE_DIR = re.compile(r"stage(\d+)_\w+")
-PLACEHOLDER = re.compile(r"<!-- (ladder|stage-list|results:(\w+)|figure:(\w+):([^:>]+):([\w.]+)) -->")
+KEY = r"\w+(?::\w+)?"  # a stage directory, then ":rung" for a rung of its ladder
+PLACEHOLDER = re.compile(rf"<!-- (ladder|stage-list|gpus|results:({KEY})|rungs:(\w+)|figure:({KEY}):([^:>]+):([\w.:]+)) -->")
 COLORS = ["#3b82f6", "#f59e0b", "#10b981", "#ef4444", "#8b5cf6", "#06b6d4", "#ec4899", "#84cc16"]
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 NOT_MEASURED = "Not measured yet"
+PROSE_GPU = "H100"  # the GPU whose results the figures in the lessons' prose read
 
 
 # ---------------------------------------------------------------- stages, problems and results files
@@ -98,8 +111,83 @@ def idea_of(title: str) -> str:
 
 
 def stage_name(key: str) -> str:
-    """"stage3_pipeline" -> "Stage 3"."""
-    return f"Stage {stage_number(key)}" if STAGE_DIR.match(key) else key
+    """"stage3_pipeline" -> "Stage 3"; a rung, "stage6_grouped_gemm:mma_sync" -> "Stage 6 · mma_sync rung"."""
+    name, rung = split_key(key)
+    stage = f"Stage {stage_number(name)}" if STAGE_DIR.match(name) else name
+    return f"{stage} · {rung} rung" if rung else stage
+
+
+def split_key(key: str) -> tuple[str, str]:
+    """"stage6_grouped_gemm:mma_sync" -> ("stage6_grouped_gemm", "mma_sync"); a stage's own: (name, "")."""
+    name, _, rung = key.partition(":")
+    return name, rung
+
+
+def possessive(key: str) -> str:
+    """"stage6_grouped_gemm:mma_sync" -> "stage 6's mma_sync rung"; a stage's own key -> "stage 6"."""
+    name, rung = split_key(key)
+    return f"{stage_name(name).lower()}'s {rung} rung" if rung else stage_name(name).lower()
+
+
+def short_key(key: str) -> str:
+    """What the grader takes on its command line: "stage6_grouped_gemm:mma_sync" -> "stage6:mma_sync"."""
+    name, rung = split_key(key)
+    return name.split("_")[0] + (f":{rung}" if rung else "")
+
+
+def below_name(previous: str, key: str) -> str:
+    """The step below `key`, as a sentence names it: "the mma_sync rung" within one ladder, else "stage 2"."""
+    (name, rung), (below, below_rung) = split_key(key), split_key(previous)
+    return f"the {below_rung} rung" if below_rung and below == name else stage_name(previous).lower()
+
+
+# What a step of a ladder adds over the step below it (a rung's key; a stage's own key: over its highest
+# rung), for the "what each stage bought" figures, where the stage's idea would not say it; and what a
+# ladder's top (the stage's own kernel) multiplies with, to tell it from its rungs in the charts.
+LADDER_STEPS = {
+    "stage6_grouped_gemm:mma_sync": "the tensor cores: mma.sync fed by ldmatrix from a cp.async ring (stages 2 and 3)",
+    "stage6_grouped_gemm": "Hopper's wgmma, from shared memory that TMA fills (stage 4's machinery)",
+    "stage7_moe_layer": "stage 6's wgmma GEMMs in place of its mma_sync rung's",
+}
+LADDER_TOPS = {"stage6_grouped_gemm": "wgmma", "stage7_moe_layer": "wgmma"}
+
+
+@functools.lru_cache(maxsize=None)
+def ladder_of(name: str, root: Path = ROOT) -> tuple[str, ...]:
+    """A stage's key, then its rungs' from the highest down, as the module's RUNGS lists them (read
+    with ast: `rung("mma_sync", ...)` or `Stage(..., rung="mma_sync")`, here or in the module RUNGS is
+    imported from); just the stage where it has no ladder."""
+    def rungs_in(path: Path) -> list[str]:
+        try:
+            tree = ast.parse(path.read_text())
+        except (OSError, SyntaxError):
+            return []
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and any(a.name == "RUNGS" for a in node.names) and node.module:
+                module = root / node.module.replace(".", "/")
+                return rungs_in(module / "__init__.py" if module.is_dir() else module.with_suffix(".py"))
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "RUNGS" for t in node.targets):
+                found = []
+                for call in getattr(node.value, "elts", []):
+                    given = [k.value for k in getattr(call, "keywords", []) if k.arg == "rung"] or getattr(call, "args", [])[:1]
+                    if given and isinstance(given[0], ast.Constant) and isinstance(given[0].value, str):
+                        found.append(given[0].value)
+                return found
+        return []
+
+    return (name, *(f"{name}:{rung}" for rung in rungs_in(root / "stages" / name / "__init__.py")))
+
+
+def ladder_keys(name: str, run: dict | None = None) -> list[str]:
+    """ladder_of(name), then the rungs of it that a run holds and the stage's module does not name."""
+    known = list(ladder_of(name))
+    extra = sorted(k for k in (run or {}).get("stages", {}) if split_key(k)[0] == name and k not in known)
+    return known + extra
+
+
+def ladder_index(key: str, run: dict | None = None) -> int:
+    """0 for a stage's own kernel, 1 for its highest rung, and so on down."""
+    return ladder_keys(split_key(key)[0], run).index(key)
 
 
 def results_folder() -> tuple[Path, bool]:
@@ -109,14 +197,20 @@ def results_folder() -> tuple[Path, bool]:
 
 
 def load_runs() -> list[dict]:
-    """Every results/*.json, the H100 first: one "run" per GPU."""
+    """Every results/*.json, the H100 first: one "run" per GPU ("_file": the file's name)."""
     folder, _ = results_folder()
-    runs = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
-    return sorted(runs, key=lambda run: "H100" not in str(run.get("gpu")))
+    runs = [{**json.loads(p.read_text()), "_file": p.name} for p in sorted(folder.glob("*.json"))]
+    return sorted(runs, key=lambda run: PROSE_GPU not in str(run.get("gpu")))
+
+
+def gpu_of(run: dict) -> str:
+    return str(run.get("gpu") or "unknown GPU")
 
 
 def ordered_stages(run: dict) -> list[tuple[str, dict]]:
-    return sorted(run.get("stages", {}).items(), key=lambda kv: (stage_number(kv[0]), kv[0]))
+    """The run's stages in stage order, each followed by its rungs from the highest down."""
+    stages = run.get("stages", {})
+    return sorted(stages.items(), key=lambda kv: (stage_number(kv[0]), split_key(kv[0])[0], ladder_index(kv[0], run)))
 
 
 def timed(st: dict) -> list[dict]:
@@ -137,17 +231,59 @@ def panel_of(problem: str | None) -> Panel:
 
 
 def run_panels(run: dict) -> list[tuple[Panel, list[tuple[str, dict]]]]:
-    """The run's timed stages grouped by panel, the panels in the order of their first stage."""
+    """The run's timed stages grouped by panel, the panels in the order of their first stage; in a
+    panel each stage's rungs come before it, from the lowest up (simt, mma_sync, then the stage)."""
     groups: dict[Panel, list[tuple[str, dict]]] = {}
     for key, st in ordered_stages(run):
         if timed(st):
             groups.setdefault(panel_of(st.get("problem")), []).append((key, st))
-    return list(groups.items())
+    rising = lambda kv: (stage_number(kv[0]), split_key(kv[0])[0], -ladder_index(kv[0], run))
+    return [(panel, sorted(stages, key=rising)) for panel, stages in groups.items()]
+
+
+def all_panels(runs: list[dict]) -> list[Panel]:
+    """The panels any run has, in the order of PANELS, then any other in the order found."""
+    found = list(dict.fromkeys(panel for run in runs for panel, _ in run_panels(run)))
+    return sorted(found, key=lambda p: PANELS.index(p) if p in PANELS else len(PANELS))
+
+
+# ---------------------------------------------------------------- one tab per GPU
+
+TAB_INPUT = "fm-gpu-input"
+_tab_sets = itertools.count(1)
+
+
+def gpu_label(run: dict) -> str:
+    """A tab's label: "NVIDIA H100 80GB HBM3" -> "H100 80GB HBM3"."""
+    return gpu_of(run).removeprefix("NVIDIA ").strip()
+
+
+def gpu_tabs(items: list[tuple[dict, str]]) -> str:
+    """Markdown content per run: one run's as it is, several as Material's tabs, one per GPU in the
+    runs' order (the H100's first). The tabs' HTML is pymdownx.tabbed's, written out with md_in_html
+    because tabbed's own syntax indents the content, and indented raw HTML (the charts) is not kept
+    as HTML; Material links the tabs of one label across the page (content.tabs.link)."""
+    if len(items) == 1:
+        return items[0][1]
+    n = next(_tab_sets)
+    inputs = "".join(f'<input class="{TAB_INPUT}" {"checked " * (i == 0)}id="fm-gpu-{n}-{i}" name="fm-gpu-{n}" type="radio" />'
+                     for i in range(len(items)))
+    labels = "".join(f'<label for="fm-gpu-{n}-{i}">{html.escape(gpu_label(run))}</label>' for i, (run, _) in enumerate(items))
+    blocks = "".join(f'<div class="tabbed-block" markdown>\n\n{text}\n\n</div>\n' for _, text in items)
+    return (f'\n\n<div class="tabbed-set tabbed-alternate fm-gpus" data-tabs="{n}:{len(items)}" markdown>\n\n{inputs}\n\n'
+            f'<div class="tabbed-labels">{labels}</div>\n<div class="tabbed-content" markdown>\n{blocks}</div>\n</div>\n\n')
+
+
+def on_page_content(html_text, page, config, files):
+    """Markdown wraps the tabs' radio buttons in a paragraph; Material's tabs want them as the tab
+    set's own children."""
+    return re.sub(rf'<p>((?:<input class="{TAB_INPUT}"[^>]*>)+)</p>', r"\1", html_text)
 
 
 # ---------------------------------------------------------------- mkdocs events
 
 def on_config(config):
+    ladder_of.cache_clear()  # `mkdocs serve` builds again after a change to stages/
     pages = [{info.title: f"stages/stage{info.number}.md"} for info in stage_dirs()]
     for entry in config.nav or []:
         if isinstance(entry, dict) and "Stages" in entry:
@@ -165,9 +301,13 @@ def on_page_markdown(markdown, page, config, files):
             return "\n".join(f"- [**{s.title}**](stages/stage{s.number}.md). {s.summary}" for s in stage_dirs())
         if m[1] == "ladder":
             return ladder_md(runs)
+        if m[1] == "gpus":
+            return gpus_md(runs)
         if m[2]:
             return results_md(m[2], runs)
-        return figure_md(runs, m[3], m[4], m[5], page.file.src_path)
+        if m[3]:
+            return rungs_md(m[3], runs)
+        return figure_md(runs, m[4], m[5], m[6], page.file.src_path)
 
     return PLACEHOLDER.sub(fill, markdown)
 
@@ -278,18 +418,25 @@ def readable_date(iso: str) -> str:
 
 @dataclass(frozen=True)
 class Step:
-    """A stage's speed-up over an earlier stage at one shape."""
-    previous: str        # the earlier stage's directory
+    """A stage's (or rung's) speed-up over the step below it at one shape."""
+    previous: str        # the step below's key: a lower rung of the same ladder, or an earlier stage
     speedup: float
     side_by_side: bool   # both timed in one run (the row's previous_stage), or two separate runs' medians
     detail: str          # where the two times come from, for a tooltip
 
 
 def previous_stage(run: dict, key: str) -> str | None:
-    """The last stage before `key` in this run that solves the same problem and has timings."""
-    problem = run["stages"][key].get("problem")
-    before = [k for k, st in ordered_stages(run)
-              if stage_number(k) < stage_number(key) and st.get("problem") == problem and timed(st)]
+    """The step below `key` in this run, as the grader's stages.previous walks: the next lower rung of
+    its ladder that has timings, else the last earlier stage (its own kernel, not a rung) that solves
+    the same problem and has timings."""
+    stages = run["stages"]
+    ladder = ladder_keys(split_key(key)[0], run)
+    below = [k for k in ladder[ladder.index(key) + 1:] if k in stages and timed(stages[k])]
+    if below:
+        return below[0]
+    problem = stages[key].get("problem")
+    before = [k for k, st in ordered_stages(run) if stage_number(k) < stage_number(key) and not split_key(k)[1]
+              and st.get("problem") == problem and timed(st)]
     return before[-1] if before else None
 
 
@@ -312,27 +459,41 @@ def step_at(run: dict, key: str, bench: dict) -> Step | None:
 
 # ---------------------------------------------------------------- the ladder (home page)
 
+def gpus_md(runs: list[dict]) -> str:
+    """"the NVIDIA H100 80GB HBM3 (`results/h100-sxm.json`) and the NVIDIA H200 (`results/h200.json`)"."""
+    files = [f"the {gpu_of(run)} (`results/{run.get('_file', '?')}`)" for run in runs]
+    if not files:
+        return "no GPU yet (`results/` holds no results file: not measured yet)"
+    return files[0] if len(files) == 1 else ", ".join(files[:-1]) + " and " + files[-1]
+
+
 def ladder_md(runs: list[dict]) -> str:
-    if not any(run.get("stages") for run in runs):
+    """Per panel, its charts on each GPU (a tab each where there are several), then the grades."""
+    runs = [run for run in runs if run.get("stages")]
+    if not runs:
         return (f'\n\n!!! note "{NOT_MEASURED}"\n    No stage has recorded results in `results/*.json`: '
                 "not measured yet.\n\n")
-    out = []
-    for run in runs:
-        if run.get("stages"):
-            out.append(f"### On the {run.get('gpu', 'unknown GPU')}\n")
-            out += [panel_md(run, panel, stages, i) for i, (panel, stages) in enumerate(run_panels(run))]
-            out.append(grades_table(run))
+    out = [f"Measured on {gpus_md(runs)}." if len(runs) == 1 else
+           f"Measured on {len(runs)} GPUs: {gpus_md(runs)}. Each chart and table has a tab per GPU; choosing "
+           "a GPU's tab shows its results everywhere on the page."]
+    panels = {run_index: dict(run_panels(run)) for run_index, run in enumerate(runs)}
+    for p, panel in enumerate(all_panels(runs)):
+        out.append(f"#### {panel.title}\n" + gpu_tabs([
+            (run, panel_md(run, panel, panels[r][panel], f"fm-hatch-{r}-{p}"))
+            for r, run in enumerate(runs) if panel in panels[r]]))
+    out.append("#### Grades, and where each stage was measured\n"
+               + gpu_tabs([(run, grades_table(run)) for run in runs]))
     return "\n\n" + "\n\n".join(out) + "\n\n"
 
 
-def panel_md(run: dict, panel: Panel, stages: list[tuple[str, dict]], index: int) -> str:
+def panel_md(run: dict, panel: Panel, stages: list[tuple[str, dict]], hatch: str) -> str:
     shapes, others = panel_shapes(stages)
     colors = dict(zip(shapes, palette(len(shapes))))
-    text = f"#### {panel.title}\n" + ladder_figure(panel, stages, shapes, colors)
+    text = ladder_figure(panel, stages, shapes, colors)
     if others:
         text += ("Measured by only some of these stages, so not drawn (see their pages): "
                  + ", ".join(html.escape(s) for s in others) + ".\n\n")
-    return text + steps_figure(run, stages, shapes, colors, f"fm-hatch-{index}")
+    return text + steps_figure(run, stages, shapes, colors, hatch)
 
 
 def panel_shapes(stages: list[tuple[str, dict]]) -> tuple[list[str], list[str]]:
@@ -372,7 +533,8 @@ def ladder_figure(panel: Panel, stages: list[tuple[str, dict]], shapes: list[str
                        at_time(b, metric, (b.get("baselines") or {}).get("flash"))) if v]
     if not marks:
         return f"<p>No {unit} recorded.</p>\n\n"
-    W, H, left, right, top, bottom = 760, 300, 58, 10, 14, 44
+    subs = [kernel_note(key, stages) for key, _ in stages]  # a second line under a group: which rung
+    W, H, left, right, top, bottom = 760, 300, 58, 10, 14, 58 if any(subs) else 44
     scale, ticks, log = value_axis(marks, metric, H - top - bottom)
     y = lambda v: H - bottom - scale(v)
     middle = (top + H - bottom) / 2
@@ -386,25 +548,38 @@ def ladder_figure(panel: Panel, stages: list[tuple[str, dict]], shapes: list[str
     for g, (key, st) in enumerate(stages):
         x0 = left + g * group + (group - bar * len(shapes)) / 2
         for i, shape in enumerate(shapes):
-            body += ladder_bar(st, bench_at(st, shape), shape, metric, colors[shape], x0 + i * bar, bar, y, H - bottom)
-        cx = left + (g + 0.5) * group
-        body.append(f'<text class="fm-label" x="{cx:.1f}" y="{H - bottom + 16}" text-anchor="middle">{stage_name(key)}</text>'
-                    f'<text class="fm-axis" x="{cx:.1f}" y="{H - bottom + 32}" text-anchor="middle">grade {st.get("grade", "—")}</text>')
+            body += ladder_bar(stage_name(key), bench_at(st, shape), shape, metric, colors[shape], x0 + i * bar, bar, y, H - bottom)
+        cx, grade_y = left + (g + 0.5) * group, H - bottom + (46 if any(subs) else 32)
+        body.append(f'<text class="fm-label" x="{cx:.1f}" y="{H - bottom + 16}" text-anchor="middle">{stage_name(split_key(key)[0])}</text>'
+                    + (f'<text class="fm-label fm-rung" x="{cx:.1f}" y="{H - bottom + 31}" text-anchor="middle">{html.escape(subs[g])}</text>'
+                       if subs[g] else "")
+                    + f'<text class="fm-axis" x="{cx:.1f}" y="{grade_y}" text-anchor="middle">grade {st.get("grade", "—")}</text>')
     svg = svg_root("fm-ladder", W, H, f"{unit} of each stage at each shape", body)
     keys = [swatch(colors[s], s) for s in shapes] + [swatch("", "the reference: the fastest library baseline", "fm-swatch fm-ref-key")]
     if any(at_time(b, metric, (b.get("baselines") or {}).get("flash")) for _, st in stages for b in timed(st)):
         keys.append(swatch("", "SDPA flash backend", "fm-swatch fm-flash-key"))
-    return figure(svg, f"{html.escape(unit)} of each stage at the same shapes{', log scale' if log else ''}. " + " ".join(keys))
+    rungs = " A stage's rungs stand before it, from the lowest up." if any(split_key(k)[1] for k, _ in stages) else ""
+    return figure(svg, f"{html.escape(unit)} of each stage at the same shapes{', log scale' if log else ''}.{rungs} "
+                  + " ".join(keys))
 
 
-def ladder_bar(st: dict, bench: dict | None, shape: str, metric: str, color: str, x: float, width: float, y, base: float) -> list[str]:
+def kernel_note(key: str, stages: list[tuple[str, dict]]) -> str:
+    """Under a group of the ladder: "mma_sync rung" for a rung, what the stage's own kernel uses
+    ("wgmma") where its rungs stand beside it; "" for a stage without rungs in the chart."""
+    name, rung = split_key(key)
+    if rung:
+        return f"{rung} rung"
+    return LADDER_TOPS.get(name, "own kernel") if any(split_key(k)[0] == name and split_key(k)[1] for k, _ in stages) else ""
+
+
+def ladder_bar(name: str, bench: dict | None, shape: str, metric: str, color: str, x: float, width: float, y, base: float) -> list[str]:
     """One bar and its reference ticks, or a marked gap where the stage has no time at this shape."""
     unit = METRICS[metric]
     if not bench or not bench.get(metric):
         return [f'<text class="fm-axis" x="{x + width / 2 - 1:.1f}" y="{base - 3}" text-anchor="middle">'
-                f'×<title>{html.escape(st.get("title", ""))}: not measured at {html.escape(shape)}</title></text>']
+                f'×<title>{html.escape(name)}: not measured at {html.escape(shape)}</title></text>']
     ref = bench.get("reference") or {}
-    tip = (f"{short_title(st.get('title', ''))}, {shape}: {sig3(bench[metric])} {unit}; "
+    tip = (f"{name}, {shape}: {sig3(bench[metric])} {unit}; "
            f"the reference ({ref.get('name', '—')}): {num(at_time(bench, metric, ref.get('ms')), '.1f')} {unit}")
     out = [f'<rect x="{x:.1f}" y="{y(bench[metric]):.1f}" width="{width - 2:.1f}" height="{base - y(bench[metric]):.1f}" '
            f'fill="{color}"><title>{html.escape(tip)}</title></rect>']
@@ -416,7 +591,7 @@ def ladder_bar(st: dict, bench: dict | None, shape: str, metric: str, color: str
 
 
 def steps_figure(run: dict, stages: list[tuple[str, dict]], shapes: list[str], colors: dict, hatch: str) -> str:
-    """Horizontal bars, log scale: each stage's speed-up over the one before it, shape by shape."""
+    """Horizontal bars, log scale: each stage's (and rung's) speed-up over the step below it, shape by shape."""
     groups = [(key, found) for key, st in stages
               if (found := [(s, step) for s in shapes if (b := bench_at(st, s)) and (step := step_at(run, key, b))])]
     if not groups:
@@ -424,78 +599,103 @@ def steps_figure(run: dict, stages: list[tuple[str, dict]], shapes: list[str], c
     ideas = {info.name: info.idea for info in stage_dirs()}
     speedups = [step.speedup for _, found in groups for _, step in found]
     mixed = any(len({step.previous for _, step in found}) > 1 for _, found in groups)  # bars then name their stage
-    W, left, right, row, head, gap = 760, 190, 170 if mixed else 60, 13, 34, 8
+    longest = max(len(shape) for _, found in groups for shape, _ in found)  # the shapes' labels, right-aligned
+    W, left, right, row, head, gap = 760, max(190, 12 + 6 * longest), 170 if mixed else 60, 13, 34, 8
     lo, hi = min(1.0, min(speedups)) / 1.1, max(2.0, max(speedups)) * 1.1
     x = lambda r: left + math.log(r / lo) / math.log(hi / lo) * (W - left - right)
     body = [f'<defs><pattern id="{hatch}" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
             '<rect width="3" height="6" fill="#fff" fill-opacity="0.55"/></pattern></defs>']
     y, spans, ticks = 6.0, [], [2.0 ** k for k in range(math.ceil(math.log2(lo)), math.floor(math.log2(hi)) + 1)]
     for key, found in groups:
-        body.append(step_heading(key, [step for _, step in found], ideas.get(key) or idea_of(run["stages"][key].get("title", key)), y))
+        body.append(step_heading(key, [step for _, step in found], step_idea(run, key, [s for _, s in found], ideas), y))
         y += head
         spans.append((y - 2, y + len(found) * row))  # the grid lines run behind the bars, not the headings
         for shape, step in found:
-            body += step_bar(shape, step, len({s.previous for _, s in found}) > 1, x, y, row - 2, colors[shape], hatch)
+            body += step_bar(key, shape, step, len({s.previous for _, s in found}) > 1, x, y, row - 2, colors[shape], hatch)
             y += row
         y += gap
     body[1:1] = [f'<line class="fm-grid{" fm-one" if t == 1 else ""}" x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{a:.1f}" y2="{b:.1f}"/>'
                  for t in ticks for a, b in spans]
     body += [f'<text class="fm-axis" x="{x(t):.1f}" y="{y + 12:.1f}" text-anchor="middle">{t:g}×</text>' for t in ticks]
     svg = svg_root("fm-steps", W, y + 18, "Speed-up of each stage over the one before it", body)
-    return figure(svg, "What each stage bought: its speed-up over the stage before it at the same shape on the same GPU "
+    return figure(svg, "What each stage bought: its speed-up over the step below it (the stage before it, or the next "
+                  "lower rung of its ladder) at the same shape on the same GPU "
                   "(log scale; colours: the shapes, as above). Solid bars: the two kernels timed side by side in one "
                   "grader run; hatched bars: the ratio of the medians the two stages recorded in separate runs, each "
                   "at its own commit and date (in the table below). Hover over a bar for both times.")
 
 
+def step_idea(run: dict, key: str, steps: list[Step], ideas: dict[str, str]) -> str:
+    """What `key` adds over the step below: within a ladder LADDER_STEPS says, else the stage's idea."""
+    name, rung = split_key(key)
+    if all(split_key(step.previous)[0] == name for step in steps) and key in LADDER_STEPS:
+        return LADDER_STEPS[key]
+    return (ideas.get(name) if not rung else None) or idea_of(run["stages"][key].get("title", key))
+
+
 def step_heading(key: str, steps: list[Step], idea: str, y: float) -> str:
-    """"Stage 3 over stage 2 (timed side by side in one run)", and the idea that stage 3 adds."""
+    """"Stage 3 over stage 2 (timed side by side in one run)", "Stage 6 over the mma_sync rung (...)",
+    and the idea that the step adds."""
     previous, side = sorted({step.previous for step in steps}), {step.side_by_side for step in steps}
     source = ("timed side by side in one run" if side == {True} else "the ratio of medians from separate runs"
               if side == {False} else "hatched: separate runs")
-    over = " and ".join(stage_name(p).lower() for p in previous)
+    over = " and ".join(below_name(p, key) for p in previous)
     return (f'<text class="fm-label" x="0" y="{y + 13:.1f}">{stage_name(key)} over {over} ({source})</text>'
             f'<text class="fm-axis" x="0" y="{y + 27:.1f}">{html.escape(idea)}</text>')
 
 
-def step_note(step: Step, name_it: bool) -> str:
-    """"same run" or "separate runs", and which stage where a table or chart mixes two."""
-    return (f"over {stage_name(step.previous).lower()}, " if name_it else "") + ("same run" if step.side_by_side else "separate runs")
+def step_note(step: Step, name_it: bool, key: str) -> str:
+    """"same run" or "separate runs", and which step below where a table or chart mixes two."""
+    return (f"over {below_name(step.previous, key)}, " if name_it else "") + ("same run" if step.side_by_side else "separate runs")
 
 
-def step_bar(shape: str, step: Step, name_it: bool, x, y: float, height: float, color: str, hatch: str) -> list[str]:
+def step_bar(key: str, shape: str, step: Step, name_it: bool, x, y: float, height: float, color: str, hatch: str) -> list[str]:
     x0, x1 = sorted((x(1.0), x(step.speedup)))
     tip = html.escape(f"{shape}: {ratio(step.speedup)} ({step.detail})")
     out = [f'<text class="fm-axis" x="{x(min(1.0, step.speedup)) - 6:.1f}" y="{y + height - 1:.1f}" text-anchor="end">{html.escape(shape)}</text>',
            f'<rect x="{x0:.1f}" y="{y:.1f}" width="{max(x1 - x0, 1):.1f}" height="{height}" fill="{color}"><title>{tip}</title></rect>']
     if not step.side_by_side:
         out.append(f'<rect x="{x0:.1f}" y="{y:.1f}" width="{max(x1 - x0, 1):.1f}" height="{height}" fill="url(#{hatch})"><title>{tip}</title></rect>')
-    text = ratio(step.speedup) + (f" ({step_note(step, True)})" if name_it else "")
+    text = ratio(step.speedup) + (f" ({step_note(step, True, key)})" if name_it else "")
     out.append(f'<text class="fm-axis" x="{x(max(1.0, step.speedup)) + 4:.1f}" y="{y + height - 1:.1f}">{text}</text>')
     return out
 
 
 def grades_table(run: dict) -> str:
-    """One row per stage: grade, score, goal, % of the reference, cases, and where it was measured."""
-    stages = ordered_stages(run)
-    records = [measured(run, st) for _, st in stages]
+    """One row per stage, its rungs under it: grade, score, goal, % of the reference, cases, and where
+    it was measured; a rung of a stage the run holds that the run does not: "not measured yet"."""
+    names = list(dict.fromkeys(split_key(key)[0] for key, _ in ordered_stages(run)))
+    keys = [key for name in names for key in ladder_keys(name, run)]
+    stages = run.get("stages", {})
+    records = [measured(run, stages[key]) for key in keys if key in stages]
     shared = [key for key, _ in PROVENANCE if len({str(p.get(key)) for p in records}) == 1]
     rows = ["| Stage | Grade (score) | Goal | % of the reference | Correct | Commit, date |", "|---|---|---|--:|--:|---|"]
-    for (key, st), p in zip(stages, records):
+    for key in keys:
+        link = f"[{stage_name(key)}](stages/stage{stage_number(key)}.md)"
+        if key not in stages:
+            rows.append(f"| {link} | {NOT_MEASURED.lower()} | | | | |")
+            continue
+        st, p = stages[key], measured(run, stages[key])
         pct = [b["pct_of_reference"] for b in timed(st) if b.get("pct_of_reference")]
         geo = math.exp(sum(map(math.log, pct)) / len(pct)) if pct else None
         c = st.get("correctness") or {}
         own = environment(p, [k for k, _ in PROVENANCE if k not in shared])
         score = 100 * st["score"] if st.get("score") is not None else None
-        rows.append(f"| [{stage_name(key)}](stages/stage{stage_number(key)}.md) | **{st.get('grade', '—')}** ({num(score, '.0f', ' %')}) "
+        rows.append(f"| {link} | **{st.get('grade', '—')}** ({num(score, '.0f', ' %')}) "
                     f"| {(st.get('goal') or {}).get('text', '—')} | {num(geo, '.1f', ' %')} "
                     f"| {c.get('passed', '—')} / {(c.get('passed') or 0) + (c.get('failed') or 0)} "
                     f"| {commit_and_day(p)}{'; ' + own if own else ''} |")
     common = environment(records[0], shared) if records else ""
-    return ("#### Grades, and where each stage was measured\n\n" + '<div class="fm-results" markdown>\n\n'
-            + "\n".join(rows) + "\n\n</div>\n\n<small>Each stage was graded at its own commit and date. "
+    rungs = (" A rung is a lower step of its stage's ladder: the same problem with an earlier stage's technique, "
+             "graded against its own goal." if any(split_key(k)[1] for k in keys) else "")
+    missing = [k for k in keys if k not in stages]
+    if missing:
+        rungs += (f" {NOT_MEASURED} on this GPU: "
+                  + ", ".join(f"{possessive(k)} (`python -m grader {short_key(k)}`)" for k in missing) + ".")
+    return ('<div class="fm-results" markdown>\n\n' + "\n".join(rows) + "\n\n</div>\n\n<small>"
+            + f"On the {gpu_of(run)}. Each stage was graded at its own commit and date. "
             + (f"All with {common}. " if common else "")
-            + "Both percentages are geometric means over the stage's benchmark shapes.</small>\n")
+            + f"Both percentages are geometric means over the stage's benchmark shapes.{rungs}</small>\n")
 
 
 def commit_and_day(p: dict) -> str:
@@ -507,12 +707,16 @@ def commit_and_day(p: dict) -> str:
 # ---------------------------------------------------------------- one stage's results
 
 def results_md(key: str, runs: list[dict]) -> str:
+    """A stage's (or rung's) results on each GPU that measured it, a tab each where there are several."""
     found = [run for run in runs if key in run.get("stages", {})]
+    if not found and key not in ladder_of(split_key(key)[0]):
+        raise PluginError(f"<!-- results:{key} -->: no such stage or rung (stages/{split_key(key)[0]}/ names "
+                          f"{', '.join(ladder_of(split_key(key)[0]))})")
     if not found:
+        what = f"the {split_key(key)[1]} rung" if split_key(key)[1] else "the stage"
         return (f'\n\n!!! note "{NOT_MEASURED}"\n    `results/*.json` has no entry for `{key}`: not measured yet. '
-                "Grade the stage on your own GPU to see its numbers (`python -m grader "
-                f"stage{stage_number(key)} --solution`).\n\n")
-    return "".join(stage_run_md(run, key) for run in found)
+                f"Grade {what} on your own GPU to see its numbers (`python -m grader {short_key(key)} --solution`).\n\n")
+    return gpu_tabs([(run, stage_run_md(run, key)) for run in found])
 
 
 def stage_run_md(run: dict, key: str) -> str:
@@ -521,7 +725,9 @@ def stage_run_md(run: dict, key: str) -> str:
     benches = st.get("benchmarks") or []
     metric = panel_of(st.get("problem")).metric
     score = f"{100 * st['score']:.0f} % of the goal" if st.get("score") is not None else "no score"
-    out = [f"\n\n### On the {run.get('gpu', 'unknown GPU')}\n",
+    rung = split_key(key)[1]
+    out = [f"\n\nOn the **{gpu_of(run)}** (`results/{run.get('_file', '?')}`)"
+           + (f", {stage_name(key)} (`python -m grader {short_key(key)}`)" if rung else "") + ": "
            f"**Grade {st.get('grade', '—')}**: {score} ({goal.get('text', '—')}). "
            f"Correctness: {c.get('passed', '—')} cases passed, {c.get('failed', '—')} failed. "
            f"Measured {when(p)}, with {environment(p) or 'no environment recorded'}.\n",
@@ -536,15 +742,74 @@ def stage_run_md(run: dict, key: str) -> str:
     return "\n".join(out) + "\n\n"
 
 
+# ---------------------------------------------------------------- a stage and its rungs side by side
+
+def rungs_md(name: str, runs: list[dict]) -> str:
+    """The stage and the rungs of its ladder at each shape, on each GPU that measured any of them."""
+    if len(ladder_of(name)) == 1:
+        raise PluginError(f"<!-- rungs:{name} -->: stages/{name}/ has no ladder (no RUNGS)")
+    found = [run for run in runs if any(k in run.get("stages", {}) for k in ladder_keys(name, run))]
+    if not found:
+        commands = ", ".join(f"`python -m grader {short_key(k)}`" for k in reversed(ladder_of(name)))
+        return (f'\n\n!!! note "{NOT_MEASURED}"\n    `results/*.json` has no entry for {stage_name(name).lower()} '
+                f"or its rungs: not measured yet. Grade them on your own GPU: {commands}.\n\n")
+    return gpu_tabs([(run, rungs_table(run, name)) for run in found])
+
+
+def kernel_label(key: str) -> str:
+    """A step of a ladder in a table: "mma_sync rung", or "Stage 6 (wgmma)" for the stage's own kernel."""
+    name, rung = split_key(key)
+    return f"{rung} rung" if rung else f"{stage_name(name)} ({LADDER_TOPS.get(name, 'own kernel')})"
+
+
+def rungs_table(run: dict, name: str) -> str:
+    """Rows of shapes, each with the ladder's kernels from the lowest up: time, speed, and the
+    speed-up over the row above (the step below); each kernel's own table has the rest."""
+    stages = run["stages"]
+    keys = [k for k in reversed(ladder_keys(name, run)) if k in stages]  # the lowest rung first
+    metric = panel_of(stages[keys[-1]].get("problem")).metric
+    benches = {k: {label(b): b for b in stages[k].get("benchmarks") or []} for k in keys}
+    shapes = list(dict.fromkeys(shape for k in reversed(keys) for shape in benches[k]))  # the stage's order first
+    rows = [f"| Shape, kernel | ms | {METRICS[metric]} | × the rung below |", "|---|--:|--:|--:|"]
+    for shape in shapes:  # a row naming the shape, then one per kernel: four columns fit beside the nav
+        rows.append(f"| **{shape}** | | | |")
+        below = None
+        for key in keys:
+            b, cells = benches[key].get(shape), [f"&emsp;{kernel_label(key)}"]
+            if b is None:
+                cells += ["not timed at this shape", "", ""]
+            elif "failure" in b or not b.get("ms"):
+                cells += [f"failed: {html.escape(str(b.get('failure', 'no time')))}", "", ""]
+            else:
+                step = step_at(run, key, b)
+                cells += [num(b.get("ms"), ".3f"), num(b.get(metric), ".1f"),
+                          f"{ratio(step.speedup)} <small>{step_note(step, step.previous != below, key)}</small>" if step else ""]
+                below = key
+            rows.append("| " + " | ".join(cells) + " |")
+    grades = "; ".join(f"{kernel_label(k)} **{stages[k].get('grade', '—')}** (goal: {(stages[k].get('goal') or {}).get('text', '—')})"
+                       for k in keys)
+    missing = [k for k in reversed(ladder_keys(name, run)) if k not in stages]
+    text = (f"\n\nOn the **{gpu_of(run)}** (`results/{run.get('_file', '?')}`): {grades}.\n\n"
+            + '<div class="fm-results" markdown>\n\n' + "\n".join(rows) + "\n\n</div>\n\n<small>"
+            + "× the rung below: timed side by side in one grader run (same run), or the ratio of the medians "
+              "recorded in separate runs (separate runs).</small>\n")
+    if missing:
+        text += (f"\n{NOT_MEASURED} on the {gpu_of(run)}: "
+                 + ", ".join(f"{kernel_label(k)} (`python -m grader {short_key(k)}`)" for k in missing) + ".\n")
+    return text + "\n"
+
+
 def speed_table(run: dict, key: str, benches: list[dict], metric: str) -> list[str]:
     """The key columns only, so that they fit a laptop's screen; the rest is in the details below."""
     if not benches:
         return ["No benchmark was timed (the grader times a stage only once every correctness case passes)."]
     steps = {label(b): step_at(run, key, b) for b in timed_rows(benches)}
     previous = {step.previous for step in steps.values() if step}
-    head = ["Shape", "ms", METRICS[metric], "% of the reference", "× naive"]
+    refs = {(b.get("reference") or {}).get("name", "—") for b in benches if "failure" not in b}
+    one_ref = next(iter(refs)) if len(refs) == 1 else None  # then named once, in the header: a narrower column
+    head = ["Shape", "ms", METRICS[metric], f"% of the reference{f' ({one_ref})' if one_ref else ''}", "× naive"]
     if previous:
-        head.append(f"× {stage_name(next(iter(previous))).lower()}" if len(previous) == 1 else "× the stage before")
+        head.append(f"× {below_name(next(iter(previous)), key)}" if len(previous) == 1 else "× the step below")
     out = ["| " + " | ".join(head) + " |", "|---|" + "--:|" * (len(head) - 1)]
     for b in benches:
         if "failure" in b:
@@ -552,10 +817,11 @@ def speed_table(run: dict, key: str, benches: list[dict], metric: str) -> list[s
             continue
         ref = b.get("reference") or {}
         cells = [label(b), num(b.get("ms"), ".3f"), num(b.get(metric), ".1f"),
-                 f"{num(b.get('pct_of_reference'), '.1f')} ({ref.get('name', '—')})", num(b.get("speedup_vs_naive"), ".2f", "×")]
+                 num(b.get('pct_of_reference'), '.1f') + ("" if one_ref else f" ({ref.get('name', '—')})"),
+                 num(b.get("speedup_vs_naive"), ".2f", "×")]
         if previous:
             step = steps.get(label(b))
-            cells.append(f"{ratio(step.speedup)} <small>{step_note(step, len(previous) > 1)}</small>" if step else "—")
+            cells.append(f"{ratio(step.speedup)} <small>{step_note(step, len(previous) > 1, key)}</small>" if step else "—")
         out.append("| " + " | ".join(cells) + " |")
     remarks = [f"- {label(b)}: {text}" for b in benches for text in (b.get("flags") or []) + (b.get("notes") or [])]
     return out + (["", "The grader noted:", ""] + remarks if remarks else [])
@@ -721,14 +987,15 @@ class MissingFigure(PluginError):
     """A lesson quotes a figure that the results do not hold (or a field the hook does not know)."""
 
 
-FIELDS = {  # name: (kind, what it is); "{}": the field's argument, a baseline or a stage directory
+FIELDS = {  # name: (kind, what it is); "{}": the field's argument, a baseline or a key (a stage, or stage:rung)
     "ms": ("ms", "the median time"),
     "tflops": ("tflops", "TFLOP/s"),
     "pct_of_reference": ("pct", "% of the reference's speed"),
     "pct_bandwidth": ("pct", "% of the memory bandwidth"),
     "pct_peak": ("pct", "% of the tensor cores' peak"),
     "speedup_vs_naive": ("ratio", "the speed-up over naive PyTorch"),
-    "previous_stage": ("ratio", "the speed-up over the previous stage, timed side by side in the same run"),
+    "previous_stage": ("ratio", "the speed-up over the step below (the previous stage, or the rung below), "
+                                "timed side by side in the same run"),
     "baseline": ("ms", "the median time of {}"),
     "x": ("ratio", "the speed-up over {}"),
     "pct_of": ("pct", "% of the speed of {}"),
@@ -745,7 +1012,7 @@ def figure_value(run: dict, stage: str, shape: str, field: str) -> float:
     name, _, arg = field.partition(".")
     if name not in FIELDS or (name in TAKES_ARGUMENT) != bool(arg):
         raise MissingFigure(f"unknown field {field!r}; the fields: " + ", ".join(
-            f"{n}.<{'stage' if n == 'vs' else 'baseline'}>" if n in TAKES_ARGUMENT else n for n in FIELDS))
+            f"{n}.<{'key' if n == 'vs' else 'baseline'}>" if n in TAKES_ARGUMENT else n for n in FIELDS))
     st = (run.get("stages") or {}).get(stage)
     if st is None:
         raise MissingFigure(f"no results for {stage}")
@@ -776,9 +1043,14 @@ def written(value: float, kind: str) -> str:
     return {"ms": f"{sig3(value)} ms", "tflops": f"{sig3(value)} TFLOP/s", "pct": f"{sig3(value)}%"}.get(kind) or ratio(value)
 
 
+def prose_run(runs: list[dict]) -> dict:
+    """The results the lessons' prose quotes: the PROSE_GPU's (the H100's), never another GPU's."""
+    return next((r for r in runs if PROSE_GPU in gpu_of(r)), {"gpu": f"no {PROSE_GPU} results", "stages": {}})
+
+
 def figure_md(runs: list[dict], stage: str, shape: str, field: str, page: str = "") -> str:
-    """The figure from the first run (the H100's) that has the stage, with its provenance on hover."""
-    run = next((r for r in runs if stage in (r.get("stages") or {})), runs[0] if runs else {})
+    """The figure from the H100's results (prose_run), with its provenance and GPU on hover."""
+    run = prose_run(runs)
     try:
         value = figure_value(run, stage, shape, field)
     except MissingFigure as missing:
@@ -788,5 +1060,5 @@ def figure_md(runs: list[dict], stage: str, shape: str, field: str, page: str = 
     p = measured(run, run["stages"][stage])
     name, _, arg = field.partition(".")
     kind, what = FIELDS[name]
-    tip = f"{stage_name(stage)}, {shape}: {what.format(arg)}, measured {when(p).replace('`', '')} ({run.get('gpu', '')})"
+    tip = f"{stage_name(stage)}, {shape}: {what.format(arg)}, measured on the {gpu_of(run)}, {when(p).replace('`', '')}"
     return f'<span class="fm-figure-value" title="{html.escape(tip)}">{written(value, kind)}</span>'
