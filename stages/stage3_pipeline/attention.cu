@@ -33,6 +33,7 @@
 // Tensors are [B, H, S, D], contiguous; blockIdx.y walks the B·H (batch, head) pairs.
 // Causal masking is top-left aligned, as in PyTorch: query i sees keys j <= i.
 #include "mma.cuh"
+#include "cp_async.cuh"
 
 // The tile configuration, per head dimension. A warp owns M_TILES m16 tiles (16 query rows each)
 // and keeps, in fp32 registers, O (M_TILES·D/2) and S (M_TILES·BLOCK_N/2) -- the count decides.
@@ -269,14 +270,14 @@ __device__ __forceinline__ void online_softmax_lazy(float (&s)[N_FRAGS][4], floa
     bool grew_past_threshold = false;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        new_max[r] = fmaxf(row_max[r], tile_row_max<1>(s, r));
+        new_max[r] = fmaxf(row_max[r], tile_row_max(s, r));
         // From -inf (no key seen yet) to a finite max: inf > threshold, a rescale (by 0). While
         // both are -inf: NaN, which compares false, and there is nothing to rescale.
         grew_past_threshold |= (new_max[r] - row_max[r]) * scale_log2 > RESCALE_THRESHOLD_LOG2;
     }
     if (__any_sync(0xffffffffu, grew_past_threshold)) rescale(o, row_max, row_sum, new_max, scale_log2);
 #pragma unroll
-    for (int r = 0; r < 2; ++r) row_sum[r] += exponentiate_row<1>(s, r, scale_log2, scaled_max(row_max[r], scale_log2));
+    for (int r = 0; r < 2; ++r) row_sum[r] += exponentiate_row(s, r, scale_log2, scaled_max(row_max[r], scale_log2));
 }
 // --8<-- [end:lazy_rescale]
 

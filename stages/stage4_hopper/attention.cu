@@ -66,7 +66,9 @@
 // Tensors are [B, H, S, D] contiguous; the host builds 3-D tensor maps over [B·H, S, D], so a box
 // never crosses into the next head: rows past S read as zeros. Causal masking is top-left
 // aligned: query i sees keys j <= i.
-#include "hopper.cuh"
+#include "mma.cuh"
+#include "tma.cuh"
+#include "wgmma.cuh"
 
 constexpr int BLOCK_M = 128;                          // query rows per query tile
 constexpr int BLOCK_N = HEAD_DIM == 64 ? 192 : 128;   // keys per K/V tile (192 at D = 64: see above)
@@ -116,7 +118,7 @@ __device__ __forceinline__ void issue_scores(float (&s)[S_FRAGS][4], unsigned q_
         const unsigned column = (kk / 4) , offset = (kk % 4) * 32;
         const u64 a = make_smem_desc(q_tile + column * BLOCK_M * 128 + consumer * 64 * 128 + offset, 16, 1024);
         const u64 b = make_smem_desc(k_tile + column * BLOCK_N * 128 + offset, 16, 1024);
-        wgmma_ss<elem_t, BLOCK_N>(s, a, b, kk > 0);
+        wgmma_ss<elem_t, BLOCK_N, K_MAJOR>(s, a, b, kk > 0);
     }
 }
 
@@ -127,10 +129,49 @@ __device__ __forceinline__ void issue_pv(float (&o)[O_FRAGS][4], const unsigned 
 #pragma unroll
     for (int ks = 0; ks < P_STEPS; ++ks) {
         const u64 b = make_smem_desc(v_tile + ks * 16 * 128, BLOCK_N * 128, 1024);
-        wgmma_rs<elem_t, HEAD_DIM>(o, p[ks], b, 1);
+        wgmma_rs<elem_t, HEAD_DIM, MN_MAJOR>(o, p[ks], b, 1);
     }
 }
 // --8<-- [end:wgmma]
+
+// --8<-- [start:row_chains]
+// The row max and the row sum in CHAINS independent chains, combined at the end. mma.cuh's
+// tile_row_max is one running max: a chain of 2·S_FRAGS dependent FMNMX, each waiting ~4 cycles for
+// the one before. Where many warps share a scheduler (stages 2 and 3) others fill those cycles, and
+// one chain saves the registers (stage 3 at D = 64 spills with 4 on sm_80-89); here only the two
+// consumer warpgroups do, and 4 chains cut the chain to a quarter.
+constexpr int CHAINS = 4;
+
+__device__ __forceinline__ float tile_row_max_in_chains(const float (&s)[S_FRAGS][4], int r) {
+    float m[CHAINS];
+#pragma unroll
+    for (int i = 0; i < CHAINS; ++i) m[i] = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < S_FRAGS; ++n) m[n % CHAINS] = fmaxf(m[n % CHAINS], fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+#pragma unroll
+    for (int i = 1; i < CHAINS; ++i) m[0] = fmaxf(m[0], m[i]);
+    return quad_max(m[0]);
+}
+
+// mma.cuh's exponentiate_row, its sum in CHAINS independent running sums.
+__device__ __forceinline__ float exponentiate_row_in_chains(float (&s)[S_FRAGS][4], int r, float scale_log2,
+                                                            float max_scaled) {
+    float sum[CHAINS];
+#pragma unroll
+    for (int i = 0; i < CHAINS; ++i) sum[i] = 0.0f;
+#pragma unroll
+    for (int n = 0; n < S_FRAGS; ++n) {
+#pragma unroll
+        for (int c = 2 * r; c < 2 * r + 2; ++c) {
+            s[n][c] = fast_exp2(s[n][c] * scale_log2 - max_scaled);
+            sum[n % CHAINS] += s[n][c];
+        }
+    }
+#pragma unroll
+    for (int i = 1; i < CHAINS; ++i) sum[0] += sum[i];
+    return sum[0];
+}
+// --8<-- [end:row_chains]
 
 // The online softmax of mma.cuh, split in two: this half turns the scores into P and returns the
 // factor by which O must be rescaled; rescale_output() applies it once the P·V product that is
@@ -139,11 +180,11 @@ __device__ __forceinline__ void softmax_update(float (&s)[S_FRAGS][4], float (&r
                                                float (&correction)[2], float scale_log2) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // r = 0: row g (c[0], c[1]); r = 1: row g+8 (c[2], c[3])
-        const float new_max = fmaxf(row_max[r], tile_row_max<4>(s, r));
+        const float new_max = fmaxf(row_max[r], tile_row_max_in_chains(s, r));
         const float max_scaled = scaled_max(new_max, scale_log2);
         correction[r] = fast_exp2(row_max[r] * scale_log2 - max_scaled);  // 0 on the first tile
         row_max[r] = new_max;
-        row_sum[r] = row_sum[r] * correction[r] + exponentiate_row<4>(s, r, scale_log2, max_scaled);
+        row_sum[r] = row_sum[r] * correction[r] + exponentiate_row_in_chains(s, r, scale_log2, max_scaled);
     }
 }
 

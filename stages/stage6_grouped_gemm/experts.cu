@@ -40,7 +40,9 @@
 //   shape): these runs hold the H100 at its 700 W cap (clocks sampled at 1.4-1.6 GHz), so the
 //   tensor cores' power, not the epilogue, sets the pace. v2 stays: it is the structure that pays
 //   wherever the epilogue is exposed.
-#include "hopper_gemm.cuh"
+#include "mma.cuh"
+#include "tma.cuh"
+#include "wgmma.cuh"
 #include "moe.cuh"
 #include "stage6_grouped_gemm/schedule.cuh"  // BLOCK_M = 128 rows per tile (2 consumer warpgroups × 64), Scheduler
 
@@ -97,7 +99,7 @@ __device__ __forceinline__ void mainloop(float (&acc)[ACC_FRAGS][4], unsigned ba
             const u64 a = make_smem_desc(a_tile + consumer * 64 * 128 + kk * 32, 16, 1024);
             // B (MN-major): k runs down the 128-byte rows; the 64-column boxes are LBO apart.
             const u64 b = make_smem_desc(b_tile + kk * 16 * 128, B_BOX_BYTES, 1024);
-            wgmma_256_ss_b_mn_major<elem_t>(acc, a, b, kb > 0 || kk > 0);
+            wgmma_ss<elem_t, BLOCK_N, MN_MAJOR>(acc, a, b, kb > 0 || kk > 0);
         }
         wgmma_commit();
         wgmma_wait<1>();  // the previous stage's wgmmas are done reading its slot

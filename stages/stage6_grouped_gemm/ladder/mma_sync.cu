@@ -29,6 +29,7 @@
 // 285 TFLOP/s: 7.8× the CUDA cores, and 1.9× slower than experts.cu's wgmma (4.1 ms). A third ring
 // stage (which fits sm_80 and sm_90 only) measured no faster: 8.41 vs 8.31 ms side by side.
 #include "mma.cuh"
+#include "cp_async.cuh"
 #include "grouped.cuh"
 
 constexpr int BLOCK_K = 64;                    // K per stage: 128-byte rows of A, the swizzle's span
