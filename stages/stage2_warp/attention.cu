@@ -32,6 +32,7 @@ constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;  // 16-byte chunks in a row of D el
 constexpr int D_STEPS = HEAD_DIM / 16;        // k-steps of Q·Kᵀ (16 columns of d each)
 constexpr int S_FRAGS = BLOCK_N / 8;          // n8 fragments of a warp's 16 × BLOCK_N scores
 constexpr int O_FRAGS = HEAD_DIM / 8;         // n8 fragments of a warp's 16 × D output
+constexpr int SHARED_BYTES = (BLOCK_M + 2 * BLOCK_N) * ROW_STRIDE * sizeof(elem_t);  // the Q, K and V tiles
 static_assert(BLOCK_M == BLOCK_N, "load_tile copies tiles of BLOCK_N rows, Q's included");
 
 // Copies rows [0, rows) of a row-major [*, HEAD_DIM] global tile into shared memory, zeros past

@@ -59,6 +59,7 @@ constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;  // 16-byte chunks in a row of D el
 constexpr int ROW_BYTES = HEAD_DIM * 2;       // rows are not padded: the swizzle does that job
 constexpr int Q_TILE_BYTES = BLOCK_M * ROW_BYTES;
 constexpr int KV_TILE_BYTES = BLOCK_N * ROW_BYTES;
+constexpr int SHARED_BYTES = Q_TILE_BYTES + 2 * KV_STAGES * KV_TILE_BYTES;  // Q, the K ring, the V ring
 constexpr int D_STEPS = HEAD_DIM / 16;        // k-steps of Q·Kᵀ (16 columns of d each)
 constexpr int S_FRAGS = BLOCK_N / 8;          // n8 fragments of an m-tile's 16 × BLOCK_N scores
 constexpr int O_FRAGS = HEAD_DIM / 8;         // n8 fragments of an m-tile's 16 × D output

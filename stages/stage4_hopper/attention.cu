@@ -91,7 +91,7 @@ constexpr int V_RING = K_RING + KV_STAGES * KV_TILE_BYTES;
 constexpr int BARRIERS = V_RING + KV_STAGES * KV_TILE_BYTES;  // then 8-byte mbarriers:
 constexpr int Q_FULL = 0, Q_EMPTY = 1, K_FULL = 2, V_FULL = 2 + KV_STAGES, K_EMPTY = 2 + 2 * KV_STAGES,
               V_EMPTY = 2 + 3 * KV_STAGES, NUM_BARRIERS = 2 + 4 * KV_STAGES;
-constexpr int SHARED_BYTES = BARRIERS + 8 * NUM_BARRIERS + 1024;  // as __init__.py computes
+constexpr int SHARED_BYTES = BARRIERS + 8 * NUM_BARRIERS + 1024;  // + 1 KB to align the base to 1024 bytes
 static_assert(SHARED_BYTES <= 227 * 1024, "an H100 block has at most 227 KB of shared memory");
 static_assert(sizeof(elem_t) == 2, "16-bit elements");
 static_assert(HEAD_DIM % ATOM_COLS == 0, "D is a whole number of 128-byte swizzle rows");

@@ -6,6 +6,7 @@ into expert order, stage 6's two grouped GEMMs (SwiGLU fused into the first), st
 """
 import torch
 
+from reference.moe import padded_capacity
 from stages import Goal, Stage
 from stages.stage5_moe_routing import STAGE as ROUTING
 from stages.stage5_moe_routing import combine, route
@@ -14,17 +15,23 @@ from stages.stage6_grouped_gemm import STAGE as EXPERTS
 from stages.stage6_grouped_gemm import run_experts
 
 ALPHA = 0.01          # the load-balancing loss's coefficient (stage 5 computes the loss on the way)
-ROUTER_THREADS = 256  # as layer.cu
-ROUTER_TOKENS = 64
-GATHER_THREADS = 128
+# layer.cu's router tiles, which the grader checks the launch against (with stages 5 and 6's geometry).
+ROUTER_THREADS = 256
+ROUTER_TOKENS = 64    # tokens per block
+GATHER_THREADS = 128  # gather_rows: a block per row, any block size
+
+
+def geometry(defines: dict) -> dict:
+    return {**ROUTING.geometry(defines), **EXPERTS.geometry(defines),
+            "ROUTER_THREADS": ROUTER_THREADS, "ROUTER_TOKENS": ROUTER_TOKENS}
 
 
 def launch(kernels, x, wr, bias, w1, w2, top_k, out, topk_ids):
     tokens, hidden = x.shape
     experts, inter = w1.shape[0], w2.shape[1]
-    # The permuted buffers' capacity: every expert pads fewer than BLOCK_M rows. Known on the host
-    # without looking at the routing; the kernels use the offsets[E] rows actually needed.
-    rows = tokens * top_k + experts * (BLOCK_M - 1)
+    # The permuted buffers' capacity, known on the host without looking at the routing; the kernels
+    # use the offsets[E] rows actually needed.
+    rows = padded_capacity(tokens, experts, top_k, BLOCK_M)
     device, f32, i32 = x.device, torch.float32, torch.int32
     logits = torch.empty(tokens, experts, dtype=f32, device=device)
     topk_weights = torch.empty(tokens, top_k, dtype=f32, device=device)
@@ -58,5 +65,6 @@ STAGE = Stage(
     },
     launch=launch,
     archs=("sm_90a",),
+    geometry=geometry,
     goal=Goal("reference", 1.0),  # the fastest library baseline: the torch._grouped_mm layer
 )

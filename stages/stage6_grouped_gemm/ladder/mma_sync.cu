@@ -42,7 +42,7 @@ constexpr int A_ROW_BYTES = BLOCK_K * 2;
 constexpr int A_BYTES = BLOCK_M * A_ROW_BYTES;  // 16 KB
 template <bool SWIGLU> constexpr int B_ROW_BYTES = TileOperands<SWIGLU>::B_COLS * 2;
 template <bool SWIGLU> constexpr int STAGE_BYTES = A_BYTES + BLOCK_K * B_ROW_BYTES<SWIGLU>;  // A, then B
-// The ring, then the offsets (run.py repeats this).
+// The ring, then the offsets (ladder/run.py launches with it: tests/test_geometry.py checks).
 template <bool SWIGLU> constexpr int SHARED_BYTES = STAGES * STAGE_BYTES<SWIGLU> + OFFSETS_BYTES;
 static_assert(SHARED_BYTES<true> <= 99 * 1024, "a block fits the 99 KB an sm_86 or sm_89 block may have");
 
@@ -162,8 +162,7 @@ __device__ __forceinline__ void write_tile(const float (&acc)[M_TILES][FRAGS<SWI
     }
 }
 
-// out[rows of e, n_out] = A[rows of e, k] · B[e][k, ...] for every expert e with rows; the up
-// kernel's B is W1 [E, k, 2·n_out], the down kernel's W2 [E, k, n_out].
+// grouped.cuh's grouped_gemm, which its kernels call: this rung's way of multiplying.
 template <bool SWIGLU>
 __device__ __forceinline__ void grouped_gemm(const elem_t* a, const elem_t* b, elem_t* out, const int* offsets,
                                              int experts, int n_out, int k) {
@@ -177,18 +176,4 @@ __device__ __forceinline__ void grouped_gemm(const elem_t* a, const elem_t* b, e
                       multiply_tile<SWIGLU>(acc, shared_address(shared), in, warp_row, warp_col, lane);
                       write_tile<SWIGLU>(acc, in, warp_row, warp_col, lane);
                   });
-}
-
-// h = silu(x_perm · W1_gate) * (x_perm · W1_up), per expert. W1 is [E, hidden, 2·inter].
-extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
-expert_up_swiglu(const elem_t* __restrict__ x_perm, const elem_t* __restrict__ w1, elem_t* __restrict__ h,
-                 const int* __restrict__ offsets, int experts, int inter, int hidden) {
-    grouped_gemm<true>(x_perm, w1, h, offsets, experts, inter, hidden);
-}
-
-// y = h · W2, per expert. W2 is [E, inter, hidden].
-extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2)
-expert_down(const elem_t* __restrict__ h, const elem_t* __restrict__ w2, elem_t* __restrict__ y,
-            const int* __restrict__ offsets, int experts, int hidden, int inter) {
-    grouped_gemm<false>(h, w2, y, offsets, experts, hidden, inter);
 }
