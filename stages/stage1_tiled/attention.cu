@@ -18,13 +18,11 @@
 //           4 FMAs per float, so shared memory just keeps up (register tiling is what makes it so:
 //           one score per thread would need 2 floats per FMA, 8× too many).
 // So the bound is the CUDA cores' fp32 FMA rate, ~67 TFLOP/s on an H100 SXM, with shared memory
-// running alongside at full speed. Expect ~55-65% of it: syncs, the softmax, tile loads. Each
-// block has only 4 warps (2 blocks per SM at D = 128), so a tile load that the block waits for
-// idles the SM: the next tile's loads are issued before P · V and land while it runs (measured on
-// an H100: 7-8% faster at both D than loading each tile when it is needed).
-// Prediction, H100, B16 H16 S2048 D64 (275 GFLOP): ~7-8 ms (naive PyTorch: 11.4 ms), ~4 ms causal.
-// At D = 128 the S = Q Kᵀ half runs at most at 2/3 speed (an 8 × 4 block per thread, see below):
-// B4 H16 S8192 D128 (2.2 TFLOP) ~65 ms, ~35 ms causal. Tensor cores (next stages) do far better.
+// running alongside at full speed; syncs, the softmax and the tile loads take their share of it.
+// Each block has only 4 warps (2 blocks per SM at D = 128), so a tile load that the block waits
+// for idles the SM: the next tile's loads are issued before P · V and land while it runs. At
+// D = 128 the S = Q Kᵀ half runs at most at 2/3 speed (an 8 × 4 block per thread, see below).
+// Tensor cores (next stages) do far better. (Predictions and measurements: results/NOTES.md.)
 //
 // Tensors are [B, H, S, D], contiguous; blockIdx.y walks the B·H (batch, head) pairs, blockIdx.x
 // the tiles of BLOCK_M query rows. Causal masking is top-left aligned, as in PyTorch: query i

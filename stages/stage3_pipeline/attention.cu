@@ -25,10 +25,7 @@
 //            hold one block). 64-key tiles fit in 255 registers only with two economies, the
 //            cp.async address code of load_tile_from_base and the lazy rescale of
 //            online_softmax_lazy: without the first ptxas spills 96 bytes, without the second 36.
-// Predicted on an H100 (fp16, non-causal): ~275 TFLOP/s at B16 H16 S2048 D64 (measured 277).
-// Measured in an A/B run on an H100 (scratch, fp16, B4 H16 S8192 D128): 5.65 ms non-causal,
-// 3.03 ms causal, 115% / 123% of SDPA flash; in the same run 32-key tiles in 3 buffers with the
-// exact rescale took 7.04 and 3.75 ms (92% / 99%).
+// (Predictions and measurements, 64-key tiles against 32-key ones at D = 128: results/NOTES.md.)
 //
 // Tensors are [B, H, S, D], contiguous; blockIdx.y walks the B·H (batch, head) pairs.
 // Causal masking is top-left aligned, as in PyTorch: query i sees keys j <= i.

@@ -35,33 +35,19 @@
 //   bytes): D=64: 16 + 3·48 = 160 KB; D=128: 32 + 2·64 = 160 KB. One block per SM.
 // D = 64 is the hard case: per tile, the exponentials (one MUFU.EX2 per score, 16 lanes per SM
 //   per cycle) take as long as both GEMMs on the tensor cores, and each consumer warp's softmax is
-//   a chain of dependent steps that only the one other consumer can hide. Measured side by side
-//   on the H100 (B16 H16 S2048 D64, % of cuDNN, non-causal / causal): 84.6 / 88.8 with 128-key
-//   tiles and running max and sum; 86.1 / 92.8 with the max and sum split into independent chains
-//   (mma.cuh, tile_row_max; the A/B run took the max as a full tree, the kernel as 4 chains, which
-//   need fewer registers); 90.0 / 89.9 with 192-key tiles (FlashAttention-3's choice at this head
-//   dimension): a third fewer tile transitions -- barrier waits, turns, wgmma issue and wait -- per
-//   key, for 3% wasted on the last tile (2048 = 10.7 tiles). At S4096: 86.1 -> 91.2 / 91.5 -> 93.0;
-//   at S1000, where tiles quantize worse, 99.4 -> 94.0 / 92.3 -> 83.4. Computing a quarter of the
-//   exponentials with a polynomial on the FMA units instead (FlashAttention-4's trick) gained
-//   nothing: +0.3 to -3 points of cuDNN at D = 64, -2 to -4 at D = 128; an eighth or a half of
-//   them, worse still (down to -10): on Hopper the MUFU unit is not what binds.
-// Persistent: a block has a fixed cost per query tile -- launch, barrier setup, the cold
-//   Q and K_0 loads, S_0 alone, the last P·V and the output stores with the tensor cores idle --
-//   of roughly 3-4 µs, measured as the gap to cuDNN: D64 S2048 ran 16 128-key tiles of ~1.1 µs per
-//   query tile (82% of cuDNN, 1.22 ≈ (16 + 3.5)/16), causal 8.5 on average (72%, 1.41 ≈ (9.7 +
-//   4)/9.7), while D128 S8192's 64 tiles of ~2.3 µs hide most of it. So the grid is one block per
-//   SM, each looping over query tiles (Schedule, below): the producer loads the next Q (once both
-//   consumers' last Q·Kᵀ is done: barrier Q_EMPTY) and the next tiles' K/V into the same ring
-//   (its counters run on across query tiles) while the consumers finish, and the ping-pong turns
-//   simply continue. Causal pairs query tiles i and M-1-i (M+1 K/V tiles whatever i) so that a
-//   static round-robin stays balanced. First only at D=64; at D=128 an A/B run side by side (same
-//   cubin, persistent = 0 vs 1, identical outputs) gave S4096 1.98 -> 1.77 ms (83 -> 93% of cuDNN),
-//   causal 1.19 -> 0.95 (79 -> 99%); S8192 4.09 -> 3.95 (86 -> 89%), causal 2.09 -> 1.79 (85 ->
-//   99.5%); S16384 7.75 -> 7.42 (91 -> 95%), causal 3.98 -> 3.81 (92 -> 96%): persistent at both D.
+//   a chain of dependent steps that only the one other consumer can hide. Hence the row max and sum
+//   in independent chains (row_chains below), and 192-key tiles at D = 64 (FlashAttention-3's
+//   choice): a third fewer tile transitions -- barrier waits, turns, wgmma issue and wait -- per key,
+//   for some waste on a partial last tile.
+// Persistent: a block has a fixed cost per query tile -- launch, barrier setup, the cold Q and K_0
+//   loads, S_0 alone, the last P·V and the output stores with the tensor cores idle -- of a few µs,
+//   which short sequences do not hide. So the grid is one block per SM, each looping over query
+//   tiles (Schedule, below): the producer loads the next Q (once both consumers' last Q·Kᵀ is done:
+//   barrier Q_EMPTY) and the next tiles' K/V into the same ring (its counters run on across query
+//   tiles) while the consumers finish, and the ping-pong turns simply continue. Causal pairs query
+//   tiles i and M-1-i (M+1 K/V tiles whatever i) so that a static round-robin stays balanced.
 //   persistent = 0 (one block per query tile) stays in the kernel, to compare the two.
-// Predicted on an H100 SXM (fp16), before the first run: ~420 TFLOP/s at B16 H16 S2048 D64
-//   non-causal, ~90% of cuDNN; causal ~85-88%; D128 ~91% and ~90% of cuDNN. Measured: results/.
+// (The A/B measurements behind these choices, and the predictions: results/NOTES.md.)
 //
 // Tensors are [B, H, S, D] contiguous; the host builds 3-D tensor maps over [B·H, S, D], so a box
 // never crosses into the next head: rows past S read as zeros. Causal masking is top-left

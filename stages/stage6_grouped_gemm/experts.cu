@@ -29,17 +29,11 @@
 //   + offsets + barriers (+1 KB to align) = 210 KB: one block per SM.
 // Tile order, for L2: inside an expert, m fastest (t → n = local / m_tiles, m = local % m_tiles):
 //   the 132 blocks running at once share a few 256-column panels of W (each read from memory once)
-//   and the expert's rows (16 MB at 2048 rows × 4096), both held in the 50 MB L2. Measured: with n
-//   fastest instead, the up GEMM took 34.5 ms instead of 18.2 (A/B run, 32 × 2048 rows).
-// Predicted on an H100 (bf16, seed configuration, 65536 token-slots, 2048 per expert): the two
-//   GEMMs do 17.7 TFLOP; the main loop at ~90% of the 755 TFLOP/s dense ceiling, minus the padding
-//   (~3% more rows than token-slots): ~650 TFLOP/s, ~27 ms. Measured (v1, stores from registers):
-//   27.4 ms, 648 TFLOP/s, after the padding fix of stage 7's gather_rows. Without any stores (an
-//   A/B variant) v1 ran 10-12% faster, so v2 stages its outputs for TMA stores that overlap the
-//   next tile -- and measured no faster side by side (28.5 vs 27.4 ms, 4.83 vs 4.83 ms at Mixtral's
-//   shape): these runs hold the H100 at its 700 W cap (clocks sampled at 1.4-1.6 GHz), so the
-//   tensor cores' power, not the epilogue, sets the pace. v2 stays: it is the structure that pays
-//   wherever the epilogue is exposed.
+//   and the expert's rows (16 MB at 2048 rows × 4096), both held in the 50 MB L2; n fastest instead
+//   was twice as slow.
+// The epilogue stages its outputs for TMA stores that overlap the next tile's main loop: the
+//   structure that pays wherever the epilogue is exposed. (Predictions and the A/B runs behind these
+//   choices: results/NOTES.md.)
 #include "mma.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"

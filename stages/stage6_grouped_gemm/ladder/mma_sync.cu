@@ -25,9 +25,8 @@
 // B fragments 4. ptxas gives the up kernel 243-248 (one block of 256 threads per SM), the down
 // kernel 126-128 (two blocks), no spills. Shared memory: 2 stages × (16 KB of A + 32 or 16 KB of B) +
 // the offsets: 97 KB (up), 65 KB (down), so that the up kernel fits the 99 KB of an sm_86/sm_89 block.
-// Measured on an H100 (run.py: seed configuration, 4096 tokens, bf16, both kernels): 7.8 ms,
-// 285 TFLOP/s: 7.8× the CUDA cores, and 1.9× slower than experts.cu's wgmma (4.1 ms). A third ring
-// stage (which fits sm_80 and sm_90 only) measured no faster: 8.41 vs 8.31 ms side by side.
+// A third ring stage would fit sm_80's and sm_90's shared memory only, and ran no faster. (Measured:
+// results/NOTES.md, stage 6's ladder.)
 #include "mma.cuh"
 #include "cp_async.cuh"
 #include "grouped.cuh"
