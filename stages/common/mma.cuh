@@ -60,25 +60,23 @@ __device__ __forceinline__ int b_order_chunk(int lane) { return lane / 8 % 2; }
 // --8<-- [end:ldmatrix_ptx]
 
 // --8<-- [start:mma_ptx]
-// acc[16×8] += a[16×16] · b[16×8] on the tensor cores, inputs elem_t, accumulation fp32.
+// acc[16×8] += a[16×16] · b[16×8] on the tensor cores, inputs elem_t, accumulation fp32. One
+// instruction for both element types, which its name gives: PTX "f16" or "bf16".
 template <typename T>
 __device__ void mma_m16n8k16(float (&acc)[4], const unsigned (&a)[4], unsigned b0, unsigned b1);
 
-template <>
-__device__ __forceinline__ void mma_m16n8k16<__half>(float (&acc)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-template <>
-__device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float (&acc)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+#define DEFINE_MMA_M16N8K16(T, PTX)                                                                         \
+    template <>                                                                                             \
+    __device__ __forceinline__ void mma_m16n8k16<T>(float (&acc)[4], const unsigned (&a)[4], unsigned b0,  \
+                                                    unsigned b1) {                                         \
+        asm("mma.sync.aligned.m16n8k16.row.col.f32." PTX "." PTX ".f32 "                                    \
+            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"                             \
+            : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])                                        \
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                                \
+    }
+DEFINE_MMA_M16N8K16(__half, "f16")
+DEFINE_MMA_M16N8K16(__nv_bfloat16, "bf16")
+#undef DEFINE_MMA_M16N8K16
 
 // Two floats rounded to elem_t and packed into one register, `low` in the low 16 bits: the
 // order of the two columns a thread holds in an operand register.
