@@ -69,3 +69,13 @@ def test_the_ladders_launch_agrees_with_its_kernels(source):
     stage = stages.load("stage6")
     for defines in stage.variants(reference.load(stage.problem).dtypes):
         compile_cubin(rung.source, "sm_90a", defines, geometry_checks(ladder_geometry(rung)))
+
+
+def test_the_routing_cases_reach_the_kernels_limits():
+    """The problem's cases probe the MoE kernels' limits (stages/common/moe.py, checked against moe.cuh)
+    exactly: the most experts and the largest k the kernels take, and no more."""
+    from stages.common.moe import MAX_EXPERTS, MAX_TOP_K
+
+    cases = reference.load("moe_routing").cases()
+    assert max(c.shape["experts"] for c in cases) == MAX_EXPERTS
+    assert max(c.shape["top_k"] for c in cases) == MAX_TOP_K
