@@ -79,3 +79,12 @@ def test_the_routing_cases_reach_the_kernels_limits():
     cases = reference.load("moe_routing").cases()
     assert max(c.shape["experts"] for c in cases) == MAX_EXPERTS
     assert max(c.shape["top_k"] for c in cases) == MAX_TOP_K
+
+
+def test_the_experts_problem_pads_segments_to_stage_6s_tile():
+    """reference/moe_experts.py pads each expert's segment to BLOCK rows, as stage 5 pads it for the
+    grouped GEMM's tiles: the BLOCK_M of stage 6's launch (and so of experts.cu)."""
+    from reference.moe_experts import BLOCK
+    from stages.stage6_grouped_gemm import BLOCK_M
+
+    assert BLOCK == BLOCK_M
