@@ -8,7 +8,7 @@ what speed it is graded against.
 The launch geometry (tiles, threads per block, dynamic shared memory, limits) is computed in the `.cu`
 file, its home; the launch declares the values it launches with, per variant, in `geometry`, and the
 grader checks them against the kernel's constants each time it compiles it (grader/run.py), so that
-a kernel and its launch cannot disagree. Nothing in stages/ imports grader/.
+a kernel and its launch cannot disagree. A stage's launch code never imports grader/.
 """
 from __future__ import annotations
 
