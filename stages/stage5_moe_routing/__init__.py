@@ -14,7 +14,7 @@ TOPK_THREADS = 256
 ALIGN_THREADS = 256   # a thread per expert: MAX_EXPERTS
 GEOMETRY = {"TOPK_THREADS": TOPK_THREADS, "ALIGN_THREADS": ALIGN_THREADS, "MAX_EXPERTS": MAX_EXPERTS,
             "MAX_TOP_K": MAX_TOP_K}
-SCATTER_THREADS = 256      # moe_scatter: a thread per token-slot, any block size
+SCATTER_THREADS = 256  # moe_scatter: a thread per token-slot, any block size
 MAX_TOKENS_PER_GROUP = 8
 
 

@@ -22,6 +22,7 @@ GATHER_THREADS = 128  # gather_rows: a block per row, any block size
 
 
 def geometry(defines: dict) -> dict:
+    """layer.cu holds stage 5's and stage 6's kernels and the router: their constants, and its own."""
     return {**ROUTING.geometry(defines), **EXPERTS.geometry(defines),
             "ROUTER_THREADS": ROUTER_THREADS, "ROUTER_TOKENS": ROUTER_TOKENS}
 
