@@ -39,16 +39,24 @@ def signature_checks(kernels: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
+def geometry_checks(geometry: dict[str, int]) -> str:
+    """C++ appended to the kernel's source: each constant the launch relies on (stage.geometry) must
+    have, in the kernel, the value the launch uses."""
+    return "\n".join(f'static_assert(({name}) == {value}, "GRADER-GEOMETRY {name}");' for name, value in geometry.items())
+
+
 def compile_stage(stage, kernel_path: Path, arch: str) -> dict:
-    """{variant key: Cubin} for every dtype × specialization; GraderError for a signature problem."""
+    """{variant key: Cubin} for every dtype × specialization; GraderError for a signature or geometry problem."""
     problem = reference.load(stage.problem)
     cubins = {}
     for variant in stage.variants(problem):
         defines = stage.defines(variant)
+        checks = signature_checks(stage.kernels) + "\n" + geometry_checks(stage.geometry(defines))
         try:
-            cubins[variant_key(defines)] = compile_cubin(kernel_path, arch, defines, signature_checks(stage.kernels))
+            cubins[variant_key(defines)] = compile_cubin(kernel_path, arch, defines, checks)
         except CompileError as error:
-            raise _explain_signature_error(error, stage, kernel_path) or error
+            raise (_explain_signature_error(error, stage, kernel_path)
+                   or _explain_geometry_error(error, checks, stage.geometry(defines), defines, kernel_path) or error)
     return cubins
 
 
@@ -66,6 +74,29 @@ def _explain_signature_error(error: CompileError, stage, kernel_path) -> GraderE
         if f"kernel {name} has C++ linkage" in error.log:  # compiler.py's check of the entry functions
             return GraderError(f"{relative(kernel_path)}: kernel {name} must be declared {expected}")
     return None
+
+
+def _explain_geometry_error(error: CompileError, checks: str, geometry: dict, defines: dict,
+                            kernel_path) -> GraderError | None:
+    """A kernel constant that is not what the launch uses, one line each; None for other errors."""
+    if any("): error" in l and not l.startswith("grader-signature-check") for l in error.log.splitlines()):
+        return None  # the learner's own errors: NVRTC's log says them best
+    check_lines = checks.splitlines()
+    failed = {}  # line of the checks -> [constant, what the kernel says]
+    for line, message in re.findall(r"^grader-signature-check\((\d+)\): error: (.*)$", error.log, re.MULTILINE):
+        if m := re.search(r'"GRADER-GEOMETRY (.+)"', check_lines[int(line) - 1]):
+            name = m.group(1)
+            failed[int(line)] = [name, f"the kernel does not define {name}" if "is undefined" in message else
+                                 "the kernel says otherwise" if "static assertion failed" in message else
+                                 f"the kernel's {name} is not a compile-time constant"]
+    for line, value in re.findall(r"^grader-signature-check\((\d+)\): note.*the final comparison was (-?\d+) ==",
+                                  error.log, re.MULTILINE):
+        if int(line) in failed:  # EDG's note says both sides of a failed ==: the kernel's value first
+            failed[int(line)][1] = f"the kernel says {value}"
+    if not failed:
+        return None
+    return GraderError("\n".join(f"{relative(kernel_path)}: the launch uses {name} = {geometry[name]} for "
+                                 f"{variant_key(defines)}; {kernel_says}" for name, kernel_says in failed.values()))
 
 
 def resources(cubins: dict) -> dict:

@@ -2,7 +2,13 @@
 
 A stage's `__init__.py` has a docstring whose first line is its title and defines `STAGE`, a `Stage`
 saying which problem it solves (see `reference/`), which `.cu` file holds its kernels, the architectures
-it compiles for, the kernels' C signatures, how to launch them, and what speed it is graded against.
+it compiles for, the kernels' C signatures, how to launch them, the launch geometry it relies on, and
+what speed it is graded against.
+
+The launch geometry (tiles, threads per block, dynamic shared memory, limits) is computed in the `.cu`
+file, its home; the launch declares the values it launches with, per variant, in `geometry`, and the
+grader checks them against the kernel's constants each time it compiles it (grader/run.py), so that
+a kernel and its launch cannot disagree. A stage's launch code never imports grader/.
 """
 from __future__ import annotations
 
@@ -48,6 +54,9 @@ class Stage:
     extra_benchmarks: tuple = ()    # shapes timed after the problem's own (dicts as problem.benchmarks())
     rung: str = ""                  # "" for the stage's own kernel; else a rung of its ladder (see RUNGS)
     constants: dict[str, str] = field(default_factory=dict)  # -D macros every build of it gets
+    # The kernel's constants the launch relies on, for a variant's -D macros: {"BLOCK_M": 128, ...};
+    # a key is a constant expression of the kernel (a name, or e.g. "SHARED_BYTES<true>").
+    geometry: Callable[[dict[str, str]], dict[str, int]] = lambda defines: {}
 
     @property
     def key(self) -> str:

@@ -9,6 +9,12 @@ at its first pair. The kernels stay as they are.
 MAX_GRID_YZ = 65535
 
 
+def by_head_dim(geometry: dict[int, dict[str, int]]):
+    """Stage.geometry for a table of the kernel's constants per head dimension (the -DHEAD_DIM it is
+    compiled with): {64: {"BLOCK_M": 64, ...}, 128: {...}}."""
+    return lambda defines: geometry[int(defines["HEAD_DIM"])]
+
+
 def head_slices(*tensors, pairs_per_launch: int = MAX_GRID_YZ):
     """For tensors of shape [B, H, ...]: lists of [n, ...] views, one list per launch, of the same
     n ≤ pairs_per_launch (batch, head) pairs of each tensor."""

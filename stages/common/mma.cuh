@@ -1,9 +1,8 @@
 // Tensor-core helpers for the warp-level attention kernels (stage 2 onwards).
 //
-// Thin wrappers around four PTX instructions, chosen by elem_t where the type matters:
+// Thin wrappers around two PTX instructions, chosen by elem_t where the type matters:
 //   ldmatrix    shared memory -> the registers of an mma operand, 8×8 16-bit matrices at a time
 //   mma.sync    D[16×8] += A[16×16] · B[16×8], fp32 accumulators, one warp
-//   cp.async    global -> shared memory without passing through registers (stage 3)
 // and the pieces of FlashAttention-2 that work on mma fragments whatever the shared-memory
 // layout: the quad reductions, the online softmax, P as the A operand of P·V, the epilogue.
 //
@@ -61,25 +60,23 @@ __device__ __forceinline__ int b_order_chunk(int lane) { return lane / 8 % 2; }
 // --8<-- [end:ldmatrix_ptx]
 
 // --8<-- [start:mma_ptx]
-// acc[16×8] += a[16×16] · b[16×8] on the tensor cores, inputs elem_t, accumulation fp32.
+// acc[16×8] += a[16×16] · b[16×8] on the tensor cores, inputs elem_t, accumulation fp32. One
+// instruction for both element types, which its name gives: PTX "f16" or "bf16".
 template <typename T>
 __device__ void mma_m16n8k16(float (&acc)[4], const unsigned (&a)[4], unsigned b0, unsigned b1);
 
-template <>
-__device__ __forceinline__ void mma_m16n8k16<__half>(float (&acc)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-template <>
-__device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float (&acc)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+#define DEFINE_MMA_M16N8K16(T, PTX)                                                                         \
+    template <>                                                                                             \
+    __device__ __forceinline__ void mma_m16n8k16<T>(float (&acc)[4], const unsigned (&a)[4], unsigned b0,  \
+                                                    unsigned b1) {                                         \
+        asm("mma.sync.aligned.m16n8k16.row.col.f32." PTX "." PTX ".f32 "                                    \
+            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"                             \
+            : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])                                        \
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                                \
+    }
+DEFINE_MMA_M16N8K16(__half, "f16")
+DEFINE_MMA_M16N8K16(__nv_bfloat16, "bf16")
+#undef DEFINE_MMA_M16N8K16
 
 // Two floats rounded to elem_t and packed into one register, `low` in the low 16 bits: the
 // order of the two columns a thread holds in an operand register.
@@ -97,25 +94,6 @@ __device__ __forceinline__ unsigned pack_pair<__nv_bfloat16>(float low, float hi
     return *reinterpret_cast<unsigned*>(&pair);
 }
 // --8<-- [end:mma_ptx]
-
-// --8<-- [start:cp_async_ptx]
-// cp.async.cg: copy 16 bytes global -> shared asynchronously, through L2 only (.cg: the data
-// is read once per block, caching it in L1 would only evict something useful). With
-// `valid` false the source size is 0: nothing is read and the 16 bytes are zero-filled.
-__device__ __forceinline__ void cp_async_16(unsigned destination, const void* source, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 :: "r"(destination), "l"(source), "r"(valid ? 16 : 0)
-                 : "memory");
-}
-
-// Closes the group of the cp.async this thread issued since the last commit.
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-
-// Waits until at most `PENDING` of this thread's committed groups are still in flight. It says
-// nothing about other threads' copies: a __syncthreads() must follow before reading them.
-template <int PENDING>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(PENDING) : "memory"); }
-// --8<-- [end:cp_async_ptx]
 
 // --8<-- [start:quad_reduce]
 // Max and sum over the 4 lanes of a quad, which hold the same two rows of every fragment.
@@ -159,21 +137,13 @@ __device__ __forceinline__ void apply_mask(float (&s)[N_FRAGS][4], int first_key
 
 // --8<-- [start:row_reductions]
 // The max over the quad of the scores of row r of a tile (r = 0: row g, c[0] and c[1]; r = 1: row
-// g+8, c[2] and c[3]), taken as CHAINS independent running maxima, combined at the end. One
-// running max is a chain of 2·N_FRAGS dependent FMNMX, each waiting ~4 cycles for the one before:
-// where many warps share a scheduler (stages 2 and 3) others fill those cycles and CHAINS = 1
-// saves the registers (stage 3 at D = 64 on sm_80-89, at its cap of 128, spills with 4); where
-// only two do (stage 4), CHAINS = 4 cuts the chain to a quarter.
-template <int CHAINS, int N_FRAGS>
+// g+8, c[2] and c[3]).
+template <int N_FRAGS>
 __device__ __forceinline__ float tile_row_max(const float (&s)[N_FRAGS][4], int r) {
-    float m[CHAINS];
+    float m = -INFINITY;
 #pragma unroll
-    for (int i = 0; i < CHAINS; ++i) m[i] = -INFINITY;
-#pragma unroll
-    for (int n = 0; n < N_FRAGS; ++n) m[n % CHAINS] = fmaxf(m[n % CHAINS], fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-#pragma unroll
-    for (int i = 1; i < CHAINS; ++i) m[0] = fmaxf(m[0], m[i]);
-    return quad_max(m[0]);
+    for (int n = 0; n < N_FRAGS; ++n) m = fmaxf(m, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+    return quad_max(m);
 }
 
 // The running max of a row times scale_log2; 0 while the row has seen only masked keys (max =
@@ -183,24 +153,19 @@ __device__ __forceinline__ float scaled_max(float row_max, float scale_log2) {
 }
 
 // p = 2^(s·scale_log2 - max_scaled), in place, for the thread's scores of row r; returns their
-// sum, added in CHAINS independent running sums (see tile_row_max). One FFMA and one MUFU.EX2 per
-// score.
-template <int CHAINS, int N_FRAGS>
+// sum. One FFMA and one MUFU.EX2 per score.
+template <int N_FRAGS>
 __device__ __forceinline__ float exponentiate_row(float (&s)[N_FRAGS][4], int r, float scale_log2, float max_scaled) {
-    float sum[CHAINS];
-#pragma unroll
-    for (int i = 0; i < CHAINS; ++i) sum[i] = 0.0f;
+    float sum = 0.0f;
 #pragma unroll
     for (int n = 0; n < N_FRAGS; ++n) {
 #pragma unroll
         for (int c = 2 * r; c < 2 * r + 2; ++c) {
             s[n][c] = fast_exp2(s[n][c] * scale_log2 - max_scaled);
-            sum[n % CHAINS] += s[n][c];
+            sum += s[n][c];
         }
     }
-#pragma unroll
-    for (int i = 1; i < CHAINS; ++i) sum[0] += sum[i];
-    return sum[0];
+    return sum;
 }
 // --8<-- [end:row_reductions]
 
@@ -218,11 +183,11 @@ __device__ __forceinline__ void online_softmax(float (&s)[N_FRAGS][4], float (&o
                                                float (&row_max)[2], float (&row_sum)[2], float scale_log2) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // r = 0: row g (c[0], c[1]); r = 1: row g+8 (c[2], c[3])
-        const float new_max = fmaxf(row_max[r], tile_row_max<1>(s, r));
+        const float new_max = fmaxf(row_max[r], tile_row_max(s, r));
         const float max_scaled = scaled_max(new_max, scale_log2);
         const float correction = fast_exp2(row_max[r] * scale_log2 - max_scaled);  // 0 on the first tile
         row_max[r] = new_max;
-        row_sum[r] = row_sum[r] * correction + exponentiate_row<1>(s, r, scale_log2, max_scaled);
+        row_sum[r] = row_sum[r] * correction + exponentiate_row(s, r, scale_log2, max_scaled);
 #pragma unroll
         for (int d = 0; d < D_FRAGS; ++d) {
             o[d][2 * r] *= correction;

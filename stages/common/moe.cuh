@@ -1,6 +1,7 @@
 // What the MoE kernels share: the element type (that of attention.cuh: the grader compiles every
-// kernel with -DELEM_T=__half or __nv_bfloat16), the limits of the routing, and 16-byte vectors of
-// elem_t converted to and from fp32 with bit operations, so that they never leave registers.
+// kernel with -DELEM_T=__half or __nv_bfloat16), the limits of the routing (stages/common/moe.py
+// declares them to the grader), 16-byte vectors of elem_t converted to and from fp32 with bit
+// operations, so that they never leave registers, and the experts' activation.
 #pragma once
 #include "attention.cuh"
 
@@ -39,3 +40,6 @@ __device__ __forceinline__ void store8(elem_t* p, const float (&in)[8]) {
         words[i] = elem_bits(from_float<elem_t>(in[2 * i])) | ((unsigned)elem_bits(from_float<elem_t>(in[2 * i + 1])) << 16);
     *reinterpret_cast<uint4*>(p) = make_uint4(words[0], words[1], words[2], words[3]);
 }
+
+// SiLU, the gate's activation in an expert's SwiGLU: silu(gate) · up.
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }

@@ -18,12 +18,13 @@
 #include "attention.cuh"
 
 // --8<-- [start:scores]
-// A block computes a TILE × TILE block of scores: 32 queries × 32 keys, from q and k rows it first
-// copies into shared memory (so each global element is read once per block, not once per score).
-// Thread (tx, ty) owns key tx and queries ty, ty+8, ty+16, ty+24: the k value it reads is reused
-// four times, and neighbouring threads write neighbouring scores (coalesced).
+// A block of TILE × THREADS_Y threads computes a TILE × TILE block of scores: 32 queries × 32 keys,
+// from q and k rows it first copies into shared memory (so each global element is read once per
+// block, not once per score). Thread (tx, ty) owns key tx and queries ty, ty+8, ty+16, ty+24: the
+// k value it reads is reused four times, and neighbouring threads write neighbouring scores (coalesced).
 #define TILE 32
-#define ROWS_PER_THREAD (TILE / 8)
+#define THREADS_Y 8
+#define ROWS_PER_THREAD (TILE / THREADS_Y)
 
 __device__ void load_rows(float (*tile)[HEAD_DIM + 1], const elem_t* rows, int first, int count) {
     for (int e = threadIdx.y * blockDim.x + threadIdx.x; e < TILE * HEAD_DIM; e += blockDim.x * blockDim.y) {
@@ -45,12 +46,12 @@ extern "C" __global__ void attention_scores(const elem_t* __restrict__ q, const 
     float dot[ROWS_PER_THREAD] = {};
     for (int d = 0; d < HEAD_DIM; ++d) {
         const float k_value = k_tile[threadIdx.x][d];
-        for (int r = 0; r < ROWS_PER_THREAD; ++r) dot[r] += q_tile[threadIdx.y + 8 * r][d] * k_value;
+        for (int r = 0; r < ROWS_PER_THREAD; ++r) dot[r] += q_tile[threadIdx.y + THREADS_Y * r][d] * k_value;
     }
 
     const int j = first_k + threadIdx.x;
     for (int r = 0; r < ROWS_PER_THREAD; ++r) {
-        const int i = first_q + threadIdx.y + 8 * r;
+        const int i = first_q + threadIdx.y + THREADS_Y * r;
         if (i >= seq_q || j >= seq_kv) continue;
         const bool masked = causal && j > i;
         scores[((size_t)blockIdx.z * seq_q + i) * seq_kv + j] = masked ? -INFINITY : dot[r] * scale;
@@ -105,7 +106,7 @@ extern "C" __global__ void attention_softmax(float* __restrict__ scores, float* 
 // O = P·V, tiled like the scores: a block computes 32 query rows × all HEAD_DIM columns, walking
 // the keys TILE at a time through shared memory. Thread (tx, ty) owns rows ty + 8r and columns
 // tx + 32c; a warp reads one p value (a broadcast) and 32 consecutive v values (no bank conflict).
-#define COLS_PER_THREAD (HEAD_DIM / 32)
+#define COLS_PER_THREAD (HEAD_DIM / TILE)
 
 extern "C" __global__ void attention_pv(const float* __restrict__ probs, const elem_t* __restrict__ v,
                                         elem_t* __restrict__ o, int seq_q, int seq_kv) {
@@ -130,15 +131,15 @@ extern "C" __global__ void attention_pv(const float* __restrict__ probs, const e
         for (int jj = 0; jj < TILE; ++jj)
             for (int r = 0; r < ROWS_PER_THREAD; ++r)
                 for (int c = 0; c < COLS_PER_THREAD; ++c)
-                    acc[r][c] += p_tile[threadIdx.y + 8 * r][jj] * v_tile[jj][threadIdx.x + 32 * c];
+                    acc[r][c] += p_tile[threadIdx.y + THREADS_Y * r][jj] * v_tile[jj][threadIdx.x + TILE * c];
         __syncthreads();  // before the next tile overwrites what others may still read
     }
 
     for (int r = 0; r < ROWS_PER_THREAD; ++r) {
-        const int i = first_q + threadIdx.y + 8 * r;
+        const int i = first_q + threadIdx.y + THREADS_Y * r;
         if (i >= seq_q) continue;
         for (int c = 0; c < COLS_PER_THREAD; ++c)
-            o[((size_t)blockIdx.y * seq_q + i) * HEAD_DIM + threadIdx.x + 32 * c] = from_float<elem_t>(acc[r][c]);
+            o[((size_t)blockIdx.y * seq_q + i) * HEAD_DIM + threadIdx.x + TILE * c] = from_float<elem_t>(acc[r][c]);
     }
 }
 // --8<-- [end:pv]

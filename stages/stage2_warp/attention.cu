@@ -15,9 +15,8 @@
 //                 ptxas uses 128 at D=64 and 220 at D=128 (no spills)
 //   shared:       Q, K, V tiles of 64 × (D+8) elements (padded rows): 27 KB at D=64, 51 KB at D=128
 //   occupancy:    4 blocks (16 warps) per SM at D=64, 2 (8 warps) at D=128, bound by registers
-// Predicted on an H100 (fp16, non-causal): ~160 TFLOP/s at B16 H16 S2048 D64 and ~190 at
-// B4 H16 S8192 D128 (about 60% of SDPA's flash backend): every tile is a load stall that only
-// the other blocks on the SM can hide.
+// Every tile is a load stall that only the other blocks on the SM can hide. (Predictions and
+// measurements: results/NOTES.md.)
 //
 // Tensors are [B, H, S, D], contiguous; blockIdx.y walks the B·H (batch, head) pairs.
 // Causal masking is top-left aligned, as in PyTorch: query i sees keys j <= i.
@@ -32,6 +31,7 @@ constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;  // 16-byte chunks in a row of D el
 constexpr int D_STEPS = HEAD_DIM / 16;        // k-steps of Q·Kᵀ (16 columns of d each)
 constexpr int S_FRAGS = BLOCK_N / 8;          // n8 fragments of a warp's 16 × BLOCK_N scores
 constexpr int O_FRAGS = HEAD_DIM / 8;         // n8 fragments of a warp's 16 × D output
+constexpr int SHARED_BYTES = (BLOCK_M + 2 * BLOCK_N) * ROW_STRIDE * sizeof(elem_t);  // the Q, K and V tiles
 static_assert(BLOCK_M == BLOCK_N, "load_tile copies tiles of BLOCK_N rows, Q's included");
 
 // Copies rows [0, rows) of a row-major [*, HEAD_DIM] global tile into shared memory, zeros past

@@ -25,14 +25,12 @@
 //            hold one block). 64-key tiles fit in 255 registers only with two economies, the
 //            cp.async address code of load_tile_from_base and the lazy rescale of
 //            online_softmax_lazy: without the first ptxas spills 96 bytes, without the second 36.
-// Predicted on an H100 (fp16, non-causal): ~275 TFLOP/s at B16 H16 S2048 D64 (measured 277).
-// Measured in an A/B run on an H100 (scratch, fp16, B4 H16 S8192 D128): 5.65 ms non-causal,
-// 3.03 ms causal, 115% / 123% of SDPA flash; in the same run 32-key tiles in 3 buffers with the
-// exact rescale took 7.04 and 3.75 ms (92% / 99%).
+// (Predictions and measurements, 64-key tiles against 32-key ones at D = 128: results/NOTES.md.)
 //
 // Tensors are [B, H, S, D], contiguous; blockIdx.y walks the B·H (batch, head) pairs.
 // Causal masking is top-left aligned, as in PyTorch: query i sees keys j <= i.
 #include "mma.cuh"
+#include "cp_async.cuh"
 
 // The tile configuration, per head dimension. A warp owns M_TILES m16 tiles (16 query rows each)
 // and keeps, in fp32 registers, O (M_TILES·D/2) and S (M_TILES·BLOCK_N/2) -- the count decides.
@@ -58,6 +56,7 @@ constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;  // 16-byte chunks in a row of D el
 constexpr int ROW_BYTES = HEAD_DIM * 2;       // rows are not padded: the swizzle does that job
 constexpr int Q_TILE_BYTES = BLOCK_M * ROW_BYTES;
 constexpr int KV_TILE_BYTES = BLOCK_N * ROW_BYTES;
+constexpr int SHARED_BYTES = Q_TILE_BYTES + 2 * KV_STAGES * KV_TILE_BYTES;  // Q, the K ring, the V ring
 constexpr int D_STEPS = HEAD_DIM / 16;        // k-steps of Q·Kᵀ (16 columns of d each)
 constexpr int S_FRAGS = BLOCK_N / 8;          // n8 fragments of an m-tile's 16 × BLOCK_N scores
 constexpr int O_FRAGS = HEAD_DIM / 8;         // n8 fragments of an m-tile's 16 × D output
@@ -269,14 +268,14 @@ __device__ __forceinline__ void online_softmax_lazy(float (&s)[N_FRAGS][4], floa
     bool grew_past_threshold = false;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        new_max[r] = fmaxf(row_max[r], tile_row_max<1>(s, r));
+        new_max[r] = fmaxf(row_max[r], tile_row_max(s, r));
         // From -inf (no key seen yet) to a finite max: inf > threshold, a rescale (by 0). While
         // both are -inf: NaN, which compares false, and there is nothing to rescale.
         grew_past_threshold |= (new_max[r] - row_max[r]) * scale_log2 > RESCALE_THRESHOLD_LOG2;
     }
     if (__any_sync(0xffffffffu, grew_past_threshold)) rescale(o, row_max, row_sum, new_max, scale_log2);
 #pragma unroll
-    for (int r = 0; r < 2; ++r) row_sum[r] += exponentiate_row<1>(s, r, scale_log2, scaled_max(row_max[r], scale_log2));
+    for (int r = 0; r < 2; ++r) row_sum[r] += exponentiate_row(s, r, scale_log2, scaled_max(row_max[r], scale_log2));
 }
 // --8<-- [end:lazy_rescale]
 

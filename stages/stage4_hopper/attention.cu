@@ -35,38 +35,26 @@
 //   bytes): D=64: 16 + 3·48 = 160 KB; D=128: 32 + 2·64 = 160 KB. One block per SM.
 // D = 64 is the hard case: per tile, the exponentials (one MUFU.EX2 per score, 16 lanes per SM
 //   per cycle) take as long as both GEMMs on the tensor cores, and each consumer warp's softmax is
-//   a chain of dependent steps that only the one other consumer can hide. Measured side by side
-//   on the H100 (B16 H16 S2048 D64, % of cuDNN, non-causal / causal): 84.6 / 88.8 with 128-key
-//   tiles and running max and sum; 86.1 / 92.8 with the max and sum split into independent chains
-//   (mma.cuh, tile_row_max; the A/B run took the max as a full tree, the kernel as 4 chains, which
-//   need fewer registers); 90.0 / 89.9 with 192-key tiles (FlashAttention-3's choice at this head
-//   dimension): a third fewer tile transitions -- barrier waits, turns, wgmma issue and wait -- per
-//   key, for 3% wasted on the last tile (2048 = 10.7 tiles). At S4096: 86.1 -> 91.2 / 91.5 -> 93.0;
-//   at S1000, where tiles quantize worse, 99.4 -> 94.0 / 92.3 -> 83.4. Computing a quarter of the
-//   exponentials with a polynomial on the FMA units instead (FlashAttention-4's trick) gained
-//   nothing: +0.3 to -3 points of cuDNN at D = 64, -2 to -4 at D = 128; an eighth or a half of
-//   them, worse still (down to -10): on Hopper the MUFU unit is not what binds.
-// Persistent: a block has a fixed cost per query tile -- launch, barrier setup, the cold
-//   Q and K_0 loads, S_0 alone, the last P·V and the output stores with the tensor cores idle --
-//   of roughly 3-4 µs, measured as the gap to cuDNN: D64 S2048 ran 16 128-key tiles of ~1.1 µs per
-//   query tile (82% of cuDNN, 1.22 ≈ (16 + 3.5)/16), causal 8.5 on average (72%, 1.41 ≈ (9.7 +
-//   4)/9.7), while D128 S8192's 64 tiles of ~2.3 µs hide most of it. So the grid is one block per
-//   SM, each looping over query tiles (Schedule, below): the producer loads the next Q (once both
-//   consumers' last Q·Kᵀ is done: barrier Q_EMPTY) and the next tiles' K/V into the same ring
-//   (its counters run on across query tiles) while the consumers finish, and the ping-pong turns
-//   simply continue. Causal pairs query tiles i and M-1-i (M+1 K/V tiles whatever i) so that a
-//   static round-robin stays balanced. First only at D=64; at D=128 an A/B run side by side (same
-//   cubin, persistent = 0 vs 1, identical outputs) gave S4096 1.98 -> 1.77 ms (83 -> 93% of cuDNN),
-//   causal 1.19 -> 0.95 (79 -> 99%); S8192 4.09 -> 3.95 (86 -> 89%), causal 2.09 -> 1.79 (85 ->
-//   99.5%); S16384 7.75 -> 7.42 (91 -> 95%), causal 3.98 -> 3.81 (92 -> 96%): persistent at both D.
+//   a chain of dependent steps that only the one other consumer can hide. Hence the row max and sum
+//   in independent chains (row_chains below), and 192-key tiles at D = 64 (FlashAttention-3's
+//   choice): a third fewer tile transitions -- barrier waits, turns, wgmma issue and wait -- per key,
+//   for some waste on a partial last tile.
+// Persistent: a block has a fixed cost per query tile -- launch, barrier setup, the cold Q and K_0
+//   loads, S_0 alone, the last P·V and the output stores with the tensor cores idle -- of a few µs,
+//   which short sequences do not hide. So the grid is one block per SM, each looping over query
+//   tiles (Schedule, below): the producer loads the next Q (once both consumers' last Q·Kᵀ is done:
+//   barrier Q_EMPTY) and the next tiles' K/V into the same ring (its counters run on across query
+//   tiles) while the consumers finish, and the ping-pong turns simply continue. Causal pairs query
+//   tiles i and M-1-i (M+1 K/V tiles whatever i) so that a static round-robin stays balanced.
 //   persistent = 0 (one block per query tile) stays in the kernel, to compare the two.
-// Predicted on an H100 SXM (fp16), before the first run: ~420 TFLOP/s at B16 H16 S2048 D64
-//   non-causal, ~90% of cuDNN; causal ~85-88%; D128 ~91% and ~90% of cuDNN. Measured: results/.
+// (The A/B measurements behind these choices, and the predictions: results/NOTES.md.)
 //
 // Tensors are [B, H, S, D] contiguous; the host builds 3-D tensor maps over [B·H, S, D], so a box
 // never crosses into the next head: rows past S read as zeros. Causal masking is top-left
 // aligned: query i sees keys j <= i.
-#include "hopper.cuh"
+#include "mma.cuh"
+#include "tma.cuh"
+#include "wgmma.cuh"
 
 constexpr int BLOCK_M = 128;                          // query rows per query tile
 constexpr int BLOCK_N = HEAD_DIM == 64 ? 192 : 128;   // keys per K/V tile (192 at D = 64: see above)
@@ -89,7 +77,7 @@ constexpr int V_RING = K_RING + KV_STAGES * KV_TILE_BYTES;
 constexpr int BARRIERS = V_RING + KV_STAGES * KV_TILE_BYTES;  // then 8-byte mbarriers:
 constexpr int Q_FULL = 0, Q_EMPTY = 1, K_FULL = 2, V_FULL = 2 + KV_STAGES, K_EMPTY = 2 + 2 * KV_STAGES,
               V_EMPTY = 2 + 3 * KV_STAGES, NUM_BARRIERS = 2 + 4 * KV_STAGES;
-constexpr int SHARED_BYTES = BARRIERS + 8 * NUM_BARRIERS + 1024;  // as __init__.py computes
+constexpr int SHARED_BYTES = BARRIERS + 8 * NUM_BARRIERS + 1024;  // + 1 KB to align the base to 1024 bytes
 static_assert(SHARED_BYTES <= 227 * 1024, "an H100 block has at most 227 KB of shared memory");
 static_assert(sizeof(elem_t) == 2, "16-bit elements");
 static_assert(HEAD_DIM % ATOM_COLS == 0, "D is a whole number of 128-byte swizzle rows");
@@ -116,7 +104,7 @@ __device__ __forceinline__ void issue_scores(float (&s)[S_FRAGS][4], unsigned q_
         const unsigned column = (kk / 4) , offset = (kk % 4) * 32;
         const u64 a = make_smem_desc(q_tile + column * BLOCK_M * 128 + consumer * 64 * 128 + offset, 16, 1024);
         const u64 b = make_smem_desc(k_tile + column * BLOCK_N * 128 + offset, 16, 1024);
-        wgmma_ss<elem_t, BLOCK_N>(s, a, b, kk > 0);
+        wgmma_ss<elem_t, BLOCK_N, K_MAJOR>(s, a, b, kk > 0);
     }
 }
 
@@ -127,10 +115,49 @@ __device__ __forceinline__ void issue_pv(float (&o)[O_FRAGS][4], const unsigned 
 #pragma unroll
     for (int ks = 0; ks < P_STEPS; ++ks) {
         const u64 b = make_smem_desc(v_tile + ks * 16 * 128, BLOCK_N * 128, 1024);
-        wgmma_rs<elem_t, HEAD_DIM>(o, p[ks], b, 1);
+        wgmma_rs<elem_t, HEAD_DIM, MN_MAJOR>(o, p[ks], b, 1);
     }
 }
 // --8<-- [end:wgmma]
+
+// --8<-- [start:row_chains]
+// The row max and the row sum in CHAINS independent chains, combined at the end. mma.cuh's
+// tile_row_max is one running max: a chain of 2·S_FRAGS dependent FMNMX, each waiting ~4 cycles for
+// the one before. Where many warps share a scheduler (stages 2 and 3) others fill those cycles, and
+// one chain saves the registers (stage 3 at D = 64 spills with 4 on sm_80-89); here only the two
+// consumer warpgroups do, and 4 chains cut the chain to a quarter.
+constexpr int CHAINS = 4;
+
+__device__ __forceinline__ float tile_row_max_in_chains(const float (&s)[S_FRAGS][4], int r) {
+    float m[CHAINS];
+#pragma unroll
+    for (int i = 0; i < CHAINS; ++i) m[i] = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < S_FRAGS; ++n) m[n % CHAINS] = fmaxf(m[n % CHAINS], fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+#pragma unroll
+    for (int i = 1; i < CHAINS; ++i) m[0] = fmaxf(m[0], m[i]);
+    return quad_max(m[0]);
+}
+
+// mma.cuh's exponentiate_row, its sum in CHAINS independent running sums.
+__device__ __forceinline__ float exponentiate_row_in_chains(float (&s)[S_FRAGS][4], int r, float scale_log2,
+                                                            float max_scaled) {
+    float sum[CHAINS];
+#pragma unroll
+    for (int i = 0; i < CHAINS; ++i) sum[i] = 0.0f;
+#pragma unroll
+    for (int n = 0; n < S_FRAGS; ++n) {
+#pragma unroll
+        for (int c = 2 * r; c < 2 * r + 2; ++c) {
+            s[n][c] = fast_exp2(s[n][c] * scale_log2 - max_scaled);
+            sum[n % CHAINS] += s[n][c];
+        }
+    }
+#pragma unroll
+    for (int i = 1; i < CHAINS; ++i) sum[0] += sum[i];
+    return sum[0];
+}
+// --8<-- [end:row_chains]
 
 // The online softmax of mma.cuh, split in two: this half turns the scores into P and returns the
 // factor by which O must be rescaled; rescale_output() applies it once the P·V product that is
@@ -139,11 +166,11 @@ __device__ __forceinline__ void softmax_update(float (&s)[S_FRAGS][4], float (&r
                                                float (&correction)[2], float scale_log2) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // r = 0: row g (c[0], c[1]); r = 1: row g+8 (c[2], c[3])
-        const float new_max = fmaxf(row_max[r], tile_row_max<4>(s, r));
+        const float new_max = fmaxf(row_max[r], tile_row_max_in_chains(s, r));
         const float max_scaled = scaled_max(new_max, scale_log2);
         correction[r] = fast_exp2(row_max[r] * scale_log2 - max_scaled);  // 0 on the first tile
         row_max[r] = new_max;
-        row_sum[r] = row_sum[r] * correction[r] + exponentiate_row<4>(s, r, scale_log2, max_scaled);
+        row_sum[r] = row_sum[r] * correction[r] + exponentiate_row_in_chains(s, r, scale_log2, max_scaled);
     }
 }
 
@@ -191,173 +218,195 @@ struct Schedule {
     }
 };
 
+// The block's dynamic shared memory, from its 1024-byte-aligned base: the Q tile, the K and V rings
+// (KV_STAGES slots each) and the mbarriers, as 32-bit shared addresses.
+struct SharedMemory {
+    unsigned base;
+    __device__ unsigned q_tile() const { return base; }
+    __device__ unsigned k_slot(int slot) const { return base + K_RING + slot * KV_TILE_BYTES; }
+    __device__ unsigned v_slot(int slot) const { return base + V_RING + slot * KV_TILE_BYTES; }
+    __device__ unsigned barrier(int index) const { return base + BARRIERS + 8 * index; }
+};
+
+// The K/V tiles the query tile of rows m0.. needs: keys past kv_end are masked for every row of it.
+__device__ __forceinline__ int kv_tiles(int m0, int seq_kv, int causal) {
+    const int kv_end = causal ? min(seq_kv, m0 + BLOCK_M) : seq_kv;
+    return (kv_end + BLOCK_N - 1) / BLOCK_N;  // >= 1: key 0 is seen by every row
+}
+
+// One thread initializes every mbarrier, before the warpgroups go their ways.
+__device__ __forceinline__ void init_barriers(const SharedMemory& shared) {
+    mbarrier_init(shared.barrier(Q_FULL), 1);
+    mbarrier_init(shared.barrier(Q_EMPTY), CONSUMER_THREADS);  // Q may be overwritten: the last Q·Kᵀ is done
+    for (int s = 0; s < KV_STAGES; ++s) {
+        mbarrier_init(shared.barrier(K_FULL + s), 1);  // the producer's arrive.expect_tx, then the bytes
+        mbarrier_init(shared.barrier(V_FULL + s), 1);
+        mbarrier_init(shared.barrier(K_EMPTY + s), CONSUMER_THREADS);  // every consumer thread releases
+        mbarrier_init(shared.barrier(V_EMPTY + s), CONSUMER_THREADS);
+    }
+    mbarrier_init_fence();
+}
+
+// --8<-- [start:warp_specialization]
+// The producer: one thread issues every copy, Q of each query tile and its K/V tiles into the ring.
+__device__ __forceinline__ void produce(const SharedMemory& shared, const Schedule& schedule, const TmaMap& q_map,
+                                        const TmaMap& k_map, const TmaMap& v_map, int seq_kv, int causal) {
+    tma_prefetch_map(q_map);
+    tma_prefetch_map(k_map);
+    tma_prefetch_map(v_map);
+    // ring counts the K/V tiles loaded so far by this block, across query tiles: slot
+    // ring % KV_STAGES, used for the (ring / KV_STAGES)-th time. q_loads counts the Q tiles.
+    int ring = 0, q_loads = 0;
+    for (int unit = blockIdx.x; unit < schedule.num_units; unit += gridDim.x) {
+        for (int half = 0; half < schedule.tiles_in(unit); ++half, ++q_loads) {
+            const int m0 = schedule.m0(unit, half), head = schedule.head(unit);
+            // One Q buffer: wait until both consumers' last Q·Kᵀ of the previous query tile is done.
+            mbarrier_wait(shared.barrier(Q_EMPTY), (q_loads & 1) ^ 1);
+            mbarrier_arrive_expect_tx(shared.barrier(Q_FULL), Q_TILE_BYTES);
+            load_tile<BLOCK_M>(shared.q_tile(), q_map, shared.barrier(Q_FULL), m0, head);
+            const int num_tiles = kv_tiles(m0, seq_kv, causal);
+            for (int tile = 0; tile < num_tiles; ++tile, ++ring) {
+                const int stage = ring % KV_STAGES;
+                const unsigned parity = (ring / KV_STAGES) & 1;  // which use of this slot
+                mbarrier_wait(shared.barrier(K_EMPTY + stage), parity ^ 1);  // slot free (a fresh barrier: at once)
+                // EXERCISE: fill ring slot `stage` with K, then V, of `tile`. K: tell its full barrier how
+                // many bytes are coming (mbarrier_arrive_expect_tx -- the producer's one arrival, and
+                // KV_TILE_BYTES: rows past seq_kv are zero-filled and counted too), then issue the TMA copy
+                // (load_tile<BLOCK_N>) of rows tile·BLOCK_N onwards of head `head`, completing on that same
+                // barrier. V: wait for its own empty barrier as K's was waited for above, then the same.
+                // STUB: mbarrier_arrive_expect_tx(shared.barrier(K_FULL + stage), 0);  // arrives but loads nothing:
+                // STUB: mbarrier_wait(shared.barrier(V_EMPTY + stage), parity ^ 1);   // wrong results, no hang
+                // STUB: mbarrier_arrive_expect_tx(shared.barrier(V_FULL + stage), 0);
+                mbarrier_arrive_expect_tx(shared.barrier(K_FULL + stage), KV_TILE_BYTES);
+                load_tile<BLOCK_N>(shared.k_slot(stage), k_map, shared.barrier(K_FULL + stage), tile * BLOCK_N, head);
+                mbarrier_wait(shared.barrier(V_EMPTY + stage), parity ^ 1);
+                mbarrier_arrive_expect_tx(shared.barrier(V_FULL + stage), KV_TILE_BYTES);
+                load_tile<BLOCK_N>(shared.v_slot(stage), v_map, shared.barrier(V_FULL + stage), tile * BLOCK_N, head);
+                // END EXERCISE
+            }
+        }
+    }
+}
+// --8<-- [end:warp_specialization]
+
+// --8<-- [start:pipeline]
+// Consumer `consumer` (0 or 1): rows 64·consumer .. 64·consumer + 63 of each query tile, one turn
+// on the tensor cores per K/V tile and one more. Ping-pong: consumer 0 goes first, consumer 1
+// hands it the first turn. The turns alternate across query tiles too: both consumers take
+// num_tiles + 1 turns per query tile.
+__device__ __forceinline__ void consume(const SharedMemory& shared, const Schedule& schedule, int consumer,
+                                        elem_t* o, float* lse, int seq_q, int seq_kv, float scale, int causal) {
+    const int lane = threadIdx.x % 32, warp_in_group = threadIdx.x / 32 % 4;
+    const int my_turn = TURN_BARRIER + consumer, other_turn = TURN_BARRIER + 1 - consumer;
+    const float scale_log2 = scale * LOG2E;
+    if (consumer == 1) named_barrier_arrive(TURN_BARRIER + 0, CONSUMER_THREADS);
+
+    int ring = 0, q_loads = 0;  // as the producer counts them
+    for (int unit = blockIdx.x; unit < schedule.num_units; unit += gridDim.x) {
+        for (int half = 0; half < schedule.tiles_in(unit); ++half, ++q_loads) {
+            const int m0 = schedule.m0(unit, half), head = schedule.head(unit);
+            const int num_tiles = kv_tiles(m0, seq_kv, causal);
+            const bool block_done = unit + gridDim.x >= schedule.num_units && half + 1 == schedule.tiles_in(unit);
+            const int warp_m0 = m0 + consumer * 64 + warp_in_group * 16;  // this warp's 16 rows
+
+            float o_acc[O_FRAGS][4] = {};
+            float s[S_FRAGS][4];
+            unsigned p[P_STEPS][4];
+            float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f}, correction[2];
+
+            mbarrier_wait(shared.barrier(Q_FULL), q_loads & 1);
+
+            // Round 0: S_0 alone.
+            mbarrier_wait(shared.barrier(K_FULL + ring % KV_STAGES), (ring / KV_STAGES) & 1);
+            named_barrier_sync(my_turn, CONSUMER_THREADS);
+            wgmma_fence();
+            issue_scores(s, shared.q_tile(), shared.k_slot(ring % KV_STAGES), consumer);
+            wgmma_commit();
+            named_barrier_arrive(other_turn, CONSUMER_THREADS);
+            wgmma_wait<0>();
+            fence_registers(s);
+            mbarrier_arrive(shared.barrier(K_EMPTY + ring % KV_STAGES));
+            if (num_tiles == 1) mbarrier_arrive(shared.barrier(Q_EMPTY));  // the producer may load the next Q
+            if (BLOCK_N > seq_kv || (causal && BLOCK_N - 1 > warp_m0)) apply_mask(s, 0, warp_m0 + lane / 4, seq_kv, causal, lane);
+            softmax_update(s, row_max, row_sum, correction, scale_log2);  // O is still 0: no rescale
+            convert_p(s, p);
+
+            // Rounds 1 .. num_tiles - 1: S_j and P_{j-1}·V_{j-1} together, softmax of S_j meanwhile.
+            for (int tile = 1; tile < num_tiles; ++tile) {
+                const int k = ring + tile;  // this K/V tile's number in the block's ring sequence
+                const int stage = k % KV_STAGES, prev = (k - 1) % KV_STAGES;
+                mbarrier_wait(shared.barrier(K_FULL + stage), (k / KV_STAGES) & 1);
+                mbarrier_wait(shared.barrier(V_FULL + prev), ((k - 1) / KV_STAGES) & 1);
+                named_barrier_sync(my_turn, CONSUMER_THREADS);
+                wgmma_fence();
+                issue_scores(s, shared.q_tile(), shared.k_slot(stage), consumer);
+                wgmma_commit();
+                issue_pv(o_acc, p, shared.v_slot(prev));
+                wgmma_commit();
+                named_barrier_arrive(other_turn, CONSUMER_THREADS);
+
+                wgmma_wait<1>();  // S_j is ready (P·V may still run)
+                fence_registers(s);
+                mbarrier_arrive(shared.barrier(K_EMPTY + stage));
+                if (tile == num_tiles - 1) mbarrier_arrive(shared.barrier(Q_EMPTY));  // Q's last use is done
+                const int n0 = tile * BLOCK_N;
+                if (n0 + BLOCK_N > seq_kv || (causal && n0 + BLOCK_N - 1 > warp_m0))
+                    apply_mask(s, n0, warp_m0 + lane / 4, seq_kv, causal, lane);
+                softmax_update(s, row_max, row_sum, correction, scale_log2);
+
+                wgmma_wait<0>();  // P_{j-1}·V_{j-1} is done: O may be rescaled, P overwritten
+                fence_registers(o_acc);
+                fence_registers(p);
+                mbarrier_arrive(shared.barrier(V_EMPTY + prev));
+                rescale_output(o_acc, correction);
+                convert_p(s, p);
+            }
+
+            // Last round: P·V of the last tile.
+            const int k = ring + num_tiles - 1, last = k % KV_STAGES;
+            mbarrier_wait(shared.barrier(V_FULL + last), (k / KV_STAGES) & 1);
+            named_barrier_sync(my_turn, CONSUMER_THREADS);
+            wgmma_fence();
+            issue_pv(o_acc, p, shared.v_slot(last));
+            wgmma_commit();
+            // After the block's last turn of consumer 1, consumer 0 will not sync again: 1 does not arrive.
+            if (consumer == 0 || !block_done) named_barrier_arrive(other_turn, CONSUMER_THREADS);
+            wgmma_wait<0>();
+            fence_registers(o_acc);
+            fence_registers(p);
+            mbarrier_arrive(shared.barrier(V_EMPTY + last));
+            ring += num_tiles;
+
+            // While this consumer writes its rows, the other one's P·V runs, and the producer is
+            // already loading the next query tile's Q and first K/V tiles.
+            write_output(o_acc, row_max, row_sum, scale, o + (size_t)head * seq_q * HEAD_DIM,
+                         lse + (size_t)head * seq_q, warp_m0, seq_q, lane);
+        }
+    }
+}
+// --8<-- [end:pipeline]
+
+// --8<-- [start:kernel]
+// A producer warpgroup that gives its registers away and copies; two consumer warpgroups that take
+// them and compute.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 attention_fwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
               const __grid_constant__ TmaMap v_map, elem_t* __restrict__ o, float* __restrict__ lse, int seq_q,
               int seq_kv, float scale, int causal, int batch_heads, int persistent) {
     extern __shared__ __align__(1024) unsigned char shared_raw[];
     // TMA's 128-byte swizzle and the descriptors' base offset 0 assume 1024-byte-aligned tiles.
-    const unsigned base = (shared_address(shared_raw) + 1023) & ~1023u;
-    const unsigned q_tile = base, k_ring = base + K_RING, v_ring = base + V_RING;
-    auto barrier = [&](int index) { return base + BARRIERS + 8 * index; };
+    const SharedMemory shared{(shared_address(shared_raw) + 1023) & ~1023u};
     const Schedule schedule(seq_q, batch_heads, persistent, causal);
-    // K/V tiles a query tile needs: keys past kv_end are masked for every row of it.
-    auto kv_tiles = [&](int m0) {
-        const int kv_end = causal ? min(seq_kv, m0 + BLOCK_M) : seq_kv;
-        return (kv_end + BLOCK_N - 1) / BLOCK_N;  // >= 1: key 0 is seen by every row
-    };
-
-    if (threadIdx.x == 0) {
-        mbarrier_init(barrier(Q_FULL), 1);
-        mbarrier_init(barrier(Q_EMPTY), CONSUMER_THREADS);  // Q may be overwritten: the last Q·Kᵀ is done
-        for (int s = 0; s < KV_STAGES; ++s) {
-            mbarrier_init(barrier(K_FULL + s), 1);  // the producer's arrive.expect_tx, then the bytes
-            mbarrier_init(barrier(V_FULL + s), 1);
-            mbarrier_init(barrier(K_EMPTY + s), CONSUMER_THREADS);  // every consumer thread releases
-            mbarrier_init(barrier(V_EMPTY + s), CONSUMER_THREADS);
-        }
-        mbarrier_init_fence();
-    }
+    if (threadIdx.x == 0) init_barriers(shared);
     __syncthreads();
 
     const int warpgroup = threadIdx.x / 128;
-    // --8<-- [start:warp_specialization]
     if (warpgroup == 0) {
-        // Producer: one thread issues every copy; the warpgroup keeps 24 registers per thread.
-        setmaxnreg_dec<PRODUCER_REGS>();
-        if (threadIdx.x == 0) {
-            tma_prefetch_map(q_map);
-            tma_prefetch_map(k_map);
-            tma_prefetch_map(v_map);
-            // ring counts the K/V tiles loaded so far by this block, across query tiles: slot
-            // ring % KV_STAGES, used for the (ring / KV_STAGES)-th time. q_loads counts the Q tiles.
-            int ring = 0, q_loads = 0;
-            for (int unit = blockIdx.x; unit < schedule.num_units; unit += gridDim.x) {
-                for (int half = 0; half < schedule.tiles_in(unit); ++half, ++q_loads) {
-                    const int m0 = schedule.m0(unit, half), head = schedule.head(unit);
-                    // One Q buffer: wait until both consumers' last Q·Kᵀ of the previous query tile is done.
-                    mbarrier_wait(barrier(Q_EMPTY), (q_loads & 1) ^ 1);
-                    mbarrier_arrive_expect_tx(barrier(Q_FULL), Q_TILE_BYTES);
-                    load_tile<BLOCK_M>(q_tile, q_map, barrier(Q_FULL), m0, head);
-                    const int num_tiles = kv_tiles(m0);
-                    for (int tile = 0; tile < num_tiles; ++tile, ++ring) {
-                        const int stage = ring % KV_STAGES;
-                        const unsigned parity = (ring / KV_STAGES) & 1;  // which use of this slot
-                        mbarrier_wait(barrier(K_EMPTY + stage), parity ^ 1);  // slot free (a fresh barrier: at once)
-                        // EXERCISE: fill ring slot `stage` with K, then V, of `tile`. K: tell its full barrier how
-                        // many bytes are coming (mbarrier_arrive_expect_tx -- the producer's one arrival, and
-                        // KV_TILE_BYTES: rows past seq_kv are zero-filled and counted too), then issue the TMA copy
-                        // (load_tile<BLOCK_N>) of rows tile·BLOCK_N onwards of head `head`, completing on that same
-                        // barrier. V: wait for its own empty barrier as K's was waited for above, then the same.
-                        // STUB: mbarrier_arrive_expect_tx(barrier(K_FULL + stage), 0);  // arrives but loads nothing:
-                        // STUB: mbarrier_wait(barrier(V_EMPTY + stage), parity ^ 1);   // wrong results, no hang
-                        // STUB: mbarrier_arrive_expect_tx(barrier(V_FULL + stage), 0);
-                        mbarrier_arrive_expect_tx(barrier(K_FULL + stage), KV_TILE_BYTES);
-                        load_tile<BLOCK_N>(k_ring + stage * KV_TILE_BYTES, k_map, barrier(K_FULL + stage), tile * BLOCK_N, head);
-                        mbarrier_wait(barrier(V_EMPTY + stage), parity ^ 1);
-                        mbarrier_arrive_expect_tx(barrier(V_FULL + stage), KV_TILE_BYTES);
-                        load_tile<BLOCK_N>(v_ring + stage * KV_TILE_BYTES, v_map, barrier(V_FULL + stage), tile * BLOCK_N, head);
-                        // END EXERCISE
-                    }
-                }
-            }
-        }
+        setmaxnreg_dec<PRODUCER_REGS>();  // the producer keeps 24 registers per thread
+        if (threadIdx.x == 0) produce(shared, schedule, q_map, k_map, v_map, seq_kv, causal);
     } else {
-        // --8<-- [end:warp_specialization]
-        // Consumers: 240 registers per thread for S, P and O.
-        setmaxnreg_inc<CONSUMER_REGS>();
-        const int consumer = warpgroup - 1;
-        const int lane = threadIdx.x % 32, warp_in_group = threadIdx.x / 32 % 4;
-        const int my_turn = TURN_BARRIER + consumer, other_turn = TURN_BARRIER + 1 - consumer;
-        const float scale_log2 = scale * LOG2E;
-
-        // --8<-- [start:pipeline]
-        // Ping-pong: consumer 0 goes first, consumer 1 hands it the first turn. The turns alternate
-        // across query tiles too: both consumers take num_tiles + 1 turns per query tile.
-        if (consumer == 1) named_barrier_arrive(TURN_BARRIER + 0, CONSUMER_THREADS);
-
-        int ring = 0, q_loads = 0;  // as the producer counts them
-        for (int unit = blockIdx.x; unit < schedule.num_units; unit += gridDim.x) {
-            for (int half = 0; half < schedule.tiles_in(unit); ++half, ++q_loads) {
-                const int m0 = schedule.m0(unit, half), head = schedule.head(unit);
-                const int num_tiles = kv_tiles(m0);
-                const bool block_done = unit + gridDim.x >= schedule.num_units && half + 1 == schedule.tiles_in(unit);
-                const int warp_m0 = m0 + consumer * 64 + warp_in_group * 16;  // this warp's 16 rows
-
-                float o_acc[O_FRAGS][4] = {};
-                float s[S_FRAGS][4];
-                unsigned p[P_STEPS][4];
-                float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f}, correction[2];
-
-                mbarrier_wait(barrier(Q_FULL), q_loads & 1);
-
-                // Round 0: S_0 alone.
-                mbarrier_wait(barrier(K_FULL + ring % KV_STAGES), (ring / KV_STAGES) & 1);
-                named_barrier_sync(my_turn, CONSUMER_THREADS);
-                wgmma_fence();
-                issue_scores(s, q_tile, k_ring + ring % KV_STAGES * KV_TILE_BYTES, consumer);
-                wgmma_commit();
-                named_barrier_arrive(other_turn, CONSUMER_THREADS);
-                wgmma_wait<0>();
-                fence_registers(s);
-                mbarrier_arrive(barrier(K_EMPTY + ring % KV_STAGES));
-                if (num_tiles == 1) mbarrier_arrive(barrier(Q_EMPTY));  // the producer may load the next Q
-                if (BLOCK_N > seq_kv || (causal && BLOCK_N - 1 > warp_m0)) apply_mask(s, 0, warp_m0 + lane / 4, seq_kv, causal, lane);
-                softmax_update(s, row_max, row_sum, correction, scale_log2);  // O is still 0: no rescale
-                convert_p(s, p);
-
-                // Rounds 1 .. num_tiles - 1: S_j and P_{j-1}·V_{j-1} together, softmax of S_j meanwhile.
-                for (int tile = 1; tile < num_tiles; ++tile) {
-                    const int k = ring + tile;  // this K/V tile's number in the block's ring sequence
-                    const int stage = k % KV_STAGES, prev = (k - 1) % KV_STAGES;
-                    mbarrier_wait(barrier(K_FULL + stage), (k / KV_STAGES) & 1);
-                    mbarrier_wait(barrier(V_FULL + prev), ((k - 1) / KV_STAGES) & 1);
-                    named_barrier_sync(my_turn, CONSUMER_THREADS);
-                    wgmma_fence();
-                    issue_scores(s, q_tile, k_ring + stage * KV_TILE_BYTES, consumer);
-                    wgmma_commit();
-                    issue_pv(o_acc, p, v_ring + prev * KV_TILE_BYTES);
-                    wgmma_commit();
-                    named_barrier_arrive(other_turn, CONSUMER_THREADS);
-
-                    wgmma_wait<1>();  // S_j is ready (P·V may still run)
-                    fence_registers(s);
-                    mbarrier_arrive(barrier(K_EMPTY + stage));
-                    if (tile == num_tiles - 1) mbarrier_arrive(barrier(Q_EMPTY));  // Q's last use is done
-                    const int n0 = tile * BLOCK_N;
-                    if (n0 + BLOCK_N > seq_kv || (causal && n0 + BLOCK_N - 1 > warp_m0))
-                        apply_mask(s, n0, warp_m0 + lane / 4, seq_kv, causal, lane);
-                    softmax_update(s, row_max, row_sum, correction, scale_log2);
-
-                    wgmma_wait<0>();  // P_{j-1}·V_{j-1} is done: O may be rescaled, P overwritten
-                    fence_registers(o_acc);
-                    fence_registers(p);
-                    mbarrier_arrive(barrier(V_EMPTY + prev));
-                    rescale_output(o_acc, correction);
-                    convert_p(s, p);
-                }
-
-                // Last round: P·V of the last tile.
-                const int k = ring + num_tiles - 1, last = k % KV_STAGES;
-                mbarrier_wait(barrier(V_FULL + last), (k / KV_STAGES) & 1);
-                named_barrier_sync(my_turn, CONSUMER_THREADS);
-                wgmma_fence();
-                issue_pv(o_acc, p, v_ring + last * KV_TILE_BYTES);
-                wgmma_commit();
-                // After the block's last turn of consumer 1, consumer 0 will not sync again: 1 does not arrive.
-                if (consumer == 0 || !block_done) named_barrier_arrive(other_turn, CONSUMER_THREADS);
-                wgmma_wait<0>();
-                fence_registers(o_acc);
-                fence_registers(p);
-                mbarrier_arrive(barrier(V_EMPTY + last));
-                ring += num_tiles;
-
-                // While this consumer writes its rows, the other one's P·V runs, and the producer is
-                // already loading the next query tile's Q and first K/V tiles.
-                write_output(o_acc, row_max, row_sum, scale, o + (size_t)head * seq_q * HEAD_DIM,
-                             lse + (size_t)head * seq_q, warp_m0, seq_q, lane);
-            }
-        }
-        // --8<-- [end:pipeline]
+        setmaxnreg_inc<CONSUMER_REGS>();  // 240 per thread for S, P and O
+        consume(shared, schedule, warpgroup - 1, o, lse, seq_q, seq_kv, scale, causal);
     }
 }
+// --8<-- [end:kernel]

@@ -7,13 +7,14 @@ load-balancing loss, and the weighted combine back to token order.
 import torch
 
 from stages import Goal, Stage
+from stages.common.moe import MAX_EXPERTS, MAX_TOP_K
 
-# As in routing.cu.
+# routing.cu's block sizes, which the grader checks the launch against (with moe.cuh's limits).
 TOPK_THREADS = 256
-ALIGN_THREADS = 256   # MAX_EXPERTS
-MAX_EXPERTS = 256
-MAX_TOP_K = 8
-SCATTER_THREADS = 256
+ALIGN_THREADS = 256   # a thread per expert: MAX_EXPERTS
+GEOMETRY = {"TOPK_THREADS": TOPK_THREADS, "ALIGN_THREADS": ALIGN_THREADS, "MAX_EXPERTS": MAX_EXPERTS,
+            "MAX_TOP_K": MAX_TOP_K}
+SCATTER_THREADS = 256  # moe_scatter: a thread per token-slot, any block size
 MAX_TOKENS_PER_GROUP = 8
 
 
@@ -76,6 +77,7 @@ STAGE = Stage(
         "moe_combine": "const elem_t*, const int*, const float*, elem_t*, int, int",
     },
     launch=launch,
+    geometry=lambda defines: GEOMETRY,
     # The reference is PyTorch's own routing, vectorized ("torch": softmax, topk, argsort, scatters,
     # a gather-and-sum; a dozen kernels, several passes over the data). Matching it is the floor; the
     # kernels here should beat it several times over, and stay under 2% of the layer (see notes).

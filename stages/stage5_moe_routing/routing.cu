@@ -15,20 +15,11 @@
 // 3. moe_scatter  a thread per (token, slot): row = offsets[expert] + rank, and its inverse.
 // 4. moe_combine  a block per token: out[t] = Σ_j w[t,j] · y_perm[dest[t,j]], 16-byte vectors.
 //
-// On paper, at T = 32768 tokens, E = 32 experts, k = 2, hidden 4096, bf16, block 128 (the seed
-// configuration; the whole layer, 1.77e13 flops, takes ~35 ms on an H100 at ~500 TFLOP/s):
-//   moe_topk     reads the logits, T·E·4 = 4.2 MB; writes ids, weights, ranks, T·k·12 = 0.8 MB.
-//                ~150 warp instructions per token (2 argmax rounds of 5 two-value shuffles, two
-//                sums, expf) · 32768 tokens / (132 SMs · 4 issues/clock · 1.75 GHz) ≈ 5 µs:
-//                instruction- and latency-bound, not bandwidth-bound (5 MB is 1.5 µs at 3.35 TB/s).
-//   moe_align    one block, E values: a few µs of latency (loads, two block reductions, a scan).
-//   moe_scatter  T·k = 65536 threads, ~1 MB: ~2 µs, mostly launch.
-//   → router + permutation ≈ 10 µs, 0.03% of the layer (the target: < 2%).
-//   moe_combine  reads T·k rows of y_perm (537 MB), writes T rows (268 MB): 805 MB, 0.24 ms at
-//                3.35 TB/s, ~0.28 ms at the ~2.9 TB/s a streaming kernel reaches: 0.8% of the layer.
-//                The combine is the routing's real cost; stage 7 fuses it into the second GEMM.
-//   Together ≈ 0.3 ms, under 1% of the layer. At small T the launches (five, counting the
-//   workspace's memset) and their Python overhead, not the GPU, set the time.
+// What bounds them: moe_topk is instruction- and latency-bound (shuffles and exponentials for a few
+// bytes of logits per token), moe_align and moe_scatter are a few µs of latency and launch, and
+// moe_combine streams k rows of y_perm in and a row of out per token: at real shapes the routing's
+// real cost, at memory bandwidth. At small T the launches, not the GPU, set the time. (The
+// estimates on paper, at the seed configuration: results/NOTES.md.)
 //
 // Tokens within an expert's segment come out in whatever order the atomics ran: the grader checks
 // the permutation as a set per expert. Deterministic order would need a scan over the token-slots

@@ -29,18 +29,14 @@
 //   + offsets + barriers (+1 KB to align) = 210 KB: one block per SM.
 // Tile order, for L2: inside an expert, m fastest (t → n = local / m_tiles, m = local % m_tiles):
 //   the 132 blocks running at once share a few 256-column panels of W (each read from memory once)
-//   and the expert's rows (16 MB at 2048 rows × 4096), both held in the 50 MB L2. Measured: with n
-//   fastest instead, the up GEMM took 34.5 ms instead of 18.2 (A/B run, 32 × 2048 rows).
-// Predicted on an H100 (bf16, seed configuration, 65536 token-slots, 2048 per expert): the two
-//   GEMMs do 17.7 TFLOP; the main loop at ~90% of the 755 TFLOP/s dense ceiling, minus the padding
-//   (~3% more rows than token-slots): ~650 TFLOP/s, ~27 ms. Measured (v1, stores from registers):
-//   27.4 ms, 648 TFLOP/s, after the padding fix of stage 7's gather_rows. Without any stores (an
-//   A/B variant) v1 ran 10-12% faster, so v2 stages its outputs for TMA stores that overlap the
-//   next tile -- and measured no faster side by side (28.5 vs 27.4 ms, 4.83 vs 4.83 ms at Mixtral's
-//   shape): these runs hold the H100 at its 700 W cap (clocks sampled at 1.4-1.6 GHz), so the
-//   tensor cores' power, not the epilogue, sets the pace. v2 stays: it is the structure that pays
-//   wherever the epilogue is exposed.
-#include "hopper_gemm.cuh"
+//   and the expert's rows (16 MB at 2048 rows × 4096), both held in the 50 MB L2; n fastest instead
+//   was twice as slow.
+// The epilogue stages its outputs for TMA stores that overlap the next tile's main loop: the
+//   structure that pays wherever the epilogue is exposed. (Predictions and the A/B runs behind these
+//   choices: results/NOTES.md.)
+#include "mma.cuh"
+#include "tma.cuh"
+#include "wgmma.cuh"
 #include "moe.cuh"
 #include "stage6_grouped_gemm/schedule.cuh"  // BLOCK_M = 128 rows per tile (2 consumer warpgroups × 64), Scheduler
 
@@ -48,6 +44,7 @@ constexpr int BLOCK_N = 256;                            // B columns per tile: o
 constexpr int BLOCK_K = 64;                             // K per stage: one 128-byte swizzle row
 constexpr int STAGES = 3;                               // ring slots (4 ran no faster)
 constexpr int CONSUMERS = 2;
+constexpr int CONSUMER_ROWS = BLOCK_M / CONSUMERS;      // a consumer warpgroup's rows: one wgmma m64
 constexpr int NUM_THREADS = (1 + CONSUMERS) * 128;      // + the producer warpgroup
 constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
 constexpr int BOX_COLS = 64;                            // a 128-byte-swizzled TMA box is 64 elements wide
@@ -56,14 +53,14 @@ constexpr int A_BYTES = BLOCK_M * BLOCK_K * 2;          // 16 KB
 constexpr int B_BOX_BYTES = BLOCK_K * BOX_COLS * 2;     // 8 KB
 constexpr int STAGE_BYTES = A_BYTES + B_BOXES * B_BOX_BYTES;
 constexpr int ACC_FRAGS = BLOCK_N / 8;                  // a warp's accumulator: float[32][4]
-constexpr int OUT_BOX_BYTES = 64 * BOX_COLS * 2;        // a 64-row × 64-column box of the output: 8 KB
-constexpr int EPILOGUE_BYTES = 64 * BLOCK_N * 2;        // a consumer's 64 output rows, at most 256 wide
+constexpr int OUT_BOX_BYTES = CONSUMER_ROWS * BOX_COLS * 2;  // a 64-row × 64-column box of the output: 8 KB
+constexpr int EPILOGUE_BYTES = CONSUMER_ROWS * BLOCK_N * 2;  // a consumer's output rows, at most 256 wide
 // Layout of the dynamic shared memory, from a 1024-byte-aligned base.
 constexpr int EPILOGUE = STAGES * STAGE_BYTES;          // each consumer's output tile, on its way out
 constexpr int OFFSETS = EPILOGUE + CONSUMERS * EPILOGUE_BYTES;  // the experts' row offsets, E+1 ints
 constexpr int BARRIERS = OFFSETS + 4 * (MAX_EXPERTS + 2);
 constexpr int FULL = 0, EMPTY = STAGES;                 // mbarriers: full[s], empty[s]
-constexpr int SHARED_BYTES = BARRIERS + 8 * 2 * STAGES + 1024;  // as __init__.py computes
+constexpr int SHARED_BYTES = BARRIERS + 8 * 2 * STAGES + 1024;  // + 1 KB to align the base to 1024 bytes
 static_assert(SHARED_BYTES <= 227 * 1024, "an H100 block has at most 227 KB of shared memory");
 static_assert(BARRIERS % 8 == 0, "mbarriers are 8-byte aligned");
 static_assert(sizeof(elem_t) == 2, "16-bit elements");
@@ -94,10 +91,10 @@ __device__ __forceinline__ void mainloop(float (&acc)[ACC_FRAGS][4], unsigned ba
 #pragma unroll
         for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
             // A (K-major): this consumer's 64 rows, 8-row groups 1024 bytes apart.
-            const u64 a = make_smem_desc(a_tile + consumer * 64 * 128 + kk * 32, 16, 1024);
+            const u64 a = make_smem_desc(a_tile + consumer * CONSUMER_ROWS * 128 + kk * 32, 16, 1024);
             // B (MN-major): k runs down the 128-byte rows; the 64-column boxes are LBO apart.
             const u64 b = make_smem_desc(b_tile + kk * 16 * 128, B_BOX_BYTES, 1024);
-            wgmma_256_ss_b_mn_major<elem_t>(acc, a, b, kb > 0 || kk > 0);
+            wgmma_ss<elem_t, BLOCK_N, MN_MAJOR>(acc, a, b, kb > 0 || kk > 0);
         }
         wgmma_commit();
         wgmma_wait<1>();  // the previous stage's wgmmas are done reading its slot
@@ -116,8 +113,6 @@ __device__ __forceinline__ void mainloop(float (&acc)[ACC_FRAGS][4], unsigned ba
 // rows (g = lane / 4, t = lane % 4): for one j the 8 rows g land in 8 different chunks, so the 32
 // lanes' 4-byte stores hit 32 different banks. SwiGLU: entry j (j < 16) holds gate columns and entry
 // j + 16 the up columns of the same outputs.
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
-
 template <bool SWIGLU>
 __device__ __forceinline__ void stage_tile(const float (&acc)[ACC_FRAGS][4], unsigned char* buffer, int warp_in_group,
                                            int lane) {
@@ -129,7 +124,7 @@ __device__ __forceinline__ void stage_tile(const float (&acc)[ACC_FRAGS][4], uns
         for (int half = 0; half < 2; ++half) {
             float v0 = acc[j][2 * half], v1 = acc[j][2 * half + 1];
             if (SWIGLU) {
-                // EXERCISE: apply SwiGLU, silu(gate) * up: v0, v1 hold the gate values of entry j;
+                // EXERCISE: apply SwiGLU, silu(gate) * up (silu: moe.cuh): v0, v1 hold the gate values of entry j;
                 // the up values of the same rows and columns are entry j + OUT_FRAGS. Left as they
                 // are, v0 and v1 write the gate alone.
                 v0 = silu(v0) * acc[j + OUT_FRAGS][2 * half];
@@ -216,7 +211,7 @@ __device__ void grouped_gemm(const TmaMap& a_map, const TmaMap& b_map, const Tma
             if (storer) {
                 for (int box = 0; box < OUT_COLS / BOX_COLS; ++box)
                     tma_store_3d(out_map, base + EPILOGUE + consumer * EPILOGUE_BYTES + box * OUT_BOX_BYTES,
-                                 tile.n * OUT_COLS + box * BOX_COLS, tile.row0 + consumer * 64, 0);
+                                 tile.n * OUT_COLS + box * BOX_COLS, tile.row0 + consumer * CONSUMER_ROWS, 0);
                 tma_store_commit();  // and on to the next tile's main loop while the copy runs
             }
             // --8<-- [end:store]

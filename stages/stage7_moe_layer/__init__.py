@@ -9,6 +9,8 @@ from functools import partial
 
 import torch
 
+from reference.moe import padded_capacity
+import stages
 from stages import ALL_ARCHS, Goal, Stage
 from stages.stage5_moe_routing import STAGE as ROUTING
 from stages.stage5_moe_routing import combine, route
@@ -17,9 +19,17 @@ from stages.stage6_grouped_gemm import STAGE as EXPERTS
 from stages.stage6_grouped_gemm import run_experts
 
 ALPHA = 0.01          # the load-balancing loss's coefficient (stage 5 computes the loss on the way)
-ROUTER_THREADS = 256  # as layer.cu
-ROUTER_TOKENS = 64
-GATHER_THREADS = 128
+# layer.cu's router tiles, which the grader checks the launch against (with stages 5 and 6's geometry).
+ROUTER_THREADS = 256
+ROUTER_TOKENS = 64    # tokens per block
+GATHER_THREADS = 128  # gather_rows: a block per row, any block size
+
+
+def geometry(experts):
+    """layer.cu holds stage 5's kernels, the grouped GEMMs of `experts` (stage 6 or a rung) and the
+    router: their constants, and its own."""
+    return lambda defines: {**ROUTING.geometry(defines), **experts.geometry(defines),
+                            "ROUTER_THREADS": ROUTER_THREADS, "ROUTER_TOKENS": ROUTER_TOKENS}
 
 
 def layer_launch(run_experts):
@@ -27,9 +37,9 @@ def layer_launch(run_experts):
     def launch(kernels, x, wr, bias, w1, w2, top_k, out, topk_ids):
         tokens, hidden = x.shape
         experts, inter = w1.shape[0], w2.shape[1]
-        # The permuted buffers' capacity: every expert pads fewer than BLOCK_M rows. Known on the host
-        # without looking at the routing; the kernels use the offsets[E] rows actually needed.
-        rows = tokens * top_k + experts * (BLOCK_M - 1)
+        # The permuted buffers' capacity, known on the host without looking at the routing; the kernels
+        # use the offsets[E] rows actually needed.
+        rows = padded_capacity(tokens, experts, top_k, BLOCK_M)
         device, f32, i32 = x.device, torch.float32, torch.int32
         logits = torch.empty(tokens, experts, dtype=f32, device=device)
         topk_weights = torch.empty(tokens, top_k, dtype=f32, device=device)
@@ -65,6 +75,7 @@ STAGE = Stage(
     kernels={**OWN_KERNELS, **EXPERTS.kernels},
     launch=layer_launch(run_experts),
     archs=("sm_90a",),
+    geometry=geometry(EXPERTS),
     goal=Goal("reference", 1.0),  # the fastest library baseline: the torch._grouped_mm layer
 )
 
@@ -76,6 +87,7 @@ RUNGS = (Stage(
     kernels={**OWN_KERNELS, **ladder.KERNELS},
     launch=layer_launch(partial(ladder.run_experts, "mma_sync")),
     archs=ALL_ARCHS,
+    geometry=geometry(stages.load("stage6:mma_sync")),
     goal=Goal("reference", 0.6),  # as stage 6's mma_sync rung
     rung="mma_sync",
     constants={"MMA_SYNC_EXPERTS": "1"},

@@ -10,12 +10,7 @@
 // padded capacity T·k + E·(BLOCK_M - 1) of the permuted buffers. The GEMMs read the offsets on the
 // device; gather_rows skips the rows past offsets[E].
 //
-// On paper, seed configuration at T = 32768 (65536 token-slots, hidden 4096, inter 11008, E 32):
-//   the GEMMs: 17.7 TFLOP, ~28 ms at stage 6's ~630 TFLOP/s;
-//   router_logits: T·hidden·E = 4.3 G FMAs on CUDA cores (~60 TFLOP/s of FMA at best): ~0.15-0.3 ms,
-//     x read once (268 MB, 0.1 ms);
-//   gather_rows: 537 MB read + 537 MB written, ~0.4 ms; moe_combine ~0.3 ms; stage 5's rest ~0.02 ms.
-//   ≈ 29 ms against torch._grouped_mm's ~35 ms: 1.2×. Almost all of it is the GEMMs.
+// Almost all of the time is the GEMMs (the estimates on paper: results/NOTES.md).
 // Not fused, and why: the gather into the up GEMM's A loads needs a TMA gather (Blackwell has one,
 // Hopper does not; cp.async gathers would cost the producer warp its simplicity) for 1.4% of the
 // time; the combine into the down GEMM's epilogue needs fp32 atomics into an fp32 copy of out (k

@@ -11,19 +11,26 @@ import torch
 
 from stages import ALL_ARCHS, Goal, Stage
 from stages.common.hopper import sm_count
+from stages.common.moe import MAX_EXPERTS
 
 SIGNATURE = "const elem_t*, const elem_t*, elem_t*, const int*, int, int, int"
 KERNELS = {"expert_up_swiglu": SIGNATURE, "expert_down": SIGNATURE}
-THREADS = 256                       # grouped.cuh's NUM_THREADS
-OFFSETS_BYTES = 4 * (256 + 1)       # grouped.cuh: MAX_EXPERTS + 1 offsets
-BLOCKS_PER_SM = {"expert_up_swiglu": 1, "expert_down": 2}  # the kernels' __launch_bounds__ minimum
-# Dynamic shared memory per kernel (up: SwiGLU, 256 B columns; down: 128), as the .cu files lay it out.
-SHARED_BYTES = {
-    "simt": {"expert_up_swiglu": 2 * 4 * 16 * (128 + 256) + OFFSETS_BYTES,   # 2 fp32 slices of 16 k
-             "expert_down": 2 * 4 * 16 * (128 + 128) + OFFSETS_BYTES},
-    "mma_sync": {"expert_up_swiglu": 2 * 2 * (128 * 64 + 64 * 256) + OFFSETS_BYTES,  # 2 stages of 64 k
-                 "expert_down": 2 * 2 * (128 * 64 + 64 * 128) + OFFSETS_BYTES},
-}
+SWIGLU = {"expert_up_swiglu": "true", "expert_down": "false"}  # the template argument of each kernel
+
+# What the launch uses, as grouped.cuh and each rung's .cu compute it (the grader checks each value
+# against the kernel): 256 threads; blocks per SM in the persistent grid, the kernels'
+# __launch_bounds__ minimum; dynamic shared memory, the ring (simt: 2 fp32 slices of 16 k; mma_sync:
+# 2 stages of 64 k) and the experts' offsets.
+NUM_THREADS = 256
+BLOCKS_PER_SM = {"expert_up_swiglu": 1, "expert_down": 2}
+SHARED_BYTES = {"simt": {"expert_up_swiglu": 50180, "expert_down": 33796},
+                "mma_sync": {"expert_up_swiglu": 99332, "expert_down": 66564}}
+
+
+def geometry(rung: str) -> dict:
+    return {"NUM_THREADS": NUM_THREADS, "MAX_EXPERTS": MAX_EXPERTS,
+            **{f"BLOCKS_PER_SM<{SWIGLU[k]}>": n for k, n in BLOCKS_PER_SM.items()},
+            **{f"SHARED_BYTES<{SWIGLU[k]}>": n for k, n in SHARED_BYTES[rung].items()}}
 
 
 def run_experts(rung: str, kernels, x_perm, expert_offsets, w1, w2, h, y_perm):
@@ -33,7 +40,7 @@ def run_experts(rung: str, kernels, x_perm, expert_offsets, w1, w2, h, y_perm):
     sms = sm_count(x_perm.device)
 
     def launch(name, *args):
-        getattr(kernels, name)((BLOCKS_PER_SM[name] * sms,), (THREADS,), *args, smem=SHARED_BYTES[rung][name])
+        getattr(kernels, name)((BLOCKS_PER_SM[name] * sms,), (NUM_THREADS,), *args, smem=SHARED_BYTES[rung][name])
 
     launch("expert_up_swiglu", x_perm, w1, h, expert_offsets, experts, inter, hidden)
     launch("expert_down", h, w2, y_perm, expert_offsets, experts, hidden, inter)
@@ -45,7 +52,7 @@ def rung(name: str, goal: Goal) -> Stage:
         run_experts(name, kernels, x_perm, expert_offsets, w1, w2, h, y_perm)
 
     return Stage(name="stage6_grouped_gemm", problem="moe_experts", source=f"ladder/{name}.cu", kernels=KERNELS,
-                 launch=launch, archs=ALL_ARCHS, goal=goal, rung=name)
+                 launch=launch, archs=ALL_ARCHS, geometry=lambda defines: geometry(name), goal=goal, rung=name)
 
 
 # Goals scale to what each technique can reach against the fastest library baseline (tensor cores):

@@ -4,10 +4,11 @@
 //   expert_up_swiglu   h[rows of e] = silu(x·W1[e][:, :I]) * (x·W1[e][:, I:])    [rows, I]
 //   expert_down        y[rows of e] = h · W2[e]                                   [rows, hidden]
 // as persistent grids of 256-thread blocks that walk the 128 × 128 output tiles of schedule.cuh's
-// scheduler. They differ only in how a block multiplies its tile. What is here: the tile geometry,
-// where each 16-byte chunk of a tile's operands comes from (with the bounds checks: hidden and
-// inter are multiples of 8, so a chunk of 8 elements is wholly inside or wholly outside), where each
-// output goes, and the persistent loop.
+// scheduler. They differ only in how a block multiplies its tile: each rung defines grouped_gemm,
+// which the two kernels at the end of this file call. What is here: the tile geometry, where each
+// 16-byte chunk of a tile's operands comes from (with the bounds checks: hidden and inter are
+// multiples of 8, so a chunk of 8 elements is wholly inside or wholly outside), where each output
+// goes, the persistent loop, and the kernels.
 #pragma once
 #include "moe.cuh"
 #include "stage6_grouped_gemm/schedule.cuh"
@@ -15,9 +16,10 @@
 constexpr int BLOCK_N = 128;                          // output columns per tile (BLOCK_M = 128 rows)
 constexpr int NUM_THREADS = 256;                      // 8 warps
 constexpr int OFFSETS_BYTES = 4 * (MAX_EXPERTS + 1);  // the experts' offsets, in shared memory
+// Blocks an SM holds at once, the kernels' __launch_bounds__ minimum: the up kernel's threads hold
+// twice the accumulators (gate and up) and need the registers of a whole SM; the down kernel's fit two.
+template <bool SWIGLU> constexpr int BLOCKS_PER_SM = SWIGLU ? 1 : 2;
 static_assert(sizeof(elem_t) == 2, "a 16-byte chunk holds 8 elements");
-
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
 // One output tile's operands. A: the tile's 128 rows of the activations [rows, k]. B: the expert's
 // weights [k, b_cols], of which the tile reads B_COLS columns -- BLOCK_N, or with SwiGLU 2·BLOCK_N:
@@ -76,4 +78,25 @@ __device__ __forceinline__ void for_each_tile(int* shared_offsets, const int* of
     const Scheduler scheduler{shared_offsets, experts, (n_out + BLOCK_N - 1) / BLOCK_N};
     const int num_tiles = scheduler.num_tiles();
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) multiply(scheduler.tile(t));
+}
+
+// out[rows of e, n_out] = A[rows of e, k] · B[e][k, ...] for every expert e with rows, the tiles
+// walked by for_each_tile; the up kernel's B is W1 [E, k, 2·n_out], the down kernel's W2 [E, k, n_out].
+// Defined by each rung (simt.cu, mma_sync.cu), after this header.
+template <bool SWIGLU>
+__device__ __forceinline__ void grouped_gemm(const elem_t* a, const elem_t* b, elem_t* out, const int* offsets,
+                                             int experts, int n_out, int k);
+
+// h = silu(x_perm · W1_gate) * (x_perm · W1_up), per expert. W1 is [E, hidden, 2·inter].
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, BLOCKS_PER_SM<true>)
+expert_up_swiglu(const elem_t* __restrict__ x_perm, const elem_t* __restrict__ w1, elem_t* __restrict__ h,
+                 const int* __restrict__ offsets, int experts, int inter, int hidden) {
+    grouped_gemm<true>(x_perm, w1, h, offsets, experts, inter, hidden);
+}
+
+// y = h · W2, per expert. W2 is [E, inter, hidden].
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, BLOCKS_PER_SM<false>)
+expert_down(const elem_t* __restrict__ h, const elem_t* __restrict__ w2, elem_t* __restrict__ y,
+            const int* __restrict__ offsets, int experts, int hidden, int inter) {
+    grouped_gemm<false>(h, w2, y, offsets, experts, hidden, inter);
 }

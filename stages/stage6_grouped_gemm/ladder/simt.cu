@@ -26,9 +26,7 @@
 // loads in flight 8 (12). ptxas gives the up kernel 218-230 (one block of 256 threads per SM), the
 // down kernel the 128 that two blocks allow (__launch_bounds__), no spills: with the k loop fully
 // unrolled instead of 4 at a time, it spilled. Shared memory: 2 buffers × (8 KB of A + 16 or 8 KB of
-// B) + the offsets: 49 KB (up), 33 KB (down).
-// Measured on an H100 (run.py: seed configuration, 4096 tokens, bf16, both kernels): 60.3 ms,
-// 36.7 TFLOP/s, 55% of the fp32 FMA rate.
+// B) + the offsets: 49 KB (up), 33 KB (down). (Measured: results/NOTES.md, stage 6's ladder.)
 #include "grouped.cuh"
 
 constexpr int BLOCK_K = 16;                  // K per slice
@@ -40,7 +38,7 @@ template <bool SWIGLU> constexpr int B_COLS = TileOperands<SWIGLU>::B_COLS;
 template <bool SWIGLU> constexpr int COLS = B_COLS<SWIGLU> / GROUPS;  // B columns per thread: 8, or 16 with the up ones
 constexpr int A_FLOATS = BLOCK_K * BLOCK_M;  // a slice of A, transposed: [k][row]
 template <bool SWIGLU> constexpr int SLICE_FLOATS = A_FLOATS + BLOCK_K * B_COLS<SWIGLU>;  // then B: [k][column]
-// Two slice buffers, then the offsets (run.py repeats this).
+// Two slice buffers, then the offsets (the launch, ladder/__init__.py, declares it: the grader checks).
 template <bool SWIGLU> constexpr int SHARED_BYTES = 2 * 4 * SLICE_FLOATS<SWIGLU> + OFFSETS_BYTES;
 static_assert(SHARED_BYTES<true> <= 99 * 1024, "a block fits the 99 KB an sm_86 or sm_89 block may have");
 
@@ -163,8 +161,7 @@ __device__ __forceinline__ void write_tile(const float (&acc)[ROWS][COLS<SWIGLU>
     }
 }
 
-// out[rows of e, n_out] = A[rows of e, k] · B[e][k, ...] for every expert e with rows; the up
-// kernel's B is W1 [E, k, 2·n_out], the down kernel's W2 [E, k, n_out].
+// grouped.cuh's grouped_gemm, which its kernels call: this rung's way of multiplying.
 template <bool SWIGLU>
 __device__ __forceinline__ void grouped_gemm(const elem_t* a, const elem_t* b, elem_t* out, const int* offsets,
                                              int experts, int n_out, int k) {
@@ -177,18 +174,4 @@ __device__ __forceinline__ void grouped_gemm(const elem_t* a, const elem_t* b, e
                       multiply_tile<SWIGLU>(acc, shared, in, rg, cg);
                       write_tile<SWIGLU>(acc, in, rg, cg);
                   });
-}
-
-// h = silu(x_perm · W1_gate) * (x_perm · W1_up), per expert. W1 is [E, hidden, 2·inter].
-extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
-expert_up_swiglu(const elem_t* __restrict__ x_perm, const elem_t* __restrict__ w1, elem_t* __restrict__ h,
-                 const int* __restrict__ offsets, int experts, int inter, int hidden) {
-    grouped_gemm<true>(x_perm, w1, h, offsets, experts, inter, hidden);
-}
-
-// y = h · W2, per expert. W2 is [E, inter, hidden].
-extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2)
-expert_down(const elem_t* __restrict__ h, const elem_t* __restrict__ w2, elem_t* __restrict__ y,
-            const int* __restrict__ offsets, int experts, int hidden, int inter) {
-    grouped_gemm<false>(h, w2, y, offsets, experts, hidden, inter);
 }

@@ -1,0 +1,120 @@
+// TMA and the barriers of a warp-specialized kernel (sm_90a; stages 4 and 6).
+//
+// Thin wrappers around PTX instructions that only sm_90a has:
+//   cp.async.bulk.tensor   TMA: one thread copies a whole tile between global and shared memory,
+//                          described by a tensor map (built on the host); a load completes on an mbarrier
+//   mbarrier               shared-memory barriers with a phase bit and a transaction-byte count:
+//                          "full" barriers say a tile has landed, "empty" barriers that it may be refilled
+//   setmaxnreg, bar.sync   hand registers from the producer warpgroup to the consumers; named barriers
+#pragma once
+
+// --8<-- [start:tensor_map]
+// The 128-byte, 64-byte-aligned opaque tensor map (the driver's CUtensorMap, which NVRTC does not
+// see: it lives in cuda.h). The kernel receives it by value as a `const __grid_constant__`
+// parameter, so it stays in parameter memory where the TMA unit can read it.
+struct alignas(64) TmaMap {
+    unsigned long long opaque[16];
+};
+static_assert(sizeof(TmaMap) == 128, "CUtensorMap is 128 bytes");
+// --8<-- [end:tensor_map]
+
+// ---- mbarrier -----------------------------------------------------------------------------------
+// --8<-- [start:mbarrier]
+// An mbarrier is 8 bytes of shared memory: a count of pending arrivals, a count of pending
+// transaction bytes and a phase bit. A phase completes when both counts reach zero; the barrier
+// then flips its phase and rearms with the count it was initialized with. Waiters wait for the
+// phase with a given parity to complete: a ring slot used for the i-th time waits for parity i % 2.
+__device__ __forceinline__ void mbarrier_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+
+// Makes the initializations visible to the other threads and to the async proxy (TMA) -- before
+// the __syncthreads() that publishes them.
+__device__ __forceinline__ void mbarrier_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// One arrival, and `bytes` more transaction bytes to wait for (the producer, before its TMA copies).
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
+}
+
+// One arrival (a consumer thread done with a buffer).
+__device__ __forceinline__ void mbarrier_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
+}
+
+// Spins until the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbarrier_wait(unsigned bar, unsigned parity) {
+    unsigned done;
+    do {
+        asm volatile("{\n.reg .pred p;\n"
+                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+// --8<-- [end:mbarrier]
+
+// ---- TMA loads ----------------------------------------------------------------------------------
+// --8<-- [start:tma_ptx]
+// Copies the box at coordinates (c0, c1, c2) -- innermost first: column, row, (batch·head) -- of
+// the 3-D tensor `map` describes into shared memory at `dst`, and counts its bytes on the mbarrier
+// `bar`. Elements outside the tensor are written as zeros (and still counted). With the map's
+// 128-byte swizzle, `dst` must be 1024-byte aligned.
+__device__ __forceinline__ void tma_load_3d(unsigned dst, const TmaMap& map, unsigned bar, int c0, int c1, int c2) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+        :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+        : "memory");
+}
+
+__device__ __forceinline__ void tma_prefetch_map(const TmaMap& map) {
+    asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<unsigned long long>(&map)) : "memory");
+}
+// --8<-- [end:tma_ptx]
+
+// ---- TMA stores (stage 6) -----------------------------------------------------------------------
+// --8<-- [start:tma_store]
+// The epilogue's way out: the warps write a tile into shared memory with ordinary stores, one thread
+// copies it to global memory with TMA (cp.async.bulk.tensor, shared -> global), and the warps go on
+// with the next tile while the copy runs. Ordinary stores and TMA are different "proxies" of the
+// memory system: fence_async_shared() makes the former visible to the latter. Before the buffer is
+// written again, the thread that issued the copies waits until they have finished READING it.
+__device__ __forceinline__ void fence_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Copies the tile at shared address `src` to the box at (c0, c1, c2) of the tensor `map` describes;
+// elements of the box outside the tensor are not written.
+__device__ __forceinline__ void tma_store_3d(const TmaMap& map, unsigned src, int c0, int c1, int c2) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n"
+                 :: "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(src) : "memory");
+}
+
+__device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+
+// Waits until this thread's committed stores have read their shared memory (the buffer is free).
+__device__ __forceinline__ void tma_store_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+// --8<-- [end:tma_store]
+
+// ---- warp specialization ------------------------------------------------------------------------
+// setmaxnreg: the warpgroup executing it gives back registers (dec) or claims them (inc), so that
+// the producer runs on few and the consumers on many. Every warp of the warpgroup executes it.
+template <int REGS> __device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(REGS));
+}
+template <int REGS> __device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(REGS));
+}
+
+// Named barriers 1..15 (0 is __syncthreads): bar.sync waits until `threads` threads have arrived
+// (itself included); bar.arrive counts this thread and goes on.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}

@@ -1,0 +1,168 @@
+"""Refactors that must not change machine code: every kernel compiles to the same SASS as at a base commit.
+
+For each stage (and stage 6's two ladder rungs) the current sources and the sources at the stage's base
+commit are compiled for the architecture the stage runs on on an H100 (sm_90a), and for sm_80 where the
+stage runs there too; each kernel's SASS (nvdisasm's listing, instruction addresses aside) and its ptxas
+resources must be the same. The base tree comes from `git archive BASE stages`, so that its kernels
+include their own headers, as they were.
+
+NVRTC is not deterministic across processes: its optimizer sometimes takes another, equivalent path
+(stage 1 at sm_80: about one compile in ten differs, in the PTX already, with the same source). So a
+mismatch is not the verdict: both sides are then compiled again, each in fresh processes, and the
+machine code counts as unchanged when some compile of the current source equals some compile of the base.
+
+When a later change alters a stage's machine code on purpose, move that stage's entry in BASES to the
+commit that did, or drop it.
+"""
+from __future__ import annotations
+
+import difflib
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+import reference
+import stages
+from grader import compiler, sass
+from grader.compiler import REPO
+from grader.run import compile_stage
+from stages import variant_key
+
+BEFORE_ONE_HOME = "b70e0f1"  # before "one home for each idea": headers split, geometry checked, notes moved
+BASES = {name: BEFORE_ONE_HOME for name in stages.stage_names()}
+LADDER = {"ladder/simt.cu": "stage6_grouped_gemm", "ladder/mma_sync.cu": "stage6_grouped_gemm"}
+FRESH_COMPILES = 3  # per side, after a mismatch
+
+
+def archs(stage) -> tuple[str, ...]:
+    return ("sm_90a", "sm_80") if "sm_80" in stage.archs else ("sm_90a",)
+
+
+def sources() -> list[tuple[str, str, str]]:
+    """(stage, source relative to the stage's folder, arch) of every kernel file checked."""
+    found = []
+    for name in BASES:
+        stage = stages.load(name)
+        found += [(name, stage.source, arch) for arch in archs(stage)]
+    found += [(name, source, arch) for source, name in LADDER.items() for arch in ("sm_90a", "sm_80")]
+    return found
+
+
+SOURCES = sources()
+
+
+# ---------------------------------------------------------------- compiling and reading machine code
+
+def compile_in(tree: Path, source: Path, arch: str, defines: dict) -> compiler.Cubin:
+    """compile_cubin for `source` (relative to the repository) of the checkout at `tree`: its
+    #includes resolve in that tree's stages/."""
+    search = (tree / "stages" / "common", tree / "stages")
+    toolkit = tuple(d for d in compiler.include_dirs() if not d.startswith(str(REPO / "stages")))
+    saved = compiler.SEARCH_DIRS, compiler.include_dirs
+    compiler.SEARCH_DIRS, compiler.include_dirs = search, lambda: (*map(str, search), *toolkit)
+    try:
+        return compiler.compile_cubin(tree / source, arch, defines)
+    finally:
+        compiler.SEARCH_DIRS, compiler.include_dirs = saved
+
+
+def machine_code(cubin: compiler.Cubin) -> dict:
+    """{"sass": {kernel: its SASS without instruction addresses}, "resources": ptxas's, per kernel}."""
+    listing, kernels, current = sass.disassemble(cubin.path), {}, None
+    for line in listing.splitlines():
+        if m := re.match(r"\s*\.text\.(\w+):", line):
+            current = kernels.setdefault(m.group(1), [])
+        elif line.startswith("//----"):
+            current = None
+        elif current is not None:
+            current.append(re.sub(r"/\*[0-9a-f]{4,}\*/", "", line).strip())
+    return {"sass": {kernel: "\n".join(lines) for kernel, lines in kernels.items()},
+            "resources": sass.resources(cubin.ptxas_log)}
+
+
+def fresh_machine_code(tree: Path, source: Path, arch: str, defines: dict, cache: Path) -> dict:
+    """machine_code of a compile in a new process, with an empty cache: another draw of NVRTC."""
+    cache.mkdir(parents=True, exist_ok=True)
+    environment = dict(os.environ, FLASHMOE_CACHE=str(cache), PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, __file__, str(tree), str(source), arch, json.dumps(defines)], check=True,
+                         capture_output=True, text=True, env=environment).stdout
+    return json.loads(out)
+
+
+def difference(before: dict, after: dict) -> str:
+    for kernel in sorted(set(before["sass"]) | set(after["sass"])):
+        old, new = before["sass"].get(kernel, ""), after["sass"].get(kernel, "")
+        if old != new:
+            diff = difflib.unified_diff(old.splitlines(), new.splitlines(), "base", "current", lineterm="", n=1)
+            return f"{kernel}:\n" + "\n".join(list(diff)[:40])
+    return f"resources: {before['resources']} -> {after['resources']}"
+
+
+# ---------------------------------------------------------------- the base trees
+
+def _has_commit(commit: str) -> bool:
+    return subprocess.run(["git", "-C", str(REPO), "cat-file", "-e", f"{commit}^{{commit}}"],
+                          capture_output=True).returncode == 0
+
+
+def base_tree(commit: str) -> Path:
+    """A folder holding `commit`'s stages/, what its kernels compile from: extracted once, beside the
+    compile cache, so that its cubins are cached too (the cache key holds the kernel's path)."""
+    tree = compiler.CACHE_DIR.parent / "trees" / commit
+    if not tree.is_dir():
+        if not _has_commit(commit):
+            pytest.skip(f"commit {commit} is not in this clone (a shallow clone?): git fetch --unshallow")
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", commit, "stages"], check=True,
+                                 capture_output=True).stdout
+        partial = tree.with_name(f"{commit}.tmp{os.getpid()}")
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(partial, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+        try:
+            partial.rename(tree)
+        except OSError:  # another process extracted it first
+            shutil.rmtree(partial)
+    return tree
+
+
+def current_cubins(stage, source: str, arch: str) -> dict:
+    """{variant key: Cubin} of the current source: a stage's own kernel as the grader compiles it (its
+    signature and geometry checks are static_asserts: no code), a ladder rung as it is."""
+    if source == stage.source:
+        return compile_stage(stage, stage.source_path, arch)
+    return {variant_key(d): compiler.compile_cubin(stage.folder / source, arch, d) for d in variants(stage)}
+
+
+def variants(stage) -> list[dict]:
+    return [stage.defines(variant) for variant in stage.variants(reference.load(stage.problem))]
+
+
+@pytest.mark.parametrize("name,source,arch", SOURCES, ids=[f"{n}-{s}-{a}" for n, s, a in SOURCES])
+def test_machine_code_is_unchanged(name, source, arch, tmp_path):
+    stage = stages.load(name)
+    relative = stage.folder.relative_to(REPO) / source
+    base = base_tree(BASES[name])
+    current = current_cubins(stage, source, arch)
+    for defines in variants(stage):
+        befores = [machine_code(compile_in(base, relative, arch, defines))]
+        afters = [machine_code(current[variant_key(defines)])]
+        for draw in range(FRESH_COMPILES):
+            if any(a == b for a in afters for b in befores):
+                break
+            befores.append(fresh_machine_code(base, relative, arch, defines, tmp_path / f"base{draw}"))
+            afters.append(fresh_machine_code(REPO, relative, arch, defines, tmp_path / f"current{draw}"))
+        assert any(a == b for a in afters for b in befores), (
+            f"{relative} {arch} {variant_key(defines)}: the machine code differs from {BASES[name]}'s in "
+            f"{len(befores)} × {len(afters)} compiles; the first difference, " + difference(befores[0], afters[0]))
+
+
+if __name__ == "__main__":  # one compile, for fresh_machine_code: TREE SOURCE ARCH DEFINES_JSON
+    tree_arg, source_arg, arch_arg, defines_arg = sys.argv[1:]
+    print(json.dumps(machine_code(compile_in(Path(tree_arg), Path(source_arg), arch_arg, json.loads(defines_arg)))))
