@@ -20,7 +20,25 @@ def test_results_match_the_current_sources(gpu):
         stage = stages.load(name)
         assert entry["source_sha256"] == results.source_digest(stage), (
             f"{name} changed since it was measured on {data['gpu']}: measure it again "
-            f"(python -m grader {name.split('_')[0]} --json results/{gpu}.json)")
+            f"(python -m grader {name} --json results/{gpu}.json)")
+
+
+@pytest.mark.parametrize("gpu", sorted(RECORDED))
+def test_every_stage_and_rung_the_gpu_runs_is_recorded(gpu):
+    from grader.device import GpuInfo, arch_for
+
+    data = RECORDED[gpu]
+    major, minor = map(int, data["provenance"]["compute_capability"].split("."))
+    here = GpuInfo(data["gpu"], major, minor, 0, 0, 0, 0, "")
+    runnable = set()
+    for name in stages.stage_names():
+        for stage in stages.with_rungs(name):
+            try:
+                arch_for(here, stage.archs)
+                runnable.add(stage.key)
+            except ValueError:
+                pass
+    assert runnable <= set(data["stages"]), f"not recorded on {data['gpu']}: {sorted(runnable - set(data['stages']))}"
 
 
 @pytest.mark.parametrize("gpu", sorted(RECORDED))
@@ -52,4 +70,4 @@ def test_write_keeps_other_stages_of_the_same_gpu(tmp_path):
 def test_digest_follows_the_kernel_its_headers_and_launch_code():
     stage = stages.load("stage0")
     names = {p.name for p in results.source_files(stage)}
-    assert names == {"attention.cu", "__init__.py", "attention.cuh"}
+    assert names == {"attention.cu", "__init__.py", "attention.cuh", "attention.py"}  # attention.py: head_slices
