@@ -46,7 +46,7 @@ def test_an_untouched_exercise_fails_or_grades_two_bands_below_the_solution(name
     if not _runnable(name):
         pytest.skip(f"{name} does not run on this GPU")
     stage = stages.load(name)
-    monkeypatch.setattr(exercise, "WORKSPACE", tmp_path)
+    monkeypatch.setenv("FLASHMOE_WORKSPACE", str(tmp_path))
     untouched = _grade(stage, exercise.init(stage), bench=True)
     if untouched["correctness"]["failed"]:
         return
