@@ -61,7 +61,7 @@ def option_problem(args) -> str | None:
 
 
 def arch_problem(stage, arch: str) -> str | None:
-    """Why `stage` cannot be compiled for `arch`, or None. The rule of grader.device.arch_for: a stage
+    """Why `stage` cannot be compiled for `arch`, or None. The rule of stages.arch_for: a stage
     with a plain arch compiles for its lowest arch and any newer plain one; an "a" arch (sm_90a:
     wgmma, setmaxnreg) only where the stage lists it, for exactly that generation."""
     if arch in stage.archs:
@@ -97,8 +97,8 @@ def say_compile_only(args, no_gpu_why: str) -> None:
 def cmd_list() -> int:
     import stages
     from grader import results
-    from grader.compiler import nvrtc_version
     from grader.report import console, show
+    from stages.common.compiler import nvrtc_version
 
     recorded = results.load_all()
     rows = []
@@ -162,12 +162,12 @@ def everything() -> list:
 
 
 def runs_here(stage, gpu, arch: str | None) -> bool:
-    from grader import device
+    import stages
 
     if arch:
         return arch_problem(stage, arch) is None
     try:
-        device.arch_for(gpu, stage.archs)
+        stages.arch_for(gpu, stage.archs)
         return True
     except ValueError:
         return False
@@ -224,16 +224,17 @@ def grade(names: list[str] | None, args) -> int:
 
 def grade_one(stage, args, gpu) -> tuple[dict | None, int]:
     """(the result, or None if there is none, and the exit status) of one stage, reported as it goes."""
-    from grader import device, report
-    from grader.compiler import CompileError, nvrtc_version
+    import stages
+    from grader import report
     from grader.run import GraderError, grade_stage
+    from stages.common.compiler import CompileError, nvrtc_version
 
     console = report.console
     if args.arch and (problem := arch_problem(stage, args.arch)):
         return None, fail(problem)
     try:
         kernel_path = kernel_path_for(stage, args)
-        arch = args.arch or (device.arch_for(gpu, stage.archs) if gpu else max(stage.archs))
+        arch = args.arch or (stages.arch_for(gpu, stage.archs) if gpu else max(stage.archs))
         started = time.perf_counter()
         with console.status(f"{stage.key}: compiling") as status_line:
             def progress(what, done, total, label, ok):

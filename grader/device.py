@@ -63,21 +63,3 @@ def probe() -> tuple[GpuInfo | None, str]:
         memory_bytes=int(memory),
         driver=f"{version // 1000}.{version % 1000 // 10}",
     ), ""
-
-
-def arch_for(gpu: GpuInfo, stage_archs: tuple[str, ...]) -> str:
-    """The architecture to compile a stage for on this GPU, or ValueError saying why it can't run here.
-
-    A stage whose every arch ends in "a" (sm_90a: wgmma, setmaxnreg) runs on exactly that GPU
-    generation; other stages run on their lowest arch and anything newer.
-    """
-    own = gpu.arch
-    if f"{own}a" in stage_archs:
-        return f"{own}a"
-    if own in stage_archs:
-        return own
-    numbers = [int(a[3:].rstrip("a")) for a in stage_archs]
-    if all(a.endswith("a") for a in stage_archs) or gpu.major * 10 + gpu.minor < min(numbers):
-        needs = " or ".join(stage_archs) if all(a.endswith("a") for a in stage_archs) else f"{min(stage_archs)} or newer"
-        raise ValueError(f"this stage needs {needs}; this GPU ({gpu.name}) is {own}")
-    return own

@@ -17,7 +17,7 @@ import os
 import re
 from pathlib import Path
 
-from grader.compiler import REPO
+from stages.common.compiler import REPO
 
 BEGIN = re.compile(r"^(\s*)// EXERCISE: ?(.*)$")
 END = re.compile(r"^\s*// END EXERCISE\s*$")

@@ -16,7 +16,7 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
-from grader.compiler import REPO, included_files, nvrtc_version
+from stages.common.compiler import REPO, included_files, nvrtc_version
 
 STAGES_DIR = REPO / "stages"
 

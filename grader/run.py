@@ -7,10 +7,9 @@ from pathlib import Path
 
 import reference
 import stages
-from stages import variant_key
+from stages import arch_for, variant_key
+from stages.common.compiler import REPO, CompileError, compile_cubin
 from grader import grading, sass
-from grader.compiler import REPO, CompileError, compile_cubin
-from grader.device import arch_for
 from grader.gpus import spec_for
 from grader.isolation import run_items
 from grader.results import source_digest

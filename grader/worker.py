@@ -50,7 +50,7 @@ class Worker:
 
     def kernels_for(self, inputs: dict, stage=None, cubins: dict | None = None):
         """The KernelSet these inputs need: of this stage, or of `stage` compiled as `cubins`."""
-        from grader.launcher import KernelSet
+        from stages.common.launcher import KernelSet
         from stages import variant_key
 
         stage, cubins = stage or self.stage, cubins or self.job["cubins"]

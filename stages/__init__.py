@@ -99,6 +99,25 @@ def variant_key(defines: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(defines.items()))
 
 
+def arch_for(gpu, stage_archs: tuple[str, ...]) -> str:
+    """The architecture to compile a stage for on this GPU, or ValueError saying why it can't run here.
+    `gpu` is anything with a name, major and minor: the grader's GpuInfo, torch.cuda.get_device_properties().
+
+    A stage whose every arch ends in "a" (sm_90a: wgmma, setmaxnreg) runs on exactly that GPU
+    generation; other stages run on their lowest arch and anything newer.
+    """
+    own = f"sm_{gpu.major}{gpu.minor}"
+    if f"{own}a" in stage_archs:
+        return f"{own}a"
+    if own in stage_archs:
+        return own
+    numbers = [int(a[3:].rstrip("a")) for a in stage_archs]
+    if all(a.endswith("a") for a in stage_archs) or gpu.major * 10 + gpu.minor < min(numbers):
+        needs = " or ".join(stage_archs) if all(a.endswith("a") for a in stage_archs) else f"{min(stage_archs)} or newer"
+        raise ValueError(f"this stage needs {needs}; this GPU ({gpu.name}) is {own}")
+    return own
+
+
 def stage_names() -> list[str]:
     return sorted((p.name for p in STAGES_DIR.glob("stage*_*") if (p / "__init__.py").exists()),
                   key=lambda n: int(re.match(r"stage(\d+)", n).group(1)))

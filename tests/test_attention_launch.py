@@ -5,7 +5,7 @@ import torch
 
 import reference
 import stages
-from grader.launcher import GRID_LIMITS, LaunchGeometryError, check_geometry
+from stages.common.launcher import GRID_LIMITS, LaunchGeometryError, check_geometry
 from stages.common.attention import head_slices
 
 # Stages whose launch runs without a driver (stage 4 builds TMA descriptors, which needs one).

@@ -10,9 +10,9 @@ import pytest
 import stages
 from conftest import REPO
 from grader import results
-from grader.compiler import nvrtc_version
 from grader.report import variant_label
 from grader.run import compile_stage, resources
+from stages.common.compiler import nvrtc_version
 
 
 def grader(*args, env_extra=None, columns=160):

@@ -3,8 +3,10 @@ signatures its launch code uses, no spills, and the instructions its lesson is a
 import pytest
 
 import stages
+from conftest import REPO
 from grader import sass
 from grader.run import compile_stage, resources
+from stages.common import compiler
 
 # What each stage teaches must show in its SASS (nvdisasm of the cubin), on every arch it declares.
 TEACHES = {
@@ -81,3 +83,8 @@ def test_ladder_rungs_compile_without_spills(key, arch):
             assert not forbidden & set(info["sass"]), f"{where}: {forbidden & set(info['sass'])} in the SASS"
             if kernel in gemms:
                 assert needs <= set(info["sass"]), f"{where}: no {needs - set(info['sass'])} in the SASS"
+
+
+def test_the_compiler_finds_the_repository_and_its_headers():
+    assert compiler.REPO == REPO and (REPO / "pyproject.toml").is_file()
+    assert compiler.SEARCH_DIRS == (REPO / "stages" / "common", REPO / "stages")

@@ -44,7 +44,7 @@ def test_a_constant_the_kernel_lacks_is_one_line(tmp_path):
 
 
 def test_the_learners_own_errors_keep_nvrtcs_log(tmp_path):
-    from grader.compiler import CompileError
+    from stages.common.compiler import CompileError
     stage, mine = stage0_copy(tmp_path, lambda source: source.replace("#define TILE 32", "#define TILE 16 +"))
     with pytest.raises(CompileError):
         compile_stage(stage, mine, "sm_80")

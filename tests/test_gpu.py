@@ -4,7 +4,7 @@ import pytest
 
 import stages
 from conftest import gpu
-from grader import device, exercise
+from grader import exercise
 from grader.grading import BANDS
 from grader.run import grade_stage
 from mutations import mutate
@@ -14,13 +14,13 @@ pytestmark = pytest.mark.gpu
 
 def _grade(stage, path, bench=False, **kw):
     found, _ = gpu()
-    return grade_stage(stage, path, found, device.arch_for(found, stage.archs), bench=bench, **kw)
+    return grade_stage(stage, path, found, stages.arch_for(found, stage.archs), bench=bench, **kw)
 
 
 def _runnable(name):
     found, _ = gpu()
     try:
-        device.arch_for(found, stages.load(name).archs)
+        stages.arch_for(found, stages.load(name).archs)
         return True
     except ValueError:
         return False

@@ -65,7 +65,8 @@ def test_gpu_table(name, slug):
 
 
 def test_arch_choice_and_too_old_gpus():
-    from grader.device import GpuInfo, arch_for
+    from grader.device import GpuInfo
+    from stages import arch_for
     every = ("sm_80", "sm_86", "sm_89", "sm_90a")
 
     def gpu(major, minor):

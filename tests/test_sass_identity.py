@@ -31,10 +31,11 @@ import pytest
 
 import reference
 import stages
-from grader import compiler, sass
-from grader.compiler import REPO
+from grader import sass
 from grader.run import compile_stage
 from stages import variant_key
+from stages.common import compiler
+from stages.common.compiler import REPO
 
 BEFORE_ONE_HOME = "b70e0f1"  # before "one home for each idea": headers split, geometry checked, notes moved
 BASES = {name: BEFORE_ONE_HOME for name in stages.stage_names()}

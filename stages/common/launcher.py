@@ -1,12 +1,13 @@
-"""Launch NVRTC-compiled kernels on PyTorch tensors (used in the worker process only).
+"""Launch NVRTC-compiled kernels on PyTorch tensors: in the grader's worker process, and in the
+course's PyTorch ops (stages/ops.py).
 
 A stage's launch function receives a `KernelSet` and calls its kernels by name:
 
     kernels.attention_fwd(grid, block, q, k, v, o, lse, seq_q, seq_kv, scale, causal, smem=49152)
 
 Tensors become device pointers, Python ints 32-bit ints and floats 32-bit floats, matching the
-C signatures the grader checked at compile time. Launches go to PyTorch's current stream, so
-CUDA events recorded by PyTorch time them.
+C signatures the stage declares (the grader checks them at compile time). Launches go to PyTorch's
+current stream, so CUDA events recorded by PyTorch time them.
 """
 from __future__ import annotations
 

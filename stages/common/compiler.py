@@ -3,6 +3,9 @@
 NVRTC needs no GPU and no driver to make a cubin, so the same code path serves a learner with a
 GPU and CI without one. Errors keep NVRTC's own log, whose lines read `path/to/file.cu(42): error`,
 so they point at the learner's file and line.
+
+The grader compiles with it (grader/run.py appends its checks of signatures and geometry), and so do
+the course's PyTorch ops (stages/ops.py); it lives in stages/ because stages never import the grader.
 """
 from __future__ import annotations
 
@@ -14,11 +17,12 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-COMMON_INCLUDE = REPO / "stages" / "common"
+from stages import STAGES_DIR
+
+REPO = STAGES_DIR.parent
 # Where `#include "..."` looks after the kernel's own folder: the shared headers, then the stages
 # folder, so that a stage can build on another's kernels (#include "stage6_grouped_gemm/experts.cu").
-SEARCH_DIRS = (COMMON_INCLUDE, REPO / "stages")
+SEARCH_DIRS = (STAGES_DIR / "common", STAGES_DIR)
 CACHE_DIR = Path(os.environ.get("FLASHMOE_CACHE", Path.home() / ".cache" / "flashmoe-course")) / "cubin"
 
 
