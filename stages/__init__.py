@@ -9,6 +9,8 @@ The launch geometry (tiles, threads per block, dynamic shared memory, limits) is
 file, its home; the launch declares the values it launches with, per variant, in `geometry`, and the
 grader checks them against the kernel's constants each time it compiles it (grader/run.py), so that
 a kernel and its launch cannot disagree. A stage's launch code never imports grader/.
+
+`stages.ops` runs the fastest stages this GPU runs as PyTorch functions, on a learner's own tensors.
 """
 from __future__ import annotations
 
