@@ -1,0 +1,157 @@
+"""stages/ops.py: the course's attention as a differentiable PyTorch function.
+
+Without a GPU: inputs the kernels do not take are refused in one line before anything is launched,
+each GPU gets the fastest stage it runs, and the autograd plumbing (what forward saves, what backward
+is given and returns) is right, with PyTorch math standing in for the kernels. On a GPU: the output and
+the gradients pass the course's tolerance rule against float64, with PyTorch's SDPA as the yardstick."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import reference
+from reference.attention import causal_mask, sdpa
+from reference.tolerance import relative_to_library
+from stages import ops
+
+ATTENTION = reference.load("attention")
+H100 = SimpleNamespace(name="NVIDIA H100 80GB HBM3", major=9, minor=0)  # as torch.cuda.get_device_properties
+A100 = SimpleNamespace(name="NVIDIA A100-SXM4-80GB", major=8, minor=0)
+L4 = SimpleNamespace(name="NVIDIA L4", major=8, minor=9)
+
+
+def meta(*shape, dtype=torch.float16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+BAD_INPUTS = {
+    "k and v of different lengths": (lambda: (meta(1, 2, 8, 64), meta(1, 2, 9, 64), meta(1, 2, 10, 64)),
+                                     "expected q [B, H"),
+    "q of other heads than k": (lambda: (meta(1, 3, 8, 64), meta(1, 2, 9, 64), meta(1, 2, 9, 64)), "expected q [B, H"),
+    "3-D tensors": (lambda: (meta(2, 8, 64),) * 3, "expected q [B, H"),
+    "an empty sequence": (lambda: (meta(1, 2, 0, 64), meta(1, 2, 9, 64), meta(1, 2, 9, 64)), "at least 1"),
+    "float32": (lambda: (meta(1, 2, 8, 64, dtype=torch.float32),) * 3, "float16 or all bfloat16"),
+    "mixed dtypes": (lambda: (meta(1, 2, 8, 64), meta(1, 2, 8, 64, dtype=torch.bfloat16), meta(1, 2, 8, 64)),
+                     "float16 or all bfloat16"),
+    "D = 96": (lambda: (meta(1, 2, 8, 96),) * 3, "must be one of (64, 128); got 96"),
+    "a transposed k": (lambda: (meta(1, 2, 8, 64), meta(1, 8, 2, 64).transpose(1, 2), meta(1, 2, 8, 64)),
+                       "contiguous (.contiguous() makes a copy that is); not: k"),
+    "CPU tensors": (lambda: (torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16),) * 3, "must be on one CUDA GPU"),
+    "not tensors": (lambda: ([1.0], [2.0], [3.0]), "must be tensors"),
+}
+
+
+@pytest.mark.parametrize("what", BAD_INPUTS)
+def test_inputs_the_kernels_do_not_take_are_refused_in_one_line(what, monkeypatch):
+    make, says = BAD_INPUTS[what]
+    monkeypatch.setattr(ops, "launch_fastest", lambda *a: pytest.fail("launched on inputs it should refuse"))
+    with pytest.raises(ValueError) as error:
+        ops.attention(*make())
+    assert str(error.value).startswith("ops.attention: ") and says in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("gpu,stage,arch", [(H100, "stage4_hopper", "sm_90a"), (A100, "stage3_pipeline", "sm_80"),
+                                            (L4, "stage3_pipeline", "sm_89")])
+def test_the_forward_is_the_fastest_stage_the_gpu_runs(gpu, stage, arch):
+    chosen, chosen_arch = ops.fastest_stage("attention", gpu)
+    assert (chosen.name, chosen_arch) == (stage, arch)
+
+
+def test_a_problem_no_stage_runs_here_is_a_one_line_error():
+    turing = SimpleNamespace(name="Tesla T4", major=7, minor=5)
+    with pytest.raises(RuntimeError, match=r"^no course stage solves attention on this GPU \(Tesla T4, sm_75\)$"):
+        ops.fastest_stage("attention", turing)
+
+
+# ---------------------------------------------------------------- the autograd plumbing, without a GPU
+
+def gradients(attention, q, k, v, grad_o):
+    """(dq, dk, dv) of attention(q, k, v) for the output's gradient grad_o."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    attention(*leaves).backward(grad_o)
+    return [t.grad for t in leaves]
+
+
+def scores_of(q, k, scale, causal):
+    scores = (q @ k.transpose(-1, -2)) * scale
+    return scores.masked_fill(causal_mask(q.shape[2], k.shape[2], q.device), float("-inf")) if causal else scores
+
+
+def math_launches(problem, q, *rest):
+    """Stands in for launch_fastest: the kernels' contract in PyTorch math. The backward recomputes P from
+    the O and LSE the forward wrote (as a FlashAttention backward does), so that both must reach it."""
+    if problem == "attention":
+        k, v, o, lse, scale, causal = rest
+        scores = scores_of(q, k, scale, causal)
+        lse.copy_(torch.logsumexp(scores, dim=-1))
+        o.copy_(torch.softmax(scores, dim=-1) @ v)
+        return
+    k, v, o, lse, grad_o, dq, dk, dv, scale, causal = rest
+    assert grad_o.is_contiguous(), "the backward kernel was given a strided gradient"
+    p = torch.exp(scores_of(q, k, scale, causal) - lse[..., None])
+    grad_p = grad_o @ v.transpose(-1, -2)
+    grad_scores = p * (grad_p - (grad_o * o).sum(-1, keepdim=True)) * scale  # softmax's backward, through O
+    dq.copy_(grad_scores @ k)
+    dk.copy_(grad_scores.transpose(-1, -2) @ q)
+    dv.copy_(p.transpose(-1, -2) @ grad_o)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_gets_what_forward_saved_and_returns_the_gradients_in_order(causal, monkeypatch):
+    monkeypatch.setattr(ops, "launch_fastest", math_launches)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, seq, 64, generator=gen, dtype=torch.float64) for seq in (13, 21, 21))
+    grad_o = torch.randn(2, 13, 3, 64, generator=gen, dtype=torch.float64).transpose(1, 2)  # strided
+    ours = gradients(lambda q, k, v: ops.Attention.apply(q, k, v, causal, 0.3), q, k, v, grad_o)
+    torch_math = gradients(lambda q, k, v: torch.softmax(scores_of(q, k, 0.3, causal), -1) @ v, q, k, v, grad_o)
+    for name, mine, expected in zip(("dq", "dk", "dv"), ours, torch_math):
+        torch.testing.assert_close(mine, expected, rtol=1e-5, atol=1e-5, msg=name)  # the LSE is fp32
+
+
+# ---------------------------------------------------------------- on a GPU
+
+# (B, H, Sq, Skv, D, causal, dtype): both dtypes, both head dimensions, both masks, Sq != Skv both ways
+# (rows past Skv see every key when causal), a length no tile divides, a single query row, longer sequences.
+SHAPES = [(2, 3, 128, 128, 64, False, "float16"), (1, 2, 239, 239, 128, True, "bfloat16"),
+          (2, 2, 239, 239, 64, True, "float16"), (1, 2, 100, 333, 128, True, "float16"),
+          (1, 2, 333, 100, 64, True, "bfloat16"), (2, 1, 1, 77, 64, False, "bfloat16"),
+          (1, 2, 1000, 1000, 128, False, "bfloat16"), (2, 4, 1024, 1024, 64, True, "float16")]
+SHAPE_IDS = [f"B{b} H{h} Sq{sq} Skv{skv} D{d} {'causal' if c else 'full'} {dt}" for b, h, sq, skv, d, c, dt in SHAPES]
+
+
+def inputs_of(B, H, Sq, Skv, D, causal, dtype) -> dict:
+    return ATTENTION.make_inputs(dict(B=B, H=H, Sq=Sq, Skv=Skv, D=D, causal=causal), dtype, seed=0)
+
+
+def failures(checks) -> str:
+    return "; ".join(f"{c.output}: max error {c.kernel.max_abs:.3g} > tolerance {c.tolerance:.3g} "
+                     f"(PyTorch's {c.library.max_abs:.3g})" for c in checks if not c.passed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_the_output_passes_the_tolerance_rule(shape):
+    inputs = inputs_of(*shape)
+    o = ops.attention(inputs["q"], inputs["k"], inputs["v"], causal=inputs["causal"])  # scale: 1/√D by default
+    check = relative_to_library("o", o, ATTENTION.reference(inputs)["o"], sdpa(inputs))
+    assert check.passed, failures([check])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_the_gradients_pass_the_tolerance_rule(shape):
+    try:
+        ops.fastest_stage_on("attention_backward", torch.cuda.current_device())
+    except RuntimeError as error:
+        pytest.skip(f"no backward to test: {error}")
+    inputs = inputs_of(*shape)
+    scale, causal = inputs["scale"], inputs["causal"]
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    grad_o = torch.randn_like(q)
+    ours = gradients(lambda q, k, v: ops.attention(q, k, v, causal=causal, scale=scale), q, k, v, grad_o)
+    library = gradients(lambda q, k, v: sdpa(dict(q=q, k=k, v=v, scale=scale, causal=causal)), q, k, v, grad_o)
+    exact = gradients(lambda q, k, v: ATTENTION.reference(dict(q=q, k=k, v=v, scale=scale, causal=causal))["o"],
+                      q.double(), k.double(), v.double(), grad_o.double())
+    checks = [relative_to_library(name, *grads) for name, *grads in zip(("dq", "dk", "dv"), ours, exact, library)]
+    assert all(c.passed for c in checks), failures(checks)
