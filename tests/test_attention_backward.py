@@ -94,3 +94,27 @@ def test_the_library_passes_its_own_rule_and_the_baselines_run():
         for run in runs.values():
             assert run() is None and run() is None  # a backward alone: the second call reuses the graph
     assert P.forward == "attention" and set(FORWARD.outputs) <= set(inputs)
+
+
+# ---- the grader's forward + backward ----------------------------------------------------------------
+def test_the_forward_timed_before_a_backward_is_the_highest_stage_that_runs_on_the_gpu():
+    from grader.device import GpuInfo
+    from grader.run import forward_stage
+
+    h100 = GpuInfo("NVIDIA H100 80GB HBM3", 9, 0, 132, 50 << 20, 1980, 80 << 30, "13.0")
+    a100 = GpuInfo("NVIDIA A100-SXM4-80GB", 8, 0, 108, 40 << 20, 1410, 80 << 30, "12.4")
+    assert forward_stage(P, h100).key == "stage4_hopper"
+    assert forward_stage(P, a100).key == "stage3_pipeline"
+    assert forward_stage(FORWARD, h100) is None  # a problem with no forward
+
+
+def test_forward_backward_figures_count_both_problems_work():
+    from grader.run import _forward_backward_figures
+
+    shape = dict(B=16, H=16, Sq=2048, Skv=2048, D=64, causal=True)
+    event = {"stage": "stage4_hopper", "skipped": {"math": "out of memory"},
+             "timings": {"kernel": {"ms": 2.0}, "flash": {"ms": 3.0}, "naive": {"ms": 30.0}}}
+    figures = _forward_backward_figures(event, shape, P)
+    assert figures["ms"] == 2.0 and figures["stage"] == "stage4_hopper"
+    assert figures["baselines"] == {"flash": 3.0, "naive": 30.0, "math": None}
+    assert figures["tflops"] == pytest.approx(3.5 * FORWARD.flops(shape) / 2.0 / 1e9)
