@@ -7,6 +7,8 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+from grader.grading import reference_of
+
 console = Console(highlight=False)
 INDENT, SEPARATOR = 2, " · "  # of a record's lines (cells hold commas and semicolons of their own)
 
@@ -120,6 +122,7 @@ def print_benchmarks(result: dict, gpu_name: str) -> None:
                "vs naive", "extra memory", "occupancy"]
     show(f"Speed on {gpu_name} (median of side-by-side runs, L2 flushed)", columns, rows, right=tuple(columns[1:]))
     print_baselines(result["benchmarks"])
+    print_forward_backward(result["benchmarks"])
     print_previous_stage(result["benchmarks"])
     for bench in result["benchmarks"]:
         for note in bench.get("notes", []):
@@ -141,6 +144,24 @@ def print_baselines(benchmarks: list[dict]) -> None:
                 cells.append(why or ("—" if ms is None else f"{ms:.3f}; {_mib(mem)}"))
             rows.append([bench["label"], *cells])
     show("Baselines (ms; extra memory)", ["shape", *names], rows, right=tuple(names))
+
+
+def print_forward_backward(benchmarks: list[dict]) -> None:
+    """A backward's stage: the course's forward kernel then this one, against each library's forward +
+    backward, timed in the same loop (the rows' "forward_backward", from run.py)."""
+    timed = [(bench["label"], bench["forward_backward"]) for bench in benchmarks if bench.get("forward_backward")]
+    if not timed:
+        return
+    names = sorted({n for _, both in timed for n in both["baselines"]})
+    rows = []
+    for label, both in timed:
+        ref = reference_of(both["baselines"])
+        cells = [both["skipped"].get(n) or _fmt(both["baselines"].get(n), ".3f") for n in names]
+        rows.append([label, f"{both['ms']:.3f}", _fmt(both["tflops"], ".1f"), *cells,
+                     f"{ref[1] / both['ms']:.2f}x vs {ref[0]}" if ref else "—"])
+    columns = ["shape", "ours", "TFLOP/s", *names, "speed-up"]
+    show(f"Forward + backward (ms): {timed[0][1]['stage']}, then this kernel, beside each library's",
+         columns, rows, right=tuple(columns[1:]))
 
 
 def print_previous_stage(benchmarks: list[dict]) -> None:

@@ -152,6 +152,38 @@ def previous_stage_job(stage, gpu) -> dict | None:
     return {"stage": before.key, "cubins": _paths(compile_stage(before, before.source_path, arch))}
 
 
+def forward_stage(problem, gpu):
+    """The course's kernel for the forward of `problem` (its `forward`) on this GPU: the highest-numbered
+    stage solving that problem whose archs this GPU runs; None where there is none."""
+    def runs_here(stage) -> bool:
+        try:
+            arch_for(gpu, stage.archs)
+        except ValueError:
+            return False
+        return True
+
+    found = [s for s in map(stages.load, stages.stage_names()) if s.problem == problem.forward and runs_here(s)]
+    return found[-1] if found else None
+
+
+def forward_stage_job(problem, gpu) -> dict | None:
+    """forward_stage compiled for this GPU, for the worker to time before this stage (forward + backward)."""
+    stage = forward_stage(problem, gpu)
+    if stage is None:
+        return None
+    return {"stage": stage.key, "cubins": _paths(compile_stage(stage, stage.source_path, arch_for(gpu, stage.archs)))}
+
+
+def _forward_backward_figures(event: dict, shape: dict, problem) -> dict:
+    """The forward stage then this kernel, against each library's forward + backward (event: the worker's)."""
+    timings = event["timings"]
+    ms = timings["kernel"]["ms"]
+    baselines = {n: t["ms"] for n, t in timings.items() if n != "kernel"} | {n: None for n in event["skipped"]}
+    flops = reference.load(problem.forward).flops(shape) + problem.flops(shape)
+    return {"stage": event["stage"], "ms": ms, "baselines": baselines, "skipped": event["skipped"],
+            "tflops": flops / ms / 1e9}
+
+
 def _previous_stage_figures(timings: dict, previous: dict | None, ms: float) -> dict | None:
     if previous is None or PREVIOUS not in timings:
         return None
@@ -162,6 +194,7 @@ def _previous_stage_figures(timings: dict, previous: dict | None, ms: float) -> 
 def benchmark(stage, cubins, gpu, timeout_s: float, budget_s: float, progress) -> list[dict]:
     problem = reference.load(stage.problem)
     previous = previous_stage_job(stage, gpu)
+    forward = forward_stage_job(problem, gpu)
     shapes = problem.benchmarks() + list(stage.extra_benchmarks)
     spec = spec_for(gpu.name)
     rows: dict[int, dict] = {}
@@ -185,6 +218,8 @@ def benchmark(stage, cubins, gpu, timeout_s: float, budget_s: float, progress) -
                                              problem.min_bytes(shape), spec))
         if previous_stage:
             row["previous_stage"] = previous_stage
+        if "forward_backward" in event:
+            row["forward_backward"] = _forward_backward_figures(event["forward_backward"], shape, problem)
         if notes := problem.notes(shape, kernel["ms"], baseline_ms):
             row["notes"] = notes
         if not event["output_written"]:
@@ -192,7 +227,8 @@ def benchmark(stage, cubins, gpu, timeout_s: float, budget_s: float, progress) -
         rows[event["index"]] = row
         progress("bench", len(rows), len(shapes), row["label"], True)
 
-    job = _job(stage, cubins, "benchmark", l2_bytes=gpu.l2_bytes, budget_s=budget_s, previous=previous)
+    job = _job(stage, cubins, "benchmark", l2_bytes=gpu.l2_bytes, budget_s=budget_s, previous=previous,
+               forward=forward)
     failures = run_items(job, "shapes", list(enumerate(shapes)), on_done, timeout_s)
     for index, failure in failures.items():
         rows[index] = {"shape": {k: v for k, v in shapes[index].items() if k != "dtype"},

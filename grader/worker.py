@@ -47,14 +47,17 @@ class Worker:
         self._kernel_sets = {}
         previous = job.get("previous")
         self.previous = (stages.load(previous["stage"]), previous["cubins"]) if previous else None
+        forward = job.get("forward")  # the course's kernel for the problem's forward (problem.forward)
+        self.forward = (stages.load(forward["stage"]), forward["cubins"]) if forward else None
 
-    def kernels_for(self, inputs: dict, stage=None, cubins: dict | None = None):
-        """The KernelSet these inputs need: of this stage, or of `stage` compiled as `cubins`."""
+    def kernels_for(self, inputs: dict, stage=None, cubins: dict | None = None, problem=None):
+        """The KernelSet these inputs need: of this stage, or of `stage` (solving `problem`, if not this
+        stage's) compiled as `cubins`."""
         from stages.common.launcher import KernelSet
         from stages import variant_key
 
-        stage, cubins = stage or self.stage, cubins or self.job["cubins"]
-        key = variant_key(stage.defines(self.problem.variant(inputs)))
+        stage, cubins, problem = stage or self.stage, cubins or self.job["cubins"], problem or self.problem
+        key = variant_key(stage.defines(problem.variant(inputs)))
         if (stage.key, key) not in self._kernel_sets:
             if key not in cubins:
                 raise ValueError(f"{stage.key} was not compiled for {key}")
@@ -125,24 +128,55 @@ class Worker:
         def ours():
             self.problem.run_stage(self.stage, kernels, inputs, outputs)
 
-        candidates = {"kernel": ours}
-        skipped = {}
         others = dict(self.problem.baselines(inputs))
         if self.previous:
             others[PREVIOUS] = self.previous_stage_run(inputs)
-        for name, run in others.items():
-            try:
-                run()
-                torch.cuda.synchronize()
-                candidates[name] = run
-            except torch.cuda.OutOfMemoryError:
-                skipped[name] = "out of memory"
-            torch.cuda.empty_cache()
+        candidates, skipped = self.first_runs(others)
+        candidates = {"kernel": ours, **candidates}
         memory = {name: extra_memory(run) for name, run in candidates.items() if name != PREVIOUS}
         timings = time_side_by_side(candidates, self.job["l2_bytes"], budget_s=self.job["budget_s"])
         occupancy = {name: kernels.occupancy(name) | vars(kernels.launches[name]) for name in kernels.launches}
-        return dict(timings={n: t.as_dict() for n, t in timings.items()}, memory=memory, skipped=skipped,
-                    output_written=written, launches=occupancy)
+        result = dict(timings={n: t.as_dict() for n, t in timings.items()}, memory=memory, skipped=skipped,
+                      output_written=written, launches=occupancy)
+        if self.forward:
+            del others, candidates  # a backward baseline keeps its forward's graph: not beside the next ones
+            result["forward_backward"] = self.forward_backward(inputs, outputs, kernels)
+        return result
+
+    def first_runs(self, runs: dict) -> tuple[dict, dict]:
+        """The callables of `runs` whose first call succeeds, and {name: why} for those out of memory."""
+        import torch
+
+        ran, skipped = {}, {}
+        for name, run in runs.items():
+            try:
+                run()
+                torch.cuda.synchronize()
+                ran[name] = run
+            except torch.cuda.OutOfMemoryError:
+                skipped[name] = "out of memory"
+            torch.cuda.empty_cache()
+        return ran, skipped
+
+    def forward_backward(self, inputs: dict, outputs: dict, kernels) -> dict:
+        """The forward stage's kernel, then this one on its outputs, timed beside the library's forward +
+        backward (problem.forward_backward_baselines): {"stage": the forward's key, "timings", "skipped"}."""
+        import reference
+        from grader.timing import time_side_by_side
+
+        stage, cubins = self.forward
+        forward_problem = reference.load(self.problem.forward)
+        forward_kernels = self.kernels_for(inputs, stage, cubins, forward_problem)
+        forward_outputs = forward_problem.allocate_outputs(inputs)
+        backward_inputs = {**inputs, **forward_outputs}  # the forward's outputs in place of the exact ones
+
+        def ours():
+            forward_problem.run_stage(stage, forward_kernels, inputs, forward_outputs)
+            self.problem.run_stage(self.stage, kernels, backward_inputs, outputs)
+
+        candidates, skipped = self.first_runs(self.problem.forward_backward_baselines(inputs))
+        timings = time_side_by_side({"kernel": ours, **candidates}, self.job["l2_bytes"], budget_s=self.job["budget_s"])
+        return {"stage": stage.key, "timings": {n: t.as_dict() for n, t in timings.items()}, "skipped": skipped}
 
 
     def previous_stage_run(self, inputs: dict):

@@ -77,14 +77,7 @@ class AttentionProblem(Problem):
 
     # ---- inputs and outputs -------------------------------------------------------------------
     def make_inputs(self, shape: dict, dtype: str, seed: int, input_scale: float = 1.0, device="cuda") -> dict:
-        gen = torch.Generator(device=device).manual_seed(seed)
-        B, H, Sq, Skv, D = (shape[k] for k in ("B", "H", "Sq", "Skv", "D"))
-        dt = getattr(torch, dtype)
-
-        def rand(S):
-            return (torch.randn(B, H, S, D, generator=gen, device=device) * input_scale).to(dt)
-
-        return dict(q=rand(Sq), k=rand(Skv), v=rand(Skv), scale=1.0 / math.sqrt(D), causal=bool(shape["causal"]))
+        return random_inputs(shape, dtype, torch.Generator(device=device).manual_seed(seed), input_scale)
 
     def allocate_outputs(self, inputs: dict) -> dict:
         q = inputs["q"]
@@ -141,6 +134,16 @@ class AttentionProblem(Problem):
     def min_bytes(shape: dict, element_bytes: int = 2) -> float:
         B, H, Sq, Skv, D = (shape[k] for k in ("B", "H", "Sq", "Skv", "D"))
         return B * H * ((2 * Sq + 2 * Skv) * D * element_bytes + Sq * 4)
+
+
+def random_inputs(shape: dict, dtype: str, gen: torch.Generator, input_scale: float = 1.0) -> dict:
+    """Q, K and V drawn from `gen` in that order (on its device), the scale and the mask."""
+    B, H, Sq, Skv, D = (shape[k] for k in ("B", "H", "Sq", "Skv", "D"))
+
+    def rand(S):
+        return (torch.randn(B, H, S, D, generator=gen, device=gen.device) * input_scale).to(getattr(torch, dtype))
+
+    return dict(q=rand(Sq), k=rand(Skv), v=rand(Skv), scale=1.0 / math.sqrt(D), causal=bool(shape["causal"]))
 
 
 def visible_pairs(seq_q: int, seq_kv: int, causal: bool) -> int:

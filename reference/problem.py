@@ -37,6 +37,9 @@ class Problem(abc.ABC):
     primary_input: str              # the input whose dtype is the problem's dtype
     dtypes: tuple[str, ...] = DTYPES
     parameters: dict[str, tuple] = {}  # parameters a kernel may be compiled for -> the values the cases take
+    # The problem whose outputs are inputs of this one under the same names (a backward's forward): the
+    # grader then also times the course's kernel for it followed by this one (forward_backward_baselines).
+    forward: str | None = None
 
     # ---- cases and shapes
     @abc.abstractmethod
@@ -85,6 +88,11 @@ class Problem(abc.ABC):
     @abc.abstractmethod
     def baselines(self, inputs: dict) -> dict:
         """Library implementations (and "naive", plain PyTorch) to time beside a kernel: name -> callable."""
+
+    def forward_backward_baselines(self, inputs: dict) -> dict:
+        """Where `forward` is set: library implementations that run the forward and this problem on these
+        inputs, to time beside the course's forward kernel followed by this one; name -> callable."""
+        return {}
 
     def notes(self, shape: dict, ms: float, baseline_ms: dict) -> list[str]:
         """A problem's own remarks on one shape's timings (e.g. a share of the whole MoE layer)."""

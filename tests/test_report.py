@@ -64,3 +64,24 @@ def test_wide_terminals_get_tables_narrow_ones_records():
     narrow = rendered(80)
     assert "┃ variant" not in narrow and "fp16 D64 attention_fwd" in narrow.splitlines()
     assert "┃ shape             ┃    cudnn" in narrow  # the baselines' table fits 80 columns: kept
+
+
+FORWARD_BACKWARD = {"stage": "stage4_hopper", "ms": 4.321, "tflops": 312.4, "skipped": {"math": "out of memory"},
+                    "baselines": {"cudnn": 5.678, "flash": 6.789, "naive": 40.5, "math": None}}
+
+
+@pytest.mark.parametrize("width", [220, 120, 80, 60])
+def test_a_backwards_forward_and_backward_are_shown_whole_at_any_width(width, monkeypatch):
+    result = fake_result()
+    result["benchmarks"][0]["forward_backward"] = FORWARD_BACKWARD
+    monkeypatch.setattr(report, "console", Console(record=True, width=width))
+    report.print_stage(result, "NVIDIA H100 80GB HBM3")
+    lines = report.console.export_text().splitlines()
+    for expected in ("Forward + backward", "stage4_hopper", "4.321", "312.4", "5.678", "6.789", "40.500",
+                     "out of memory", "1.31x vs cudnn"):
+        assert any(expected in line for line in lines), f"{expected!r} is not whole on a line at {width} columns"
+    assert all(len(line.rstrip()) <= width for line in lines)
+
+
+def test_a_forward_only_stage_has_no_forward_and_backward_table():
+    assert "Forward + backward" not in rendered(220)
