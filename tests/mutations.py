@@ -22,6 +22,12 @@ MUTATIONS = {
                                          ("v1 = silu(v1) * acc[j + OUT_FRAGS][2 * half + 1];", "v1 = v1 * silu(acc[j + OUT_FRAGS][2 * half + 1]);")]),
     # the producer loads the next expert's weights for every tile
     "tile_in_wrong_expert": ("stage6", [("kb * BLOCK_K, tile.expert);", "kb * BLOCK_K, (tile.expert + 1) % experts);")]),
+    # the backward's causal mask off by one: each key's gradient also takes the query just before it
+    "backward_causal_off_by_one": ("stage8", [("s[n][c] = mask && ahead + 8 * (c / 2) - c % 2 > 8 * n ? 0.0f : p;",
+                                               "s[n][c] = mask && ahead + 8 * (c / 2) - c % 2 > 8 * n + 1 ? 0.0f : p;")]),
+    # dQ's parts added for half of each row only: the other half of dQ stays 0
+    "backward_dq_half_added": ("stage8", [("        if (row >= rows) continue;\n        float* to",
+                                           "        if (row >= rows || chunk >= CHUNKS / 2) continue;\n        float* to")]),
     # a write far outside any buffer: an illegal address
     "crash": ("stage0", [("    __syncthreads();\n\n    float dot", "    __syncthreads();\n    scores[(size_t)1 << 40] = 1.0f;\n\n    float dot")]),
     # a kernel that never finishes

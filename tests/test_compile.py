@@ -15,6 +15,7 @@ TEACHES = {
     "stage4_hopper": {"HGMMA", "UTMALDG"},
     "stage6_grouped_gemm": {"HGMMA", "UTMALDG"},
     "stage7_moe_layer": {"HGMMA", "UTMALDG"},
+    "stage8_backward": {"HMMA", "LDSM", "LDGSTS"},
 }
 
 PAIRS = [(name, arch) for name in stages.stage_names() for arch in stages.load(name).archs]

@@ -58,7 +58,8 @@ def test_an_untouched_exercise_fails_or_grades_two_bands_below_the_solution(name
 
 @pytest.mark.parametrize("mutation,cases", [("no_max_subtraction", "x10"), ("half_written_output", "Sq17|Sq239"),
                                             ("causal_off_by_one", "causal"), ("swiglu_halves_swapped", "T1000 E32"),
-                                            ("tile_in_wrong_expert", "T1000 E32")])
+                                            ("tile_in_wrong_expert", "T1000 E32"),
+                                            ("backward_causal_off_by_one", "causal"), ("backward_dq_half_added", "Sq1000")])
 def test_wrong_kernels_fail(mutation, cases, tmp_path):
     stage, path = mutate(mutation, tmp_path)
     if not _runnable(stage.name):

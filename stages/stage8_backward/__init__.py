@@ -1,0 +1,68 @@
+"""Stage 8 — attention backward: FlashAttention-2's backward on tensor cores
+
+dQ, dK and dV from Q, K, V, O, the LSE and dO, never storing P: one block per tile of 128 keys keeps
+its dK and dV in registers while it walks the query tiles, recomputing P from Q, K and the LSE; five
+mma.sync products per tile, fed by stage 3's cp.async ring; dQ summed over key tiles with fp32 atomics.
+"""
+import torch
+
+from stages import Goal, Stage
+from stages.common.attention import by_head_dim, head_slices
+
+# What the launch uses, per head dimension, as attention.cu computes it (the grader checks each value
+# against the kernel): 8 warps × 16 keys per block, query tiles of 64 rows; dynamic shared memory, the
+# K and V tiles, 2 buffers of Q and dO, the dSᵀ tile, 2 buffers of the LSE and Δ; rows of the query-side
+# vectors per preprocess block; the threads of the preprocess and of the dQ conversion. At D = 128 a block
+# takes 145 KB of shared memory: an A100's or an H100's SM holds it, an sm_86/sm_89 GPU's (99 KB) does not.
+GEOMETRY = {64: {"BLOCK_N": 128, "BLOCK_M": 64, "NUM_THREADS": 256, "SHARED_BYTES": 82944,
+                 "ROWS_PER_PREPROCESS_BLOCK": 32, "PREPROCESS_THREADS": 256, "CONVERT_THREADS": 256},
+            128: {"BLOCK_N": 128, "BLOCK_M": 64, "NUM_THREADS": 256, "SHARED_BYTES": 148480,
+                  "ROWS_PER_PREPROCESS_BLOCK": 16, "PREPROCESS_THREADS": 256, "CONVERT_THREADS": 256}}
+
+KERNELS = {
+    "attention_bwd_preprocess": "const elem_t*, const elem_t*, const float*, float*, float*, float*, int, int, int",
+    "attention_bwd": "const elem_t*, const elem_t*, const elem_t*, const elem_t*, const float*, const float*, float*, "
+                     "elem_t*, elem_t*, int, int, int, float, int",
+    "attention_bwd_dq": "const float*, elem_t*, float, int",
+}
+
+
+def _blocks(n: int, per_block: int) -> int:
+    return -(-n // per_block)
+
+
+def launch(kernels, q, k, v, o, lse, d_o, dq, dk, dv, scale, causal) -> None:
+    batch, heads, seq_q, head_dim = q.shape
+    seq_kv = k.shape[2]
+    launched = GEOMETRY[head_dim]
+    # Workspace: the LSE in log2 units and Δ per query row, padded to whole query tiles; dQ in fp32.
+    seq_q_padded = _blocks(seq_q, launched["BLOCK_M"]) * launched["BLOCK_M"]
+    lse_log2 = torch.empty(batch, heads, seq_q_padded, dtype=torch.float32, device=q.device)
+    delta = torch.empty_like(lse_log2)
+    dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+
+    rows = batch * heads * seq_q_padded
+    kernels.attention_bwd_preprocess((_blocks(rows, launched["ROWS_PER_PREPROCESS_BLOCK"]),),
+                                     (launched["PREPROCESS_THREADS"],), o, d_o, lse, lse_log2, delta, dq_accum,
+                                     seq_q, seq_q_padded, batch * heads)
+    for q_, k_, v_, do_, lse_, delta_, dqa_, dk_, dv_ in head_slices(q, k, v, d_o, lse_log2, delta, dq_accum, dk, dv):
+        kernels.attention_bwd((_blocks(seq_kv, launched["BLOCK_N"]), q_.shape[0]), (launched["NUM_THREADS"],),
+                              q_, k_, v_, do_, lse_, delta_, dqa_, dk_, dv_, seq_q, seq_kv, seq_q_padded, scale,
+                              int(causal), smem=launched["SHARED_BYTES"])
+    groups = dq.numel() // 8
+    kernels.attention_bwd_dq((_blocks(groups, launched["CONVERT_THREADS"]),), (launched["CONVERT_THREADS"],),
+                             dq_accum, dq, scale, groups)
+
+
+STAGE = Stage(
+    name="stage8_backward",
+    problem="attention_backward",
+    source="attention.cu",
+    kernels=KERNELS,
+    launch=launch,
+    specializations={"HEAD_DIM": "D"},
+    geometry=by_head_dim(GEOMETRY),
+    goal=Goal("cudnn", 0.8),
+    extra_benchmarks=tuple(dict(B=8, H=16, Sq=4096, Skv=4096, D=128, causal=causal, dtype="float16")
+                           for causal in (False, True)),
+)

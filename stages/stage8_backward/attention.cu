@@ -1,0 +1,460 @@
+// Stage 8 — attention backward: FlashAttention-2's backward pass on tensor cores.
+//
+// Given the forward's O and LSE and the gradient dO, compute dQ, dK and dV without ever storing
+// the Sq × Skv matrix P: each block owns one tile of BLOCK_N keys of one (batch, head), keeps its
+// dK and dV in fp32 registers, and walks every tile of BLOCK_M queries that sees those keys,
+// recomputing P from Q, K and the LSE. Per query tile, five products (scale = 1/√D):
+//
+//     Sᵀ  = K Qᵀ                      (BLOCK_N × BLOCK_M)   recompute the scores
+//     Pᵀ  = exp(scale·Sᵀ − LSE)                             ... and the probabilities
+//     dV += Pᵀ dO                     (BLOCK_N × D)
+//     dPᵀ = V dOᵀ                     (BLOCK_N × BLOCK_M)
+//     dSᵀ = Pᵀ ∘ (dPᵀ − Δ)            Δ_i = rowsum(dO_i ∘ O_i), computed once by the preprocess
+//     dK += scale · dSᵀ Q             (BLOCK_N × D)
+//     dQ += scale · dS K              (BLOCK_M × D)  -- summed over every key tile: fp32 atomics
+//
+// The block computes the transposed products (keys as rows): each warp owns 16 keys, so Pᵀ and dSᵀ
+// come out of the mma accumulators already in the layout of the A operand of dV += Pᵀ dO and
+// dK += dSᵀ Q (mma.cuh, p_as_a_operand): no shuffle. dQ needs dS the other way round, with
+// queries as rows: dSᵀ goes through shared memory, and ldmatrix.trans reads it back transposed.
+//
+// Three kernels: attention_bwd_preprocess (Δ, the LSE in log2 units, a zeroed fp32 dQ), attention_bwd
+// (the loop above), attention_bwd_dq (the fp32 dQ scaled and rounded to elem_t). Tensors are
+// [B, H, S, D], contiguous; blockIdx.y walks the (batch, head) pairs. Causal masking is top-left
+// aligned, as in PyTorch: query i sees keys j <= i.
+#include "mma.cuh"
+#include "cp_async.cuh"
+
+// The tile configuration, per head dimension.
+//   Keys: 8 warps × 16 = 128 per block, the block's dK and dV in registers for the whole loop:
+//         2 × D/2 fp32 registers per thread (64 at D = 64, 128 at D = 128).
+//   Queries: tiles of 64, double-buffered (Q, dO, LSE and Δ of tile i+1 load during tile i).
+//   Sᵀ and dPᵀ of one query tile: 2 × 32 fp32 registers per thread.
+// At D = 64 the warp's K and V rows (the A operands of Sᵀ and dPᵀ) stay in registers too (16 each);
+// at D = 128 they would not fit beside 192 registers of accumulators and are re-read from shared
+// memory, one k-step at a time.
+constexpr int NUM_WARPS = 8;
+constexpr int NUM_THREADS = NUM_WARPS * 32;
+constexpr int BLOCK_N = 16 * NUM_WARPS;             // keys per block
+constexpr int BLOCK_M = 64;                         // queries per step of the loop
+constexpr int Q_STAGES = 2;                         // buffers of the query-side tiles
+constexpr bool KV_IN_REGISTERS = HEAD_DIM == 64;
+constexpr int KV_HELD_STEPS = KV_IN_REGISTERS ? HEAD_DIM / 16 : 1;
+constexpr int D_STEPS = HEAD_DIM / 16;              // k-steps of a product over d
+constexpr int D_FRAGS = HEAD_DIM / 8;               // n8 fragments of a 16 × D accumulator
+constexpr int M_STEPS = BLOCK_M / 16;               // k-steps of a product over the query tile
+constexpr int M_FRAGS = BLOCK_M / 8;                // n8 fragments of a warp's 16 × BLOCK_M scores
+// dQ = dS K: the BLOCK_M × D product is split among the warps, M_STEPS m16 tiles × DQ_SPLIT parts of d.
+constexpr int DQ_SPLIT = NUM_WARPS / M_STEPS;
+constexpr int DQ_COLS = HEAD_DIM / DQ_SPLIT;
+constexpr int DQ_FRAGS = DQ_COLS / 8;
+constexpr int STAGING_BYTES = 16 * DQ_COLS * 4;     // a warp's part of dQ in fp32 (add_to_dq)
+// Shared memory: [K][V][Q ring][dO ring][dSᵀ][LSE ring][Δ ring], all tiles swizzled (see stage 3).
+constexpr int ROW_BYTES = HEAD_DIM * 2;
+constexpr int KV_TILE_BYTES = BLOCK_N * ROW_BYTES;
+constexpr int Q_TILE_BYTES = BLOCK_M * ROW_BYTES;
+constexpr int DS_ROW_BYTES = BLOCK_M * 2;           // dSᵀ: a row per key, BLOCK_M queries
+constexpr int DS_TILE_BYTES = BLOCK_N * DS_ROW_BYTES;
+constexpr int VECTOR_BYTES = BLOCK_M * 4;           // the LSE or Δ of a query tile, fp32
+constexpr int SHARED_BYTES = 2 * KV_TILE_BYTES + 2 * Q_STAGES * Q_TILE_BYTES + DS_TILE_BYTES +
+                             2 * Q_STAGES * VECTOR_BYTES;
+// The preprocess and the dQ conversion: 8 elements (16 bytes of elem_t) per thread.
+constexpr int PREPROCESS_THREADS = 256;
+constexpr int ROWS_PER_PREPROCESS_BLOCK = PREPROCESS_THREADS / (HEAD_DIM / 8);
+constexpr int CONVERT_THREADS = 256;
+static_assert(sizeof(elem_t) == 2, "ldmatrix and the chunk arithmetic assume 16-bit elements");
+static_assert(NUM_WARPS % M_STEPS == 0 && DQ_COLS % 16 == 0, "dQ's tiles divide among the warps");
+static_assert(NUM_WARPS / 2 * STAGING_BYTES <= Q_TILE_BYTES, "half the warps stage dQ in a Q buffer, half in a dO one");
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of ROW bytes per row: the chunk index
+// XOR row % 8, stage 3's swizzle, so that ldmatrix's 8 rows and the stores of a warp hit 8 distinct
+// groups of banks. Rows here are 128 or 256 bytes (8 or 16 chunks).
+template <int ROW>
+__device__ __forceinline__ unsigned swizzle(int row, int chunk) {
+    static_assert(ROW % 128 == 0, "the swizzle permutes the 8 chunks of each 128-byte line");
+    return row * ROW + ((chunk ^ (row % 8)) * 16);
+}
+
+// The same addresses for ldmatrix, in two parts. A lane reads row lane_row + R, chunk lane_chunk + C
+// of a tile, with R a multiple of 8 and C even (a 16 × 16 block at rows R, columns 8C); since C + lane_chunk
+// = C ^ lane_chunk and row % 8 = lane_row % 8,
+//     swizzle(R + lane_row, C + lane_chunk) = (swizzle(lane_row, lane_chunk) ^ 16·C) + R·ROW
+// (the XOR reaches no bit of R·ROW, nor of the tile's address: tiles start at multiples of ROW). So
+// each lane computes its address once per tile and order (lane_address), and every ldmatrix is one
+// XOR and an immediate offset: without this, ptxas holds dozens of per-block addresses in registers.
+template <int ROW>
+__device__ __forceinline__ unsigned lane_address(unsigned tile, int lane_row, int lane_chunk) {
+    return tile + swizzle<ROW>(lane_row, lane_chunk);
+}
+
+template <int ROW>
+__device__ __forceinline__ unsigned block_address(unsigned lane_base, int row, int chunk) {
+    return (lane_base ^ (16 * chunk)) + row * ROW;
+}
+
+// cp.async copies of rows [0, rows) of a row-major [*, HEAD_DIM] global tile into a swizzled tile of
+// TILE_ROWS rows; rows past `rows` are zero-filled (a zero query or key row adds nothing to any product).
+// A thread copies the same chunk of rows row0, row0 + ROWS_PER_STEP, ...: one swizzle term for all (a
+// multiple of 8 rows apart), so the addresses are two bases plus compile-time offsets. threadIdx.x is
+// read through a volatile asm, which ptxas cannot hoist: it recomputes the bases at each call rather
+// than holding a dozen per-copy addresses through the loop (stage 3's load_tile_from_base; held, they
+// spill at D = 128).
+template <int TILE_ROWS>
+__device__ __forceinline__ void load_tile_async(unsigned tile, const elem_t* source, int rows) {
+    constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;
+    constexpr int ROWS_PER_STEP = NUM_THREADS / CHUNKS_PER_ROW;
+    static_assert(ROWS_PER_STEP % 8 == 0 && TILE_ROWS % ROWS_PER_STEP == 0, "every thread copies as many chunks");
+    unsigned thread;
+    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(thread));
+    const int row0 = (int)(thread / CHUNKS_PER_ROW), chunk = (int)(thread % CHUNKS_PER_ROW);
+    const unsigned to = tile + swizzle<ROW_BYTES>(row0, chunk);
+    const elem_t* from = source + row0 * HEAD_DIM + chunk * 8;
+#pragma unroll
+    for (int step = 0; step < TILE_ROWS / ROWS_PER_STEP; ++step) {
+        const bool valid = row0 + step * ROWS_PER_STEP < rows;
+        cp_async_16(to + step * ROWS_PER_STEP * ROW_BYTES, valid ? from + step * ROWS_PER_STEP * HEAD_DIM : source,
+                    valid);  // an invalid copy reads nothing, but its address must be valid: row 0
+    }
+}
+
+// The BLOCK_M fp32 values of a query tile (the LSE or Δ; the preprocess padded them to whole tiles).
+__device__ __forceinline__ void load_vector_async(unsigned destination, const float* source) {
+    if (threadIdx.x < VECTOR_BYTES / 16) cp_async_16(destination + 16 * threadIdx.x, source + 4 * threadIdx.x, true);
+}
+
+struct QueryTile {  // the shared addresses of one buffer of the query-side ring
+    unsigned q, d_o, lse, delta;
+};
+
+__device__ __forceinline__ QueryTile query_buffer(unsigned q_ring, unsigned do_ring, unsigned lse_ring,
+                                                  unsigned delta_ring, int tile) {
+    const int b = tile % Q_STAGES;
+    return {q_ring + b * Q_TILE_BYTES, do_ring + b * Q_TILE_BYTES, lse_ring + b * VECTOR_BYTES,
+            delta_ring + b * VECTOR_BYTES};
+}
+
+__device__ __forceinline__ void load_query_tile_async(const QueryTile& to, const elem_t* q_head, const elem_t* do_head,
+                                                      const float* lse_head, const float* delta_head, int m0,
+                                                      int seq_q) {
+    load_tile_async<BLOCK_M>(to.q, q_head + (size_t)m0 * HEAD_DIM, seq_q - m0);
+    load_tile_async<BLOCK_M>(to.d_o, do_head + (size_t)m0 * HEAD_DIM, seq_q - m0);
+    load_vector_async(to.lse, lse_head + m0);
+    load_vector_async(to.delta, delta_head + m0);
+}
+
+// The A operand of k-step kk (d columns 16·kk ..) of the warp's 16 rows of a K or V tile.
+__device__ __forceinline__ void load_row_fragment(unsigned (&a)[4], unsigned tile, int row0, int kk, int lane) {
+    ldmatrix_x4(a, block_address<ROW_BYTES>(lane_address<ROW_BYTES>(tile, a_order_row(lane), a_order_chunk(lane)), row0,
+                                            2 * kk));
+}
+
+// acc[16 × BLOCK_M] = (the warp's 16 rows of K or V) · (the query tile of Q or dO)ᵀ: Sᵀ or dPᵀ.
+// The A operands come from `held` (KV_IN_REGISTERS) or are read from `rows_tile` one k-step at a
+// time; the query tile is the B operand, [query][d] = [n][k], read in ldmatrix's B order.
+__device__ __forceinline__ void warp_rows_times_queries(float (&acc)[M_FRAGS][4],
+                                                        const unsigned (&held)[KV_HELD_STEPS][4], unsigned rows_tile,
+                                                        int row0, unsigned query_tile, int lane) {
+#pragma unroll
+    for (int n = 0; n < M_FRAGS; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    const unsigned b_base = lane_address<ROW_BYTES>(query_tile, b_order_row(lane), b_order_chunk(lane));
+#pragma unroll
+    for (int kk = 0; kk < D_STEPS; ++kk) {
+        unsigned read[4];
+        if (!KV_IN_REGISTERS) load_row_fragment(read, rows_tile, row0, kk, lane);
+        const unsigned (&a)[4] = *(KV_IN_REGISTERS ? &held[kk % KV_HELD_STEPS] : &read);
+#pragma unroll
+        for (int m16 = 0; m16 < M_STEPS; ++m16) {
+            unsigned b[4];  // b[0], b[1] of queries 16·m16 + 0..7, then of + 8..15
+            ldmatrix_x4(b, block_address<ROW_BYTES>(b_base, 16 * m16, 2 * kk));
+            mma_m16n8k16<elem_t>(acc[2 * m16], a, b[0], b[1]);
+            mma_m16n8k16<elem_t>(acc[2 * m16 + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// acc[16 × D] += xᵀ-rows · (a query tile of Q or dO): dV += Pᵀ dO or dK += dSᵀ Q. x holds the warp's
+// 16 keys × BLOCK_M queries as mma accumulators, which are, pairwise, the A operand over the queries
+// (p_as_a_operand); the query tile is the B operand, [query][d] = [k][n], read with ldmatrix.trans.
+__device__ __forceinline__ void warp_accumulate(float (&acc)[D_FRAGS][4], const float (&x)[M_FRAGS][4],
+                                                unsigned query_tile, int lane) {
+    const unsigned b_base = lane_address<ROW_BYTES>(query_tile, a_order_row(lane), a_order_chunk(lane));
+#pragma unroll
+    for (int k16 = 0; k16 < M_STEPS; ++k16) {
+        unsigned a[4];
+        p_as_a_operand(x, k16, a);
+#pragma unroll
+        for (int d16 = 0; d16 < D_STEPS; ++d16) {
+            unsigned b[4];
+            ldmatrix_x4_trans(b, block_address<ROW_BYTES>(b_base, 16 * k16, 2 * d16));
+            mma_m16n8k16<elem_t>(acc[2 * d16], a, b[0], b[1]);
+            mma_m16n8k16<elem_t>(acc[2 * d16 + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// Pᵀ = exp(scale·Sᵀ − LSE), in place: s holds the warp's keys (rows g, g+8 of fragment n: c[0..1],
+// c[2..3]) against the tile's queries (columns 8n + 2t, +1). lse_log2 is the LSE in log2 units,
+// +inf for the padding rows past seq_q, whose p is then 0. When `mask`, keys after the query are 0:
+// key key0 + g + 8(c/2) > query m0 + 8n + 2t + c%2, i.e. `ahead` + 8(c/2) - c%2 > 8n with one
+// per-thread term, `ahead`, and compile-time constants (registers are scarce here).
+__device__ __forceinline__ void probabilities(float (&s)[M_FRAGS][4], const float* lse_log2, float scale_log2,
+                                              bool mask, int key0, int m0, int lane) {
+    const int ahead = key0 + lane / 4 - m0 - 2 * (lane % 4);
+#pragma unroll
+    for (int n = 0; n < M_FRAGS; ++n) {
+        const float2 lse = *reinterpret_cast<const float2*>(lse_log2 + 8 * n + 2 * (lane % 4));
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const float p = fast_exp2(s[n][c] * scale_log2 - (c % 2 ? lse.y : lse.x));
+            s[n][c] = mask && ahead + 8 * (c / 2) - c % 2 > 8 * n ? 0.0f : p;
+        }
+    }
+}
+
+// dSᵀ = Pᵀ ∘ (dPᵀ − Δ), in place in dp (same layout as probabilities' s).
+__device__ __forceinline__ void score_gradients(float (&dp)[M_FRAGS][4], const float (&p)[M_FRAGS][4],
+                                                const float* delta, int lane) {
+#pragma unroll
+    for (int n = 0; n < M_FRAGS; ++n) {
+        const float2 d = *reinterpret_cast<const float2*>(delta + 8 * n + 2 * (lane % 4));
+        // EXERCISE: the gradient of the scores. dP = dO Vᵀ is the gradient of P; the softmax turns it
+        // into dS = P ∘ (dP − Δ), with Δ_i = Σ_j P_ij dP_ij = rowsum(dO_i ∘ O_i) of query row i (the
+        // preprocess computed it: `d` holds Δ of this thread's two columns, d.x for c[0] and c[2],
+        // d.y for c[1] and c[3]). Overwrite dp[n][c] with dS for c = 0..3.
+        // STUB: (void)d;  // dp is left as dP: dK and dQ come out wrong
+        dp[n][0] = p[n][0] * (dp[n][0] - d.x);
+        dp[n][1] = p[n][1] * (dp[n][1] - d.y);
+        dp[n][2] = p[n][2] * (dp[n][2] - d.x);
+        dp[n][3] = p[n][3] * (dp[n][3] - d.y);
+        // END EXERCISE
+    }
+}
+
+// dSᵀ into shared memory, rounded to elem_t, for dQ = dS K: row = key, 16-byte chunks of 8 queries.
+__device__ __forceinline__ void store_score_gradients(unsigned ds_tile, const float (&ds)[M_FRAGS][4], int row0,
+                                                      int lane) {
+#pragma unroll
+    for (int n = 0; n < M_FRAGS; ++n)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = row0 + lane / 4 + 8 * r;
+            const unsigned pair = pack_pair<elem_t>(ds[n][2 * r], ds[n][2 * r + 1]);
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_tile + swizzle<DS_ROW_BYTES>(row, n) + 4 * (lane % 4)),
+                         "r"(pair)
+                         : "memory");
+        }
+}
+
+// The warp's 16 × DQ_COLS part of dQ, `acc` (mma accumulators), added to the fp32 dQ at `dq_block`
+// (row stride HEAD_DIM), rows < rows only. Every key tile's block adds to the same dQ, so the additions
+// are atomic (in the L2). In the accumulator layout a thread holds pairs of columns of 2 rows, and a
+// warp's atomics would touch 8 rows' lines at a time, 8 bytes of each per lane pair; so the tile goes
+// through shared memory first (`staging`, STAGING_BYTES, swizzled like the tiles) and is read back as
+// 16-byte pieces of whole rows: each instruction of the warp adds to whole 128-byte lines. On sm_90 one
+// red.global.add.v4.f32 adds the 4 floats (a `red` is an atomic that returns nothing); before, 4 atomicAdd.
+__device__ __forceinline__ void add_to_dq(float* dq_block, const float (&acc)[DQ_FRAGS][4], unsigned staging, int rows,
+                                          int lane) {
+    constexpr int ROW = DQ_COLS * 4, CHUNKS = DQ_COLS / 4;  // bytes and 16-byte chunks of a staged row
+#pragma unroll
+    for (int n = 0; n < DQ_FRAGS; ++n)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = lane / 4 + 8 * r, column = 8 * n + 2 * (lane % 4);
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(staging + swizzle<ROW>(row, column / 4) + 4 * (column % 4)),
+                         "f"(acc[n][2 * r]), "f"(acc[n][2 * r + 1])
+                         : "memory");
+        }
+    __syncwarp();
+#pragma unroll
+    for (int first = 0; first < 16; first += 32 / CHUNKS) {
+        const int row = first + lane / CHUNKS, chunk = lane % CHUNKS;
+        float4 x;
+        asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w)
+                     : "r"(staging + swizzle<ROW>(row, chunk))
+                     : "memory");
+        if (row >= rows) continue;
+        float* to = dq_block + (size_t)row * HEAD_DIM + 4 * chunk;
+#if __CUDA_ARCH__ >= 900
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(to), "f"(x.x), "f"(x.y), "f"(x.z), "f"(x.w)
+                     : "memory");
+#else
+        atomicAdd(to, x.x);
+        atomicAdd(to + 1, x.y);
+        atomicAdd(to + 2, x.z);
+        atomicAdd(to + 3, x.w);
+#endif
+    }
+}
+
+// dQ of the query tile += dS K for the warp's share (m16 tile `mt`, d columns from `col0`), added to
+// the fp32 accumulator in global memory: every key tile's block adds its part, hence the atomics.
+__device__ __forceinline__ void accumulate_dq(float* dq_head, unsigned ds_tile, unsigned k_tile, unsigned staging,
+                                              int m0, int mt, int col0, int seq_q, int lane) {
+    float acc[DQ_FRAGS][4] = {};
+    const unsigned a_base = lane_address<DS_ROW_BYTES>(ds_tile, b_order_row(lane), b_order_chunk(lane));
+    const unsigned b_base = lane_address<ROW_BYTES>(k_tile, a_order_row(lane), a_order_chunk(lane));
+#pragma unroll
+    for (int k16 = 0; k16 < BLOCK_N / 16; ++k16) {
+        unsigned a[4];  // dS [query][key] from dSᵀ [key][query]: .trans in B order gives the A operand
+        ldmatrix_x4_trans(a, block_address<DS_ROW_BYTES>(a_base, 16 * k16, 2 * mt));
+#pragma unroll
+        for (int d16 = 0; d16 < DQ_COLS / 16; ++d16) {
+            unsigned b[4];  // K [key][d] = [k][n]
+            ldmatrix_x4_trans(b, block_address<ROW_BYTES>(b_base, 16 * k16, col0 / 8 + 2 * d16));
+            mma_m16n8k16<elem_t>(acc[2 * d16], a, b[0], b[1]);
+            mma_m16n8k16<elem_t>(acc[2 * d16 + 1], a, b[2], b[3]);
+        }
+    }
+    add_to_dq(dq_head + (size_t)(m0 + 16 * mt) * HEAD_DIM + col0, acc, staging, seq_q - (m0 + 16 * mt), lane);
+}
+
+// The warp's 16 rows of dK or dV (times `factor`), rounded to elem_t; rows >= seq_kv are not written.
+__device__ __forceinline__ void write_rows(elem_t* head, const float (&acc)[D_FRAGS][4], float factor, int key0,
+                                           int seq_kv, int lane) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = key0 + lane / 4 + 8 * r;
+        if (key >= seq_kv) continue;
+        elem_t* row = head + (size_t)key * HEAD_DIM + 2 * (lane % 4);
+#pragma unroll
+        for (int n = 0; n < D_FRAGS; ++n)
+            *reinterpret_cast<unsigned*>(row + 8 * n) = pack_pair<elem_t>(acc[n][2 * r] * factor, acc[n][2 * r + 1] * factor);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
+attention_bwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
+              const elem_t* __restrict__ d_o, const float* __restrict__ lse_log2, const float* __restrict__ delta,
+              float* __restrict__ dq_accum, elem_t* __restrict__ dk, elem_t* __restrict__ dv, int seq_q, int seq_kv,
+              int seq_q_padded, float scale, int causal) {
+    extern __shared__ __align__(1024) unsigned char shared_bytes[];  // tiles at multiples of their row size
+    const unsigned k_tile = shared_address(shared_bytes);
+    const unsigned v_tile = k_tile + KV_TILE_BYTES;
+    const unsigned q_ring = v_tile + KV_TILE_BYTES;
+    const unsigned do_ring = q_ring + Q_STAGES * Q_TILE_BYTES;
+    const unsigned ds_tile = do_ring + Q_STAGES * Q_TILE_BYTES;
+    const unsigned lse_ring = ds_tile + DS_TILE_BYTES;
+    const unsigned delta_ring = lse_ring + Q_STAGES * VECTOR_BYTES;
+    const float* lse_shared = reinterpret_cast<const float*>(shared_bytes + (lse_ring - k_tile));
+    const float* delta_shared = reinterpret_cast<const float*>(shared_bytes + (delta_ring - k_tile));
+
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int n0 = blockIdx.x * BLOCK_N;     // the block's first key
+    const int row0 = 16 * warp;              // the warp's first key in the tile
+    const size_t head = blockIdx.y;
+    const elem_t* q_head = q + head * seq_q * HEAD_DIM;
+    const elem_t* do_head = d_o + head * seq_q * HEAD_DIM;
+    const float* lse_head = lse_log2 + head * seq_q_padded;
+    const float* delta_head = delta + head * seq_q_padded;
+    float* dq_head = dq_accum + head * seq_q * HEAD_DIM;
+
+    // Causal: queries before n0 see none of the block's keys; their tiles are skipped.
+    const int first_tile = causal ? n0 / BLOCK_M : 0;
+    const int end_tile = (seq_q + BLOCK_M - 1) / BLOCK_M;
+
+    // Prologue: K and V, and the first query tile, in one commit group.
+    load_tile_async<BLOCK_N>(k_tile, k + (head * seq_kv + n0) * HEAD_DIM, seq_kv - n0);
+    load_tile_async<BLOCK_N>(v_tile, v + (head * seq_kv + n0) * HEAD_DIM, seq_kv - n0);
+    if (first_tile < end_tile)
+        load_query_tile_async(query_buffer(q_ring, do_ring, lse_ring, delta_ring, first_tile), q_head, do_head,
+                              lse_head, delta_head, first_tile * BLOCK_M, seq_q);
+    cp_async_commit();
+
+    unsigned k_held[KV_HELD_STEPS][4], v_held[KV_HELD_STEPS][4];
+    if (KV_IN_REGISTERS) {
+        cp_async_wait<0>();
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < KV_HELD_STEPS; ++kk) {
+            load_row_fragment(k_held[kk], k_tile, row0, kk, lane);
+            load_row_fragment(v_held[kk], v_tile, row0, kk, lane);
+        }
+    }
+
+    float dk_acc[D_FRAGS][4] = {}, dv_acc[D_FRAGS][4] = {};
+    const float scale_log2 = scale * LOG2E;
+    const int dq_mt = warp % M_STEPS, dq_col0 = (warp / M_STEPS) * DQ_COLS;  // this warp's share of dQ
+
+    for (int tile = first_tile; tile < end_tile; ++tile) {
+        cp_async_wait<0>();  // this tile's copies have landed (issued during the last iteration)
+        __syncthreads();     // ... every thread's; and every warp is done with the last iteration
+        // Refill: tile + 1 goes into the buffer of tile - 1, which no warp reads any more (not even
+        // as accumulate_dq's staging area).
+        if (tile + 1 < end_tile)
+            load_query_tile_async(query_buffer(q_ring, do_ring, lse_ring, delta_ring, tile + 1), q_head, do_head,
+                                  lse_head, delta_head, (tile + 1) * BLOCK_M, seq_q);
+        cp_async_commit();
+
+        const QueryTile buffer = query_buffer(q_ring, do_ring, lse_ring, delta_ring, tile);
+        const int m0 = tile * BLOCK_M;
+        const int lse_offset = (tile % Q_STAGES) * BLOCK_M;
+        float s[M_FRAGS][4];
+        warp_rows_times_queries(s, k_held, k_tile, row0, buffer.q, lane);                       // Sᵀ = K Qᵀ
+        const bool on_diagonal = causal && m0 < n0 + row0 + 15;  // some key of the warp after some query
+        probabilities(s, lse_shared + lse_offset, scale_log2, on_diagonal, n0 + row0, m0, lane);  // Pᵀ
+        warp_accumulate(dv_acc, s, buffer.d_o, lane);                                           // dV += Pᵀ dO
+        float dp[M_FRAGS][4];
+        warp_rows_times_queries(dp, v_held, v_tile, row0, buffer.d_o, lane);                    // dPᵀ = V dOᵀ
+        score_gradients(dp, s, delta_shared + lse_offset, lane);                                // dSᵀ
+        warp_accumulate(dk_acc, dp, buffer.q, lane);                                            // dK += dSᵀ Q
+        store_score_gradients(ds_tile, dp, row0, lane);
+        __syncthreads();  // dSᵀ of every warp is in shared memory
+        // dQ += dS K; the warp's staging area: a quarter of this tile's Q or dO buffer, read no more.
+        const unsigned staging = (warp < NUM_WARPS / 2 ? buffer.q : buffer.d_o) + (warp % (NUM_WARPS / 2)) * STAGING_BYTES;
+        accumulate_dq(dq_head, ds_tile, k_tile, staging, m0, dq_mt, dq_col0, seq_q, lane);
+    }
+
+    write_rows(dk + head * seq_kv * HEAD_DIM, dk_acc, scale, n0 + row0, seq_kv, lane);
+    write_rows(dv + head * seq_kv * HEAD_DIM, dv_acc, 1.0f, n0 + row0, seq_kv, lane);
+}
+
+// Per query row: Δ = rowsum(dO ∘ O) in fp32 (the softmax's term of dS), the LSE times log2(e) (the
+// main kernel's exponentials are exp2), and a zeroed row of the fp32 dQ accumulator. Rows from
+// seq_q to seq_q_padded, the padding of the last query tile, get Δ = 0 and LSE = +inf (p = 0).
+// HEAD_DIM / 8 threads per row, 8 elements each; a row's threads are consecutive lanes of one warp.
+extern "C" __global__ void __launch_bounds__(PREPROCESS_THREADS)
+attention_bwd_preprocess(const elem_t* __restrict__ o, const elem_t* __restrict__ d_o, const float* __restrict__ lse,
+                         float* __restrict__ lse_log2, float* __restrict__ delta, float* __restrict__ dq_accum,
+                         int seq_q, int seq_q_padded, int pairs) {
+    constexpr int THREADS_PER_ROW = HEAD_DIM / 8;
+    const size_t padded_row = (size_t)blockIdx.x * ROWS_PER_PREPROCESS_BLOCK + threadIdx.x / THREADS_PER_ROW;
+    const int part = threadIdx.x % THREADS_PER_ROW;
+    const size_t head = padded_row / seq_q_padded;
+    const int row = (int)(padded_row % seq_q_padded);
+    const bool valid = head < (size_t)pairs && row < seq_q;
+    const size_t element = (head * seq_q + row) * HEAD_DIM + 8 * part;
+    float sum = 0.0f;
+    if (valid) {
+        const uint4 o8 = *reinterpret_cast<const uint4*>(o + element);
+        const uint4 do8 = *reinterpret_cast<const uint4*>(d_o + element);
+        const elem_t* os = reinterpret_cast<const elem_t*>(&o8);
+        const elem_t* dos = reinterpret_cast<const elem_t*>(&do8);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sum += to_float(os[i]) * to_float(dos[i]);
+        float4* dq8 = reinterpret_cast<float4*>(dq_accum + element);
+        dq8[0] = dq8[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+#pragma unroll
+    for (int offset = THREADS_PER_ROW / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    if (part == 0 && head < (size_t)pairs) {
+        delta[padded_row] = sum;
+        lse_log2[padded_row] = row < seq_q ? lse[head * seq_q + row] * LOG2E : INFINITY;
+    }
+}
+
+// dQ = scale · the fp32 accumulator, rounded to elem_t: 8 elements per thread.
+extern "C" __global__ void __launch_bounds__(CONVERT_THREADS)
+attention_bwd_dq(const float* __restrict__ dq_accum, elem_t* __restrict__ dq, float scale, int groups) {
+    const int group = blockIdx.x * CONVERT_THREADS + threadIdx.x;  // of 8 elements
+    if (group >= groups) return;
+    const size_t first = (size_t)group * 8;
+    const float4* from = reinterpret_cast<const float4*>(dq_accum + first);
+    const float4 a = from[0], b = from[1];
+    uint4 packed;
+    packed.x = pack_pair<elem_t>(a.x * scale, a.y * scale);
+    packed.y = pack_pair<elem_t>(a.z * scale, a.w * scale);
+    packed.z = pack_pair<elem_t>(b.x * scale, b.y * scale);
+    packed.w = pack_pair<elem_t>(b.z * scale, b.w * scale);
+    *reinterpret_cast<uint4*>(dq + first) = packed;
+}
