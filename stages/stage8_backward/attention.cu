@@ -194,9 +194,12 @@ __device__ __forceinline__ void warp_accumulate(float (&acc)[D_FRAGS][4], const 
 
 // Pᵀ = exp(scale·Sᵀ − LSE), in place: s holds the warp's keys (rows g, g+8 of fragment n: c[0..1],
 // c[2..3]) against the tile's queries (columns 8n + 2t, +1). lse_log2 is the LSE in log2 units,
-// +inf for the padding rows past seq_q, whose p is then 0. When `mask`, keys after the query are 0:
-// key key0 + g + 8(c/2) > query m0 + 8n + 2t + c%2, i.e. `ahead` + 8(c/2) - c%2 > 8n with one
-// per-thread term, `ahead`, and compile-time constants (registers are scarce here).
+// +inf for the padding rows past seq_q, whose p is then 0. The exponent is capped at 0 (p <= 1, as
+// the exact p is): the zero-filled keys past seq_kv score 0, not -inf, and exp(0 - LSE) would reach
+// inf where a row's true scores are all very negative (x10 inputs: LSE = -100), then inf × 0 = NaN
+// in dQ += dS K; capped, their p is finite and meets K's zero rows (their dK and dV are not written).
+// When `mask`, keys after the query are 0: key0 + g + 8(c/2) > m0 + 8n + 2t + c%2, i.e.
+// `ahead` + 8(c/2) - c%2 > 8n, with one per-thread term and compile-time constants (registers are scarce).
 __device__ __forceinline__ void probabilities(float (&s)[M_FRAGS][4], const float* lse_log2, float scale_log2,
                                               bool mask, int key0, int m0, int lane) {
     const int ahead = key0 + lane / 4 - m0 - 2 * (lane % 4);
@@ -205,7 +208,7 @@ __device__ __forceinline__ void probabilities(float (&s)[M_FRAGS][4], const floa
         const float2 lse = *reinterpret_cast<const float2*>(lse_log2 + 8 * n + 2 * (lane % 4));
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-            const float p = fast_exp2(s[n][c] * scale_log2 - (c % 2 ? lse.y : lse.x));
+            const float p = fast_exp2(fminf(s[n][c] * scale_log2 - (c % 2 ? lse.y : lse.x), 0.0f));
             s[n][c] = mask && ahead + 8 * (c / 2) - c % 2 > 8 * n ? 0.0f : p;
         }
     }
