@@ -75,6 +75,7 @@ class Panel:
 METRICS = {"tflops": "TFLOP/s", "pct_bandwidth": "% of bandwidth"}
 PANELS = (
     Panel("Attention forward", ("attention",), "tflops"),
+    Panel("Attention backward", ("attention_backward",), "tflops"),
     Panel("MoE routing: memory-bound, so in % of the memory bandwidth", ("moe_routing",), "pct_bandwidth"),
     Panel("MoE expert GEMMs, and the whole layer", ("moe_experts", "moe_layer"), "tflops"),
 )
@@ -734,6 +735,7 @@ def stage_run_md(run: dict, key: str) -> str:
            '<div class="fm-results" markdown>\n']
     out += speed_table(run, key, benches, metric)
     out += timing_details(benches)
+    out += forward_backward_details(benches)
     out.append(stage_figure(timed(st), metric))
     out += launches_table(timed(st))
     out += resources_table(st.get("resources") or {})
@@ -847,6 +849,25 @@ def timing_details(benches: list[dict]) -> list[str]:
         table += [f"| {label(b)} | {num(b.get('ms'), '.3f')} | "
                   + " | ".join(num((b.get("baselines") or {}).get(n), ".3f") for n in names) + " |" for b in rows]
     return ["", '??? info "Timing details: minimum and spread, % of peak and bandwidth, extra memory, the baselines\' times"',
+            ""] + ["    " + line if line else "" for line in table]
+
+
+def forward_backward_details(benches: list[dict]) -> list[str]:
+    """A backward's stage: the course's forward kernel then this one, against each library's forward +
+    backward, timed in the same loop (the rows' "forward_backward"), in a collapsed block."""
+    rows = [(label(b), b["forward_backward"]) for b in timed_rows(benches) if isinstance(b.get("forward_backward"), dict)]
+    if not rows:
+        return []
+    names = list(dict.fromkeys(n for _, both in rows for n in (both.get("baselines") or {})))
+    forward = next((both.get("stage") for _, both in rows if both.get("stage")), None)
+    first = f"{possessive(forward)}'s forward kernel" if forward else "the course's forward kernel"
+    table = [f"Forward + backward: {first}, then "
+             "this kernel, against each library's forward and backward, timed in the same loop (median ms; TFLOP/s: "
+             "the forward's and the backward's FLOPs over the time; —: not timed):", "",
+             "| Shape | This course | TFLOP/s | " + " | ".join(names) + " |", "|---|--:|--:|" + "--:|" * len(names)]
+    table += [f"| {shape} | {num(both.get('ms'), '.3f')} | {num(both.get('tflops'), '.1f')} | "
+              + " | ".join(num((both.get("baselines") or {}).get(n), ".3f") for n in names) + " |" for shape, both in rows]
+    return ["", '??? info "Forward + backward: the course\'s forward and backward kernels against each library\'s"',
             ""] + ["    " + line if line else "" for line in table]
 
 
