@@ -23,8 +23,8 @@ MUTATIONS = {
     # the producer loads the next expert's weights for every tile
     "tile_in_wrong_expert": ("stage6", [("kb * BLOCK_K, tile.expert);", "kb * BLOCK_K, (tile.expert + 1) % experts);")]),
     # the backward's causal mask off by one: each key's gradient also takes the query just before it
-    "backward_causal_off_by_one": ("stage8", [("s[mt][n][c] = mask && ahead + 8 * n + c % 2 > 16 * mt + 8 * r ? 0.0f : p;",
-                                               "s[mt][n][c] = mask && ahead + 8 * n + c % 2 > 16 * mt + 8 * r + 1 ? 0.0f : p;")]),
+    "backward_causal_off_by_one": ("stage8", [("s[n][c] = mask && ahead + 8 * (c / 2) - c % 2 > 8 * n ? 0.0f : p;",
+                                               "s[n][c] = mask && ahead + 8 * (c / 2) - c % 2 > 8 * n + 1 ? 0.0f : p;")]),
     # dQ's parts added for half of each row only: the other half of dQ stays 0
     "backward_dq_half_added": ("stage8", [("        if (row >= rows) continue;\n        float* to",
                                            "        if (row >= rows || chunk >= CHUNKS / 2) continue;\n        float* to")]),

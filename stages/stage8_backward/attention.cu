@@ -5,19 +5,18 @@
 // dK and dV in fp32 registers, and walks every tile of BLOCK_M queries that sees those keys,
 // recomputing P from Q, K and the LSE. Per query tile, five products (scale = 1/√D):
 //
-//     S   = Q Kᵀ                      (BLOCK_M × BLOCK_N)   recompute the scores
-//     P   = exp(scale·S − LSE)                              ... and the probabilities
-//     dP  = dO Vᵀ                     (BLOCK_M × BLOCK_N)
-//     dS  = P ∘ (dP − Δ)              Δ_i = rowsum(dO_i ∘ O_i), computed once by the preprocess
+//     Sᵀ  = K Qᵀ                      (BLOCK_N × BLOCK_M)   recompute the scores
+//     Pᵀ  = exp(scale·Sᵀ − LSE)                             ... and the probabilities
 //     dV += Pᵀ dO                     (BLOCK_N × D)
+//     dPᵀ = V dOᵀ                     (BLOCK_N × BLOCK_M)
+//     dSᵀ = Pᵀ ∘ (dPᵀ − Δ)            Δ_i = rowsum(dO_i ∘ O_i), computed once by the preprocess
 //     dK += scale · dSᵀ Q             (BLOCK_N × D)
 //     dQ += scale · dS K              (BLOCK_M × D)  -- summed over every key tile: fp32 atomics
 //
-// The eight warps split each product in two dimensions, each warp a 32 × 32 part of S and dP, 32 keys
-// × D/2 of dK and dV: with 32 rows a warp's every B fragment (read from shared memory by ldmatrix) feeds
-// two m16 tiles, so the warps read a third less shared memory than with 16 rows each. P and dS pass from
-// the warps that compute them to those that use them through shared memory, as [query][key] tiles:
-// ldmatrix.trans reads them back transposed for Pᵀ dO and dSᵀ Q.
+// The block computes the transposed products (keys as rows): each warp owns 16 keys, so Pᵀ and dSᵀ
+// come out of the mma accumulators already in the layout of the A operand of dV += Pᵀ dO and
+// dK += dSᵀ Q (mma.cuh, p_as_a_operand): no shuffle. dQ needs dS the other way round, with
+// queries as rows: dSᵀ goes through shared memory, and ldmatrix.trans reads it back transposed.
 //
 // Three kernels: attention_bwd_preprocess (Δ, the LSE in log2 units, a zeroed fp32 dQ), attention_bwd
 // (the loop above), attention_bwd_dq (the fp32 dQ scaled and rounded to elem_t). Tensors are
@@ -27,45 +26,45 @@
 #include "cp_async.cuh"
 
 // The tile configuration, per head dimension.
-//   Keys: 128 per block; its dK and dV in registers for the whole loop, a warp's 32 keys × D/2 of each:
+//   Keys: 8 warps × 16 = 128 per block, the block's dK and dV in registers for the whole loop:
 //         2 × D/2 fp32 registers per thread (64 at D = 64, 128 at D = 128).
 //   Queries: tiles of 64, double-buffered (Q, dO, LSE and Δ of tile i+1 load during tile i).
-//   S and dP of one query tile: a warp's 32 × 32 of each, 2 × 32 fp32 registers per thread.
-// At D = 64 the warp's K and V fragments (the B operands of S and dP) stay in registers too (32 each);
+//   Sᵀ and dPᵀ of one query tile: 2 × 32 fp32 registers per thread.
+// At D = 64 the warp's K and V rows (the A operands of Sᵀ and dPᵀ) stay in registers too (16 each);
 // at D = 128 they would not fit beside 192 registers of accumulators and are re-read from shared
 // memory, one k-step at a time.
 constexpr int NUM_WARPS = 8;
 constexpr int NUM_THREADS = NUM_WARPS * 32;
-constexpr int BLOCK_N = 128;                        // keys per block
+constexpr int BLOCK_N = 16 * NUM_WARPS;             // keys per block
 constexpr int BLOCK_M = 64;                         // queries per step of the loop
 constexpr int Q_STAGES = 2;                         // buffers of the query-side tiles
 constexpr bool KV_IN_REGISTERS = HEAD_DIM == 64;
 constexpr int KV_HELD_STEPS = KV_IN_REGISTERS ? HEAD_DIM / 16 : 1;
 constexpr int D_STEPS = HEAD_DIM / 16;              // k-steps of a product over d
-constexpr int KV_COLS = HEAD_DIM / 2;               // a warp's columns of dK and dV
-constexpr int KV_FRAGS = KV_COLS / 8;               // ... in n8 fragments
-// dQ = dS K: the BLOCK_M × D product is split among the warps, BLOCK_M / 16 m16 tiles × DQ_SPLIT parts of d.
-constexpr int DQ_SPLIT = NUM_WARPS / (BLOCK_M / 16);
+constexpr int D_FRAGS = HEAD_DIM / 8;               // n8 fragments of a 16 × D accumulator
+constexpr int M_STEPS = BLOCK_M / 16;               // k-steps of a product over the query tile
+constexpr int M_FRAGS = BLOCK_M / 8;                // n8 fragments of a warp's 16 × BLOCK_M scores
+// dQ = dS K: the BLOCK_M × D product is split among the warps, M_STEPS m16 tiles × DQ_SPLIT parts of d.
+constexpr int DQ_SPLIT = NUM_WARPS / M_STEPS;
 constexpr int DQ_COLS = HEAD_DIM / DQ_SPLIT;
 constexpr int DQ_FRAGS = DQ_COLS / 8;
 constexpr int STAGING_BYTES = 16 * DQ_COLS * 4;     // a warp's part of dQ in fp32 (add_to_dq)
-// Shared memory: [K][V][Q ring][dO ring][P][dS][LSE ring][Δ ring], all tiles swizzled (see stage 3).
+// Shared memory: [K][V][Q ring][dO ring][dSᵀ][LSE ring][Δ ring], all tiles swizzled (see stage 3).
 constexpr int ROW_BYTES = HEAD_DIM * 2;
 constexpr int KV_TILE_BYTES = BLOCK_N * ROW_BYTES;
 constexpr int Q_TILE_BYTES = BLOCK_M * ROW_BYTES;
-constexpr int SCORE_ROW_BYTES = BLOCK_N * 2;        // P and dS: a row per query, BLOCK_N keys
-constexpr int SCORE_TILE_BYTES = BLOCK_M * SCORE_ROW_BYTES;
+constexpr int DS_ROW_BYTES = BLOCK_M * 2;           // dSᵀ: a row per key, BLOCK_M queries
+constexpr int DS_TILE_BYTES = BLOCK_N * DS_ROW_BYTES;
 constexpr int VECTOR_BYTES = BLOCK_M * 4;           // the LSE or Δ of a query tile, fp32
-constexpr int SHARED_BYTES = 2 * KV_TILE_BYTES + 2 * Q_STAGES * Q_TILE_BYTES + 2 * SCORE_TILE_BYTES +
+constexpr int SHARED_BYTES = 2 * KV_TILE_BYTES + 2 * Q_STAGES * Q_TILE_BYTES + DS_TILE_BYTES +
                              2 * Q_STAGES * VECTOR_BYTES;
 // The preprocess and the dQ conversion: 8 elements (16 bytes of elem_t) per thread.
 constexpr int PREPROCESS_THREADS = 256;
 constexpr int ROWS_PER_PREPROCESS_BLOCK = PREPROCESS_THREADS / (HEAD_DIM / 8);
 constexpr int CONVERT_THREADS = 256;
 static_assert(sizeof(elem_t) == 2, "ldmatrix and the chunk arithmetic assume 16-bit elements");
-static_assert(NUM_WARPS == 8 && BLOCK_M == 64 && BLOCK_N == 128, "the warps' parts are written for 2 × 4 of 32 × 32");
-static_assert(NUM_WARPS % (BLOCK_M / 16) == 0 && DQ_COLS % 16 == 0, "dQ's tiles divide among the warps");
-static_assert(NUM_WARPS * STAGING_BYTES <= 2 * SCORE_TILE_BYTES, "the warps stage dQ in the P and dS tiles");
+static_assert(NUM_WARPS % M_STEPS == 0 && DQ_COLS % 16 == 0, "dQ's tiles divide among the warps");
+static_assert(NUM_WARPS / 2 * STAGING_BYTES <= Q_TILE_BYTES, "half the warps stage dQ in a Q buffer, half in a dO one");
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a tile of ROW bytes per row: the chunk index
 // XOR row % 8, stage 3's swizzle, so that ldmatrix's 8 rows and the stores of a warp hit 8 distinct
@@ -143,131 +142,110 @@ __device__ __forceinline__ void load_query_tile_async(const QueryTile& to, const
     load_vector_async(to.delta, delta_head + m0);
 }
 
-// The B operands of k-step kk (d columns 16·kk ..) of 32 rows of a K or V tile from row key0: b[n16]
-// holds b[0], b[1] of keys 16·n16 + 0..7, then of + 8..15 (ldmatrix's B order on a [key][d] tile).
-__device__ __forceinline__ void load_key_fragments(unsigned (&b)[2][4], unsigned tile, int key0, int kk, int lane) {
-    const unsigned base = lane_address<ROW_BYTES>(tile, b_order_row(lane), b_order_chunk(lane));
-#pragma unroll
-    for (int n16 = 0; n16 < 2; ++n16) ldmatrix_x4(b[n16], block_address<ROW_BYTES>(base, key0 + 16 * n16, 2 * kk));
+// The A operand of k-step kk (d columns 16·kk ..) of the warp's 16 rows of a K or V tile.
+__device__ __forceinline__ void load_row_fragment(unsigned (&a)[4], unsigned tile, int row0, int kk, int lane) {
+    ldmatrix_x4(a, block_address<ROW_BYTES>(lane_address<ROW_BYTES>(tile, a_order_row(lane), a_order_chunk(lane)), row0,
+                                            2 * kk));
 }
 
-// acc[32 × 32] = (32 rows of the query tile of Q or dO) · (32 rows of K or V)ᵀ: the warp's part of S or dP.
-// A: the query tile, [query][d] = [m][k], in ldmatrix's A order; B: the key tile, [key][d] = [n][k], in
-// B order, from `held` (KV_IN_REGISTERS: read once per block) or from the tile.
-__device__ __forceinline__ void warp_scores(float (&acc)[2][4][4], unsigned query_tile, int query0,
-                                            const unsigned (&held)[KV_HELD_STEPS][2][4], unsigned key_tile,
-                                            int key0, int lane) {
+// acc[16 × BLOCK_M] = (the warp's 16 rows of K or V) · (the query tile of Q or dO)ᵀ: Sᵀ or dPᵀ.
+// The A operands come from `held` (KV_IN_REGISTERS) or are read from `rows_tile` one k-step at a
+// time; the query tile is the B operand, [query][d] = [n][k], read in ldmatrix's B order.
+__device__ __forceinline__ void warp_rows_times_queries(float (&acc)[M_FRAGS][4],
+                                                        const unsigned (&held)[KV_HELD_STEPS][4], unsigned rows_tile,
+                                                        int row0, unsigned query_tile, int lane) {
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int n = 0; n < 4; ++n) acc[mt][n][0] = acc[mt][n][1] = acc[mt][n][2] = acc[mt][n][3] = 0.0f;
-    const unsigned a_base = lane_address<ROW_BYTES>(query_tile, a_order_row(lane), a_order_chunk(lane));
+    for (int n = 0; n < M_FRAGS; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    const unsigned b_base = lane_address<ROW_BYTES>(query_tile, b_order_row(lane), b_order_chunk(lane));
 #pragma unroll
     for (int kk = 0; kk < D_STEPS; ++kk) {
-        unsigned a[2][4], read[2][4];
+        unsigned read[4];
+        if (!KV_IN_REGISTERS) load_row_fragment(read, rows_tile, row0, kk, lane);
+        const unsigned (&a)[4] = *(KV_IN_REGISTERS ? &held[kk % KV_HELD_STEPS] : &read);
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) ldmatrix_x4(a[mt], block_address<ROW_BYTES>(a_base, query0 + 16 * mt, 2 * kk));
-        if (!KV_IN_REGISTERS) load_key_fragments(read, key_tile, key0, kk, lane);
-        const unsigned (&b)[2][4] = *(KV_IN_REGISTERS ? &held[kk % KV_HELD_STEPS] : &read);
-#pragma unroll
-        for (int n16 = 0; n16 < 2; ++n16)
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
-                mma_m16n8k16<elem_t>(acc[mt][2 * n16], a[mt], b[n16][0], b[n16][1]);
-                mma_m16n8k16<elem_t>(acc[mt][2 * n16 + 1], a[mt], b[n16][2], b[n16][3]);
-            }
+        for (int m16 = 0; m16 < M_STEPS; ++m16) {
+            unsigned b[4];  // b[0], b[1] of queries 16·m16 + 0..7, then of + 8..15
+            ldmatrix_x4(b, block_address<ROW_BYTES>(b_base, 16 * m16, 2 * kk));
+            mma_m16n8k16<elem_t>(acc[2 * m16], a, b[0], b[1]);
+            mma_m16n8k16<elem_t>(acc[2 * m16 + 1], a, b[2], b[3]);
+        }
     }
 }
 
-// P = exp(scale·S − LSE), in place, for the warp's 32 queries (rows g, g+8 of m-tile mt: c[0..1], c[2..3])
-// × 32 keys (columns 8n + 2t, +1). lse_log2: the tile's LSE in log2 units, +inf for the padding rows past
-// seq_q, whose p is then 0. The exponent is capped at 0 (p <= 1, as the exact p is): the zero-filled
-// keys past seq_kv score 0, not -inf, and exp(0 - LSE) would reach inf where a row's true scores are all
-// very negative (x10 inputs: LSE = -100), then inf × 0 = NaN in dQ += dS K; capped, their p is finite and
-// meets K's zero rows (their dK and dV are not written). When `mask`, keys after the query are 0:
-// key0 + 8n + 2t + c%2 > query0 + 16mt + g + 8(c/2), i.e. `ahead` + 8n + c%2 > 16mt + 8(c/2), with one
-// per-thread term and compile-time constants (registers are scarce here).
-__device__ __forceinline__ void probabilities(float (&s)[2][4][4], const float* lse_log2, float scale_log2, bool mask,
-                                              int query0, int key0, int lane) {
-    const int ahead = key0 + 2 * (lane % 4) - query0 - lane / 4;
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const float lse = lse_log2[16 * mt + lane / 4 + 8 * r];
-#pragma unroll
-            for (int n = 0; n < 4; ++n)
-#pragma unroll
-                for (int c = 2 * r; c < 2 * r + 2; ++c) {
-                    const float p = fast_exp2(fminf(s[mt][n][c] * scale_log2 - lse, 0.0f));
-                    s[mt][n][c] = mask && ahead + 8 * n + c % 2 > 16 * mt + 8 * r ? 0.0f : p;
-                }
-        }
-}
-
-// dS = P ∘ (dP − Δ), in place in dp (the layout of probabilities' s); delta: the tile's Δ, per query row.
-__device__ __forceinline__ void score_gradients(float (&dp)[2][4][4], const float (&p)[2][4][4], const float* delta,
-                                                int lane) {
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const float d = delta[16 * mt + lane / 4 + 8 * r];
-#pragma unroll
-            for (int n = 0; n < 4; ++n) {
-                // EXERCISE: the gradient of the scores. dP = dO Vᵀ is the gradient of P; the softmax turns
-                // it into dS = P ∘ (dP − Δ), with Δ_i = Σ_j P_ij dP_ij = rowsum(dO_i ∘ O_i) of query row i
-                // (the preprocess computed it: `d` is Δ of this thread's row g + 8r of m-tile mt, whose
-                // elements are c = 2r and 2r + 1 of each fragment). Overwrite dp[mt][n][c] with dS.
-                // STUB: (void)d;  // dp is left as dP: dK and dQ come out wrong
-                dp[mt][n][2 * r] = p[mt][n][2 * r] * (dp[mt][n][2 * r] - d);
-                dp[mt][n][2 * r + 1] = p[mt][n][2 * r + 1] * (dp[mt][n][2 * r + 1] - d);
-                // END EXERCISE
-            }
-        }
-}
-
-// The warp's part of P or dS into a [query][key] tile of shared memory, rounded to elem_t.
-__device__ __forceinline__ void store_scores(unsigned tile, const float (&x)[2][4][4], int query0, int key0, int lane) {
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int n = 0; n < 4; ++n)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int row = query0 + 16 * mt + lane / 4 + 8 * r;
-                const unsigned pair = pack_pair<elem_t>(x[mt][n][2 * r], x[mt][n][2 * r + 1]);
-                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(tile + swizzle<SCORE_ROW_BYTES>(row, (key0 + 8 * n) / 8) +
-                                                                4 * (lane % 4)),
-                             "r"(pair)
-                             : "memory");
-            }
-}
-
-// acc[32 keys × KV_COLS] += (P or dS)ᵀ · (the query tile of dO or Q): the warp's part of dV += Pᵀ dO or
-// dK += dSᵀ Q. A: Pᵀ, rows = keys, from the [query][key] tile: ldmatrix.trans in B order gives the A
-// operand of the transpose. B: the query tile, [query][d] = [k][n], with ldmatrix.trans in A order.
-__device__ __forceinline__ void warp_key_gradients(float (&acc)[2][KV_FRAGS][4], unsigned score_tile, int key0,
-                                                   unsigned query_tile, int col0, int lane) {
-    const unsigned a_base = lane_address<SCORE_ROW_BYTES>(score_tile, b_order_row(lane), b_order_chunk(lane));
+// acc[16 × D] += xᵀ-rows · (a query tile of Q or dO): dV += Pᵀ dO or dK += dSᵀ Q. x holds the warp's
+// 16 keys × BLOCK_M queries as mma accumulators, which are, pairwise, the A operand over the queries
+// (p_as_a_operand); the query tile is the B operand, [query][d] = [k][n], read with ldmatrix.trans.
+__device__ __forceinline__ void warp_accumulate(float (&acc)[D_FRAGS][4], const float (&x)[M_FRAGS][4],
+                                                unsigned query_tile, int lane) {
     const unsigned b_base = lane_address<ROW_BYTES>(query_tile, a_order_row(lane), a_order_chunk(lane));
 #pragma unroll
-    for (int k16 = 0; k16 < BLOCK_M / 16; ++k16) {
-        unsigned a[2][4];
+    for (int k16 = 0; k16 < M_STEPS; ++k16) {
+        unsigned a[4];
+        p_as_a_operand(x, k16, a);
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-            ldmatrix_x4_trans(a[mt], block_address<SCORE_ROW_BYTES>(a_base, 16 * k16, (key0 + 16 * mt) / 8));
-#pragma unroll
-        for (int d16 = 0; d16 < KV_FRAGS / 2; ++d16) {
+        for (int d16 = 0; d16 < D_STEPS; ++d16) {
             unsigned b[4];
-            ldmatrix_x4_trans(b, block_address<ROW_BYTES>(b_base, 16 * k16, col0 / 8 + 2 * d16));
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
-                mma_m16n8k16<elem_t>(acc[mt][2 * d16], a[mt], b[0], b[1]);
-                mma_m16n8k16<elem_t>(acc[mt][2 * d16 + 1], a[mt], b[2], b[3]);
-            }
+            ldmatrix_x4_trans(b, block_address<ROW_BYTES>(b_base, 16 * k16, 2 * d16));
+            mma_m16n8k16<elem_t>(acc[2 * d16], a, b[0], b[1]);
+            mma_m16n8k16<elem_t>(acc[2 * d16 + 1], a, b[2], b[3]);
         }
     }
+}
+
+// Pᵀ = exp(scale·Sᵀ − LSE), in place: s holds the warp's keys (rows g, g+8 of fragment n: c[0..1],
+// c[2..3]) against the tile's queries (columns 8n + 2t, +1). lse_log2 is the LSE in log2 units,
+// +inf for the padding rows past seq_q, whose p is then 0. The exponent is capped at 0 (p <= 1, as
+// the exact p is): the zero-filled keys past seq_kv score 0, not -inf, and exp(0 - LSE) would reach
+// inf where a row's true scores are all very negative (x10 inputs: LSE = -100), then inf × 0 = NaN
+// in dQ += dS K; capped, their p is finite and meets K's zero rows (their dK and dV are not written).
+// When `mask`, keys after the query are 0: key0 + g + 8(c/2) > m0 + 8n + 2t + c%2, i.e.
+// `ahead` + 8(c/2) - c%2 > 8n, with one per-thread term and compile-time constants (registers are scarce).
+__device__ __forceinline__ void probabilities(float (&s)[M_FRAGS][4], const float* lse_log2, float scale_log2,
+                                              bool mask, int key0, int m0, int lane) {
+    const int ahead = key0 + lane / 4 - m0 - 2 * (lane % 4);
+#pragma unroll
+    for (int n = 0; n < M_FRAGS; ++n) {
+        const float2 lse = *reinterpret_cast<const float2*>(lse_log2 + 8 * n + 2 * (lane % 4));
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const float p = fast_exp2(fminf(s[n][c] * scale_log2 - (c % 2 ? lse.y : lse.x), 0.0f));
+            s[n][c] = mask && ahead + 8 * (c / 2) - c % 2 > 8 * n ? 0.0f : p;
+        }
+    }
+}
+
+// dSᵀ = Pᵀ ∘ (dPᵀ − Δ), in place in dp (same layout as probabilities' s).
+__device__ __forceinline__ void score_gradients(float (&dp)[M_FRAGS][4], const float (&p)[M_FRAGS][4],
+                                                const float* delta, int lane) {
+#pragma unroll
+    for (int n = 0; n < M_FRAGS; ++n) {
+        const float2 d = *reinterpret_cast<const float2*>(delta + 8 * n + 2 * (lane % 4));
+        // EXERCISE: the gradient of the scores. dP = dO Vᵀ is the gradient of P; the softmax turns it
+        // into dS = P ∘ (dP − Δ), with Δ_i = Σ_j P_ij dP_ij = rowsum(dO_i ∘ O_i) of query row i (the
+        // preprocess computed it: `d` holds Δ of this thread's two columns, d.x for c[0] and c[2],
+        // d.y for c[1] and c[3]). Overwrite dp[n][c] with dS for c = 0..3.
+        // STUB: (void)d;  // dp is left as dP: dK and dQ come out wrong
+        dp[n][0] = p[n][0] * (dp[n][0] - d.x);
+        dp[n][1] = p[n][1] * (dp[n][1] - d.y);
+        dp[n][2] = p[n][2] * (dp[n][2] - d.x);
+        dp[n][3] = p[n][3] * (dp[n][3] - d.y);
+        // END EXERCISE
+    }
+}
+
+// dSᵀ into shared memory, rounded to elem_t, for dQ = dS K: row = key, 16-byte chunks of 8 queries.
+__device__ __forceinline__ void store_score_gradients(unsigned ds_tile, const float (&ds)[M_FRAGS][4], int row0,
+                                                      int lane) {
+#pragma unroll
+    for (int n = 0; n < M_FRAGS; ++n)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = row0 + lane / 4 + 8 * r;
+            const unsigned pair = pack_pair<elem_t>(ds[n][2 * r], ds[n][2 * r + 1]);
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_tile + swizzle<DS_ROW_BYTES>(row, n) + 4 * (lane % 4)),
+                         "r"(pair)
+                         : "memory");
+        }
 }
 
 // The warp's 16 × DQ_COLS part of dQ, `acc` (mma accumulators), added to the fp32 dQ at `dq_block`
@@ -314,43 +292,38 @@ __device__ __forceinline__ void add_to_dq(float* dq_block, const float (&acc)[DQ
 
 // dQ of the query tile += dS K for the warp's share (m16 tile `mt`, d columns from `col0`), added to
 // the fp32 accumulator in global memory: every key tile's block adds its part, hence the atomics.
-// A: dS, [query][key] = [m][k], ldmatrix A order; B: K, [key][d] = [k][n], ldmatrix.trans A order.
-__device__ __forceinline__ void accumulate_dq(float (&acc)[DQ_FRAGS][4], unsigned ds_tile, unsigned k_tile, int mt,
-                                              int col0, int lane) {
-    const unsigned a_base = lane_address<SCORE_ROW_BYTES>(ds_tile, a_order_row(lane), a_order_chunk(lane));
+__device__ __forceinline__ void accumulate_dq(float* dq_head, unsigned ds_tile, unsigned k_tile, unsigned staging,
+                                              int m0, int mt, int col0, int seq_q, int lane) {
+    float acc[DQ_FRAGS][4] = {};
+    const unsigned a_base = lane_address<DS_ROW_BYTES>(ds_tile, b_order_row(lane), b_order_chunk(lane));
     const unsigned b_base = lane_address<ROW_BYTES>(k_tile, a_order_row(lane), a_order_chunk(lane));
 #pragma unroll
-    for (int n = 0; n < DQ_FRAGS; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-#pragma unroll
     for (int k16 = 0; k16 < BLOCK_N / 16; ++k16) {
-        unsigned a[4];
-        ldmatrix_x4(a, block_address<SCORE_ROW_BYTES>(a_base, 16 * mt, 2 * k16));
+        unsigned a[4];  // dS [query][key] from dSᵀ [key][query]: .trans in B order gives the A operand
+        ldmatrix_x4_trans(a, block_address<DS_ROW_BYTES>(a_base, 16 * k16, 2 * mt));
 #pragma unroll
         for (int d16 = 0; d16 < DQ_COLS / 16; ++d16) {
-            unsigned b[4];
+            unsigned b[4];  // K [key][d] = [k][n]
             ldmatrix_x4_trans(b, block_address<ROW_BYTES>(b_base, 16 * k16, col0 / 8 + 2 * d16));
             mma_m16n8k16<elem_t>(acc[2 * d16], a, b[0], b[1]);
             mma_m16n8k16<elem_t>(acc[2 * d16 + 1], a, b[2], b[3]);
         }
     }
+    add_to_dq(dq_head + (size_t)(m0 + 16 * mt) * HEAD_DIM + col0, acc, staging, seq_q - (m0 + 16 * mt), lane);
 }
 
-// The warp's 32 rows of dK or dV (times `factor`), columns from col0, rounded to elem_t; rows >= seq_kv
-// are not written.
-__device__ __forceinline__ void write_rows(elem_t* head, const float (&acc)[2][KV_FRAGS][4], float factor, int key0,
-                                           int col0, int seq_kv, int lane) {
+// The warp's 16 rows of dK or dV (times `factor`), rounded to elem_t; rows >= seq_kv are not written.
+__device__ __forceinline__ void write_rows(elem_t* head, const float (&acc)[D_FRAGS][4], float factor, int key0,
+                                           int seq_kv, int lane) {
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int r = 0; r < 2; ++r) {
+        const int key = key0 + lane / 4 + 8 * r;
+        if (key >= seq_kv) continue;
+        elem_t* row = head + (size_t)key * HEAD_DIM + 2 * (lane % 4);
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int key = key0 + 16 * mt + lane / 4 + 8 * r;
-            if (key >= seq_kv) continue;
-            elem_t* row = head + (size_t)key * HEAD_DIM + col0 + 2 * (lane % 4);
-#pragma unroll
-            for (int n = 0; n < KV_FRAGS; ++n)
-                *reinterpret_cast<unsigned*>(row + 8 * n) =
-                    pack_pair<elem_t>(acc[mt][n][2 * r] * factor, acc[mt][n][2 * r + 1] * factor);
-        }
+        for (int n = 0; n < D_FRAGS; ++n)
+            *reinterpret_cast<unsigned*>(row + 8 * n) = pack_pair<elem_t>(acc[n][2 * r] * factor, acc[n][2 * r + 1] * factor);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
@@ -363,25 +336,21 @@ attention_bwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     const unsigned v_tile = k_tile + KV_TILE_BYTES;
     const unsigned q_ring = v_tile + KV_TILE_BYTES;
     const unsigned do_ring = q_ring + Q_STAGES * Q_TILE_BYTES;
-    const unsigned p_tile = do_ring + Q_STAGES * Q_TILE_BYTES;
-    const unsigned ds_tile = p_tile + SCORE_TILE_BYTES;
-    const unsigned lse_ring = ds_tile + SCORE_TILE_BYTES;
+    const unsigned ds_tile = do_ring + Q_STAGES * Q_TILE_BYTES;
+    const unsigned lse_ring = ds_tile + DS_TILE_BYTES;
     const unsigned delta_ring = lse_ring + Q_STAGES * VECTOR_BYTES;
     const float* lse_shared = reinterpret_cast<const float*>(shared_bytes + (lse_ring - k_tile));
     const float* delta_shared = reinterpret_cast<const float*>(shared_bytes + (delta_ring - k_tile));
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int n0 = blockIdx.x * BLOCK_N;  // the block's first key
+    const int n0 = blockIdx.x * BLOCK_N;     // the block's first key
+    const int row0 = 16 * warp;              // the warp's first key in the tile
     const size_t head = blockIdx.y;
     const elem_t* q_head = q + head * seq_q * HEAD_DIM;
     const elem_t* do_head = d_o + head * seq_q * HEAD_DIM;
     const float* lse_head = lse_log2 + head * seq_q_padded;
     const float* delta_head = delta + head * seq_q_padded;
     float* dq_head = dq_accum + head * seq_q * HEAD_DIM;
-    // The warp's parts: of S and dP, 32 queries × 32 keys; of dK and dV, 32 keys × KV_COLS; of dQ, 16 × DQ_COLS.
-    const int s_query0 = 32 * (warp % 2), s_key0 = 32 * (warp / 2);
-    const int kv_key0 = 32 * (warp % 4), kv_col0 = KV_COLS * (warp / 4);
-    const int dq_mt = warp % (BLOCK_M / 16), dq_col0 = DQ_COLS * (warp / (BLOCK_M / 16));
 
     // Causal: queries before n0 see none of the block's keys; their tiles are skipped.
     const int first_tile = causal ? n0 / BLOCK_M : 0;
@@ -395,24 +364,26 @@ attention_bwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
                               lse_head, delta_head, first_tile * BLOCK_M, seq_q);
     cp_async_commit();
 
-    unsigned k_held[KV_HELD_STEPS][2][4], v_held[KV_HELD_STEPS][2][4];
+    unsigned k_held[KV_HELD_STEPS][4], v_held[KV_HELD_STEPS][4];
     if (KV_IN_REGISTERS) {
         cp_async_wait<0>();
         __syncthreads();
 #pragma unroll
         for (int kk = 0; kk < KV_HELD_STEPS; ++kk) {
-            load_key_fragments(k_held[kk], k_tile, s_key0, kk, lane);
-            load_key_fragments(v_held[kk], v_tile, s_key0, kk, lane);
+            load_row_fragment(k_held[kk], k_tile, row0, kk, lane);
+            load_row_fragment(v_held[kk], v_tile, row0, kk, lane);
         }
     }
 
-    float dk_acc[2][KV_FRAGS][4] = {}, dv_acc[2][KV_FRAGS][4] = {};
+    float dk_acc[D_FRAGS][4] = {}, dv_acc[D_FRAGS][4] = {};
     const float scale_log2 = scale * LOG2E;
+    const int dq_mt = warp % M_STEPS, dq_col0 = (warp / M_STEPS) * DQ_COLS;  // this warp's share of dQ
 
     for (int tile = first_tile; tile < end_tile; ++tile) {
         cp_async_wait<0>();  // this tile's copies have landed (issued during the last iteration)
         __syncthreads();     // ... every thread's; and every warp is done with the last iteration
-        // Refill: tile + 1 goes into the buffer of tile - 1, which no warp reads any more.
+        // Refill: tile + 1 goes into the buffer of tile - 1, which no warp reads any more (not even
+        // as accumulate_dq's staging area).
         if (tile + 1 < end_tile)
             load_query_tile_async(query_buffer(q_ring, do_ring, lse_ring, delta_ring, tile + 1), q_head, do_head,
                                   lse_head, delta_head, (tile + 1) * BLOCK_M, seq_q);
@@ -420,30 +391,25 @@ attention_bwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 
         const QueryTile buffer = query_buffer(q_ring, do_ring, lse_ring, delta_ring, tile);
         const int m0 = tile * BLOCK_M;
-        const int vector_offset = (tile % Q_STAGES) * BLOCK_M;
-        {
-            float s[2][4][4], dp[2][4][4];
-            warp_scores(s, buffer.q, s_query0, k_held, k_tile, s_key0, lane);                           // S = Q Kᵀ
-            const bool on_diagonal = causal && m0 + s_query0 < n0 + s_key0 + 31;  // a key after a query
-            probabilities(s, lse_shared + vector_offset + s_query0, scale_log2, on_diagonal, m0 + s_query0,
-                          n0 + s_key0, lane);                                                           // P
-            warp_scores(dp, buffer.d_o, s_query0, v_held, v_tile, s_key0, lane);                        // dP = dO Vᵀ
-            score_gradients(dp, s, delta_shared + vector_offset + s_query0, lane);                      // dS
-            store_scores(p_tile, s, s_query0, s_key0, lane);
-            store_scores(ds_tile, dp, s_query0, s_key0, lane);
-        }
-        __syncthreads();  // P and dS of every warp are in shared memory
-        warp_key_gradients(dv_acc, p_tile, kv_key0, buffer.d_o, kv_col0, lane);                         // dV += Pᵀ dO
-        warp_key_gradients(dk_acc, ds_tile, kv_key0, buffer.q, kv_col0, lane);                          // dK += dSᵀ Q
-        float dq_acc[DQ_FRAGS][4];
-        accumulate_dq(dq_acc, ds_tile, k_tile, dq_mt, dq_col0, lane);                                   // dS K
-        __syncthreads();  // every warp is done reading P and dS: their tiles become the warps' staging areas
-        add_to_dq(dq_head + (size_t)(m0 + 16 * dq_mt) * HEAD_DIM + dq_col0, dq_acc, p_tile + warp * STAGING_BYTES,
-                  seq_q - (m0 + 16 * dq_mt), lane);                                                     // dQ +=
+        const int lse_offset = (tile % Q_STAGES) * BLOCK_M;
+        float s[M_FRAGS][4];
+        warp_rows_times_queries(s, k_held, k_tile, row0, buffer.q, lane);                       // Sᵀ = K Qᵀ
+        const bool on_diagonal = causal && m0 < n0 + row0 + 15;  // some key of the warp after some query
+        probabilities(s, lse_shared + lse_offset, scale_log2, on_diagonal, n0 + row0, m0, lane);  // Pᵀ
+        warp_accumulate(dv_acc, s, buffer.d_o, lane);                                           // dV += Pᵀ dO
+        float dp[M_FRAGS][4];
+        warp_rows_times_queries(dp, v_held, v_tile, row0, buffer.d_o, lane);                    // dPᵀ = V dOᵀ
+        score_gradients(dp, s, delta_shared + lse_offset, lane);                                // dSᵀ
+        warp_accumulate(dk_acc, dp, buffer.q, lane);                                            // dK += dSᵀ Q
+        store_score_gradients(ds_tile, dp, row0, lane);
+        __syncthreads();  // dSᵀ of every warp is in shared memory
+        // dQ += dS K; the warp's staging area: a quarter of this tile's Q or dO buffer, read no more.
+        const unsigned staging = (warp < NUM_WARPS / 2 ? buffer.q : buffer.d_o) + (warp % (NUM_WARPS / 2)) * STAGING_BYTES;
+        accumulate_dq(dq_head, ds_tile, k_tile, staging, m0, dq_mt, dq_col0, seq_q, lane);
     }
 
-    write_rows(dk + head * seq_kv * HEAD_DIM, dk_acc, scale, n0 + kv_key0, kv_col0, seq_kv, lane);
-    write_rows(dv + head * seq_kv * HEAD_DIM, dv_acc, 1.0f, n0 + kv_key0, kv_col0, seq_kv, lane);
+    write_rows(dk + head * seq_kv * HEAD_DIM, dk_acc, scale, n0 + row0, seq_kv, lane);
+    write_rows(dv + head * seq_kv * HEAD_DIM, dv_acc, 1.0f, n0 + row0, seq_kv, lane);
 }
 
 // Per query row: Δ = rowsum(dO ∘ O) in fp32 (the softmax's term of dS), the LSE times log2(e) (the
