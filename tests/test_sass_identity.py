@@ -38,7 +38,15 @@ from stages.common import compiler
 from stages.common.compiler import REPO
 
 BEFORE_ONE_HOME = "b70e0f1"  # before "one home for each idea": headers split, geometry checked, notes moved
-BASES = {name: BEFORE_ONE_HOME for name in stages.stage_names()}
+
+
+def existed_at(commit: str, name: str) -> bool:
+    """Whether stages/<name>/ was in the tree at `commit` (a stage written later has no base to compare with)."""
+    return subprocess.run(["git", "cat-file", "-e", f"{commit}:stages/{name}/__init__.py"], cwd=REPO,
+                          capture_output=True).returncode == 0
+
+
+BASES = {name: BEFORE_ONE_HOME for name in stages.stage_names() if existed_at(BEFORE_ONE_HOME, name)}
 LADDER = {"ladder/simt.cu": "stage6_grouped_gemm", "ladder/mma_sync.cu": "stage6_grouped_gemm"}
 FRESH_COMPILES = 3  # per side, after a mismatch
 
