@@ -5,13 +5,16 @@ phase "profile") under ncu on one benchmark shape (SHAPE: its index among the st
 default 0, or a regular expression matched against their labels). The worker makes the shape's inputs,
 warms up the kernel and every library baseline, picks the fastest baseline by a short timing (the
 reference, as the grade's), warms both up once more, then runs each ONCE inside an NVTX range,
-RANGES["kernel"] and RANGES["reference"]. ncu profiles only the launches inside those two ranges.
+RANGES["kernel"] and RANGES["reference"]. ncu profiles only the launches inside those two ranges. Each
+is opened as both a push/pop range (this thread's: "NAME/" in ncu's filter) and a start/end range (the
+process's: "NAME"), since a backward baseline's kernels are launched by autograd's own device thread.
 
 The command line (ncu_command), and why:
 
-    ncu --target-processes all --nvtx --nvtx-include flashmoe_kernel/ --nvtx-include flashmoe_reference/
+    ncu --target-processes all --nvtx --nvtx-include flashmoe_kernel/ --nvtx-include flashmoe_kernel
+        --nvtx-include flashmoe_reference/ --nvtx-include flashmoe_reference
         --replay-mode kernel --cache-control all --clock-control base
-        --metrics <METRICS, SOL_CHECK and the stall reasons, one list> --csv --page raw --print-units base
+        --metrics <METRICS then the stall reasons, one list> --csv --page raw --print-units base
         --log-file <CSV> python -m grader.worker <JOB.json>
 
 - `--replay-mode kernel`: each profiled launch is replayed (its memory saved and restored) until every
@@ -163,7 +166,8 @@ def metric_names(major: int) -> list[str]:
 
 def ncu_command(ncu: str, csv_path: Path, major: int) -> list[str]:
     """The ncu command line that profiles the worker run which follows it (the worker's argv is appended)."""
-    includes = [arg for side in SIDES for arg in ("--nvtx-include", f"{RANGES[side]}/")]
+    # "NAME/": the push/pop range NAME; "NAME": the start/end range NAME (a launch matching either is profiled once).
+    includes = [arg for side in SIDES for pattern in (f"{RANGES[side]}/", RANGES[side]) for arg in ("--nvtx-include", pattern)]
     return [ncu, "--target-processes", "all", "--nvtx", *includes,
             "--replay-mode", SETTINGS["replay_mode"], "--cache-control", SETTINGS["cache_control"],
             "--clock-control", SETTINGS["clock_control"],

@@ -210,10 +210,14 @@ class Worker:
             run()
         torch.cuda.synchronize()
         for side, run in sides.items():
+            # Both kinds of NVTX range: a push/pop range is this thread's, a start/end range the process's,
+            # which also holds what autograd's device thread launches (a backward baseline).
+            started = torch.cuda.nvtx.range_start(RANGES[side])
             torch.cuda.nvtx.range_push(RANGES[side])
             run()
             torch.cuda.synchronize()
             torch.cuda.nvtx.range_pop()
+            torch.cuda.nvtx.range_end(started)
         emit("profile_done", index=index, baselines_ms=baselines_ms, skipped=skipped,
              reference={"name": chosen[0], "ms": chosen[1]} if chosen else None)
 

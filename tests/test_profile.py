@@ -46,6 +46,7 @@ def test_the_command_line_makes_figures_comparable_and_filters_by_nvtx(tmp_path)
     text = " ".join(command)
     for option in ("--replay-mode kernel", "--clock-control base", "--cache-control all", "--nvtx",
                    f"--nvtx-include {profile.RANGES['kernel']}/", f"--nvtx-include {profile.RANGES['reference']}/",
+                   f"--nvtx-include {profile.RANGES['kernel']} ", f"--nvtx-include {profile.RANGES['reference']} ",
                    "--csv", "--page raw", "--print-units base", f"--log-file {tmp_path / 'p.csv'}"):
         assert option in text, option
     metrics = command[command.index("--metrics") + 1].split(",")
