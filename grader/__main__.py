@@ -10,11 +10,12 @@ from pathlib import Path
 USAGE = """python -m grader STAGE [STAGE ...] [options]   grade stages in turn (e.g. stage0, stage3, 3, stage6:mma_sync)
        python -m grader all [options]       grade every stage and rung this GPU runs (instructors: --json results/<gpu>.json)
        python -m grader list                the stages, the architectures each needs, their last recorded grade
-       python -m grader init STAGE [STAGE ...]  write exercise copies to workspace/ (graded from then on)"""
+       python -m grader init STAGE [STAGE ...]  write exercise copies to workspace/ (graded from then on)
+       python -m grader STAGE --profile [SHAPE]  Nsight Compute, beside the reference, on one benchmark shape"""
 
 ARCH = re.compile(r"sm_(\d+)(a?)")  # sm_80, sm_90a: a GPU generation, "a" for its arch-specific features
 LOWEST_ARCH = 80                    # the course's kernels use cp.async, ldmatrix and bf16 mma.sync
-GPU_ONLY = ("cases", "no_bench", "json", "seed", "trials", "budget", "timeout")  # options that only a GPU run uses
+GPU_ONLY = ("cases", "no_bench", "json", "seed", "trials", "budget", "timeout", "profile")  # options that only a GPU run uses
 
 
 def parser() -> argparse.ArgumentParser:
@@ -33,6 +34,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=60.0, help="seconds without progress before a kernel counts as hung")
     p.add_argument("--json", type=Path, help="write the results here (updates the stages it holds)")
     p.add_argument("--force", action="store_true", help="init: overwrite your workspace copy")
+    p.add_argument("--profile", nargs="?", const="0", metavar="SHAPE",
+                   help="profile the kernel beside the fastest library baseline with Nsight Compute (ncu) on one "
+                        "benchmark shape: its index (default 0) or a regular expression matching its label; "
+                        "no correctness cases or timings")
     return p
 
 
@@ -52,6 +57,12 @@ def option_problem(args) -> str | None:
             return f"--arch {args.arch}: not an architecture; write sm_NN or sm_NNa (e.g. sm_80, sm_90a)"
         if int(match[1]) < LOWEST_ARCH:
             return f"--arch {args.arch}: the course's kernels need sm_{LOWEST_ARCH} or newer"
+    if args.profile is not None:
+        from grader.profile import shape_problem
+        if problem := shape_problem(args.profile):
+            return problem
+        if args.cases is not None or args.no_bench:
+            return "--profile runs no correctness cases and no timings: leave out --cases and --no-bench"
     if args.cases is not None:
         try:
             re.compile(args.cases)
@@ -197,6 +208,10 @@ def grade(names: list[str] | None, args) -> int:
         say_compile_only(args, why)
     else:
         report.console.print(f"GPU: {gpu.name} ({gpu.arch}, {gpu.sms} SMs, driver CUDA {gpu.driver})")
+        if args.profile is not None:
+            from grader.profile import NOT_FOUND, find_ncu
+            if find_ncu() is None:
+                return fail(NOT_FOUND)
     if names is None and (gpu or args.arch):
         skipped = [s.key for s in chosen if not runs_here(s, gpu, args.arch)]
         chosen = [s for s in chosen if runs_here(s, gpu, args.arch)]
@@ -215,7 +230,15 @@ def grade(names: list[str] | None, args) -> int:
             result["measured"] = results.provenance(gpu) if gpu else None
             all_results[stage.key] = result
 
-    if args.json and all_results and gpu is not None:
+    if args.json and all_results and gpu is not None and args.profile is not None:
+        for key, result in all_results.items():
+            try:
+                results.add_profile(args.json, gpu.name, key, dict(result["profile"], measured=result["measured"]))
+            except ValueError as error:
+                status = fail(str(error))
+                continue
+            report.console.print(f"Profile of {key} written to {args.json}")
+    elif args.json and all_results and gpu is not None:
         latest = list(all_results.values())[-1]["measured"]  # the file's provenance: its newest stage's
         results.write(args.json, gpu.name, latest, all_results)
         report.console.print(f"Results written to {args.json}")
@@ -225,13 +248,15 @@ def grade(names: list[str] | None, args) -> int:
 def grade_one(stage, args, gpu) -> tuple[dict | None, int]:
     """(the result, or None if there is none, and the exit status) of one stage, reported as it goes."""
     import stages
-    from grader import report
-    from grader.run import GraderError, grade_stage
+    from grader import profile, report
+    from grader.profile import ProfileError
+    from grader.run import GraderError, grade_stage, profile_stage
     from stages.common.compiler import CompileError, nvrtc_version
 
     console = report.console
     if args.arch and (problem := arch_problem(stage, args.arch)):
         return None, fail(problem)
+    profiling = args.profile is not None and gpu is not None
     try:
         kernel_path = kernel_path_for(stage, args)
         arch = args.arch or (stages.arch_for(gpu, stage.archs) if gpu else max(stage.archs))
@@ -242,10 +267,15 @@ def grade_one(stage, args, gpu) -> tuple[dict | None, int]:
                 if what == "case" and not ok:
                     console.print(f"  [red]FAIL[/red] {label}")
 
-            result = grade_stage(stage, kernel_path, gpu, arch, seed=args.seed, trials=args.trials,
-                                 timeout_s=args.timeout, budget_s=args.budget, bench=not args.no_bench,
-                                 only=args.cases, progress=progress)
-    except (GraderError, FileNotFoundError, ValueError) as error:
+            if profiling:
+                result = profile_stage(stage, kernel_path, gpu, arch, args.profile,
+                                       profile.csv_path_for(stage.key, args.json),
+                                       timeout_s=max(args.timeout, 300.0), progress=progress)
+            else:
+                result = grade_stage(stage, kernel_path, gpu, arch, seed=args.seed, trials=args.trials,
+                                     timeout_s=args.timeout, budget_s=args.budget, bench=not args.no_bench,
+                                     only=args.cases, progress=progress)
+    except (GraderError, ProfileError, FileNotFoundError, ValueError) as error:
         return None, fail(f"{stage.key}: {error}")
     except CompileError as error:
         console.print(f"[red]{stage.key}: compile error for {error.arch}[/red]")
@@ -253,6 +283,8 @@ def grade_one(stage, args, gpu) -> tuple[dict | None, int]:
         return None, 1
     result["nvrtc"] = nvrtc_version()  # what made the registers and SASS the report shows
     report.print_stage(result, gpu.name if gpu else None)
+    if profiling:
+        profile.print_profile(result["profile"], stage.key, gpu.name)
     console.print(f"({time.perf_counter() - started:.0f} s)")
     return result, 1 if result.get("correctness", {}).get("failed") else 0
 

@@ -112,3 +112,16 @@ def write(path: Path, gpu_name: str, prov: dict, stage_results: dict) -> None:
     data["stages"] = dict(sorted(data["stages"].items(), key=lambda kv: int(re.match(r"stage(\d+)", kv[0]).group(1))))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, default=float) + "\n")
+
+
+def add_profile(path: Path, gpu_name: str, stage_key: str, profile: dict) -> None:
+    """Put a stage's profile (grader/profile.py) into its entry of a results file, under "profile",
+    leaving the rest as it was; ValueError (one line) where the file has no entry for it on this GPU."""
+    path = Path(path)
+    data = json.loads(path.read_text()) if path.exists() else {}
+    entry = data.get("stages", {}).get(stage_key) if data.get("gpu") == gpu_name else None
+    if entry is None:
+        raise ValueError(f"{path} has no results for {stage_key} on {gpu_name}, to put its profile in: grade it "
+                         f"first (python -m grader {stage_key} --json {path})")
+    entry["profile"] = profile
+    path.write_text(json.dumps(data, indent=1, default=float) + "\n")

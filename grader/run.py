@@ -251,9 +251,7 @@ def grade_stage(stage, kernel_path: Path, gpu, arch: str, *, seed=0, trials=2, t
     name matches that regular expression (and skips the benchmarks)."""
     cubins = compile_stage(stage, kernel_path, arch)
     progress("compiled", len(cubins), len(cubins), arch, True)
-    result = {"title": stage.title, "problem": stage.problem, **({"rung": stage.rung} if stage.rung else {}),
-              "kernel_path": relative(kernel_path),
-              "source_sha256": source_digest(stage, kernel_path), "arch": arch, "resources": resources(cubins)}
+    result = _compiled(stage, kernel_path, arch, cubins)
     if gpu is None:
         return result
     result["correctness"] = check_cases(stage, cubins, seed, trials, timeout_s, progress, only)
@@ -266,4 +264,27 @@ def grade_stage(stage, kernel_path: Path, gpu, arch: str, *, seed=0, trials=2, t
     result.update(grading.grade(stage.goal, timed) if timed else {"grade": "?"})
     if len(timed) < len(result["benchmarks"]):
         result["grade"] = "F"  # a benchmark shape crashed or hung
+    return result
+
+
+def _compiled(stage, kernel_path: Path, arch: str, cubins: dict) -> dict:
+    """What a run without a GPU reports: the stage, the file graded, its digest, each kernel's resources."""
+    return {"title": stage.title, "problem": stage.problem, **({"rung": stage.rung} if stage.rung else {}),
+            "kernel_path": relative(kernel_path),
+            "source_sha256": source_digest(stage, kernel_path), "arch": arch, "resources": resources(cubins)}
+
+
+def profile_stage(stage, kernel_path: Path, gpu, arch: str, shape: str | None, csv_path: Path,
+                  timeout_s: float = 300.0, progress=lambda *a: None) -> dict:
+    """Compile, then profile the kernel beside the reference under Nsight Compute on one benchmark shape
+    (grader/profile.py; `shape` as --profile takes it); no correctness cases, no timings. The result holds
+    the profile under "profile"; profile.ProfileError says why there is none."""
+    from grader import profile
+
+    cubins = compile_stage(stage, kernel_path, arch)
+    progress("compiled", len(cubins), len(cubins), arch, True)
+    result = _compiled(stage, kernel_path, arch, cubins)
+    progress("profile", 0, 1, "under Nsight Compute", True)
+    result["profile"] = profile.run(stage, cubins, gpu, shape, csv_path, timeout_s=timeout_s)
+    result["profile"]["source_sha256"] = result["source_sha256"]  # which kernel it profiled
     return result
