@@ -72,8 +72,9 @@ METRICS = {
     "memory_pct": ("gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed", "memory throughput", "pct"),
     "tensor_hmma_pct": ("sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed",
                         "tensor pipe (mma.sync)", "pct"),
-    "tensor_gmma_pct": ("sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed",
-                        "tensor pipe (wgmma)", "pct"),
+    # sm_90's tensor pipe with wgmma's HGMMA counted too (ncu 2025.3: no metric of HGMMA alone)
+    "tensor_gmma_pct": ("sm__pipe_tensor_op_hmma_type_hmma_hgmma_qgmma_cycles_active.avg.pct_of_peak_sustained_elapsed",
+                        "tensor pipe (mma.sync + wgmma)", "pct"),
     "issue_pct": ("smsp__issue_active.avg.pct_of_peak_sustained_active", "issue slots busy", "pct"),
     "dram_pct": ("gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed", "DRAM throughput", "pct"),
     "dram_read_bytes": ("dram__bytes_read.sum", "DRAM read", "bytes"),
@@ -117,7 +118,9 @@ STALL_REASONS = {
     "tex_throttle": "the texture/L1TEX queue is full: too many texture or surface requests",
     "imc_miss": "waiting for the immediate-constant cache: constants missed in cache (first use or many kernel parameters)",
     "misc": "another reason, not broken down by the hardware",
+    "gmma": "waiting for a wgmma to finish or for its operands (sm_90): overlap wgmma with other work (ping-pong, pipelining)",
 }
+STALLS_ONLY_ON = {"gmma": lambda major: major == 9}
 NOT_A_STALL = ("selected",)
 TOP_STALLS = 3
 COLUMNS_PER_SIDE = 3  # a side's longest kernels shown in the table; the rest are summed into "other"
@@ -161,7 +164,8 @@ def find_ncu(env: dict | None = None) -> str | None:
 def metric_names(major: int) -> list[str]:
     """Every ncu metric to collect on a GPU of compute capability `major`.x, in METRICS' order then the stalls."""
     names = [name for key, (name, _, _) in METRICS.items() if ONLY_ON.get(key, lambda m: True)(major)]
-    return names + [STALL_METRIC.format(reason) for reason in STALL_REASONS]
+    return names + [STALL_METRIC.format(reason) for reason in STALL_REASONS
+                    if STALLS_ONLY_ON.get(reason, lambda m: True)(major)]
 
 
 def ncu_command(ncu: str, csv_path: Path, major: int) -> list[str]:
