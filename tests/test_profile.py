@@ -135,7 +135,8 @@ def test_every_recorded_csv_parses_into_both_sides(path):
         assert m["duration"] and m["duration"] > 0
         for key, (_, _, kind) in profile.METRICS.items():
             if kind == "pct" and m.get(key) is not None:
-                assert 0 <= m[key] <= 100.5, (record["name"], key, m[key])
+                # ncu's sector counts put a hit rate a little over 100% on tiny kernels (stage 5's arange: 100.8)
+                assert 0 <= m[key] <= 102, (record["name"], key, m[key])
         assert m["registers"] and m["block_size"]
         assert record["stalls"] and set(record["stalls"]) <= set(profile.STALL_REASONS) | {"misc"}
     summary = profile.summarize(records)
