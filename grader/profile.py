@@ -71,10 +71,10 @@ METRICS = {
     "sm_pct": ("sm__throughput.avg.pct_of_peak_sustained_elapsed", "SM throughput", "pct"),
     "memory_pct": ("gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed", "memory throughput", "pct"),
     "tensor_hmma_pct": ("sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed",
-                        "tensor pipe (mma.sync)", "pct"),
+                        "tensor pipe (HMMA)", "pct"),
     # sm_90's tensor pipe with wgmma's HGMMA counted too (ncu 2025.3: no metric of HGMMA alone)
     "tensor_gmma_pct": ("sm__pipe_tensor_op_hmma_type_hmma_hgmma_qgmma_cycles_active.avg.pct_of_peak_sustained_elapsed",
-                        "tensor pipe (mma.sync + wgmma)", "pct"),
+                        "tensor pipe (HMMA + HGMMA)", "pct"),
     "issue_pct": ("smsp__issue_active.avg.pct_of_peak_sustained_active", "issue slots busy", "pct"),
     "dram_pct": ("gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed", "DRAM throughput", "pct"),
     "dram_read_bytes": ("dram__bytes_read.sum", "DRAM read", "bytes"),
@@ -541,9 +541,10 @@ def _kib(value) -> str:
 def table_rows(metrics: dict) -> list[tuple[str, str]]:
     """A kernel's column of the side-by-side table: (row label, cell), the same rows for every kernel."""
     m = metrics
+    # One figure: on sm_90 ncu's HMMA counter already counts wgmma's HGMMA too (the two are equal for a wgmma
+    # kernel), so which instructions kept the pipe busy is the SASS's business, not this row's.
     hmma, gmma = m.get("tensor_hmma_pct"), m.get("tensor_gmma_pct")
-    tensor = "—" if hmma is None and gmma is None else \
-        (f"{gmma:.1f}% wgmma" if (gmma or 0) > (hmma or 0) else f"{hmma or 0:.1f}%" + (" mma.sync" if hmma else ""))
+    tensor = "—" if hmma is None and gmma is None else f"{max(hmma or 0.0, gmma or 0.0):.1f}%"
     read, written = m.get("dram_read_bytes"), m.get("dram_write_bytes")
     dram_bytes = "—" if read is None and written is None else \
         f"{_cell((read or 0) + (written or 0), 'bytes')} ({_cell(read, 'bytes')} read)"

@@ -230,6 +230,50 @@ def test_lessons_include_the_real_kernels(site):
         assert '<svg class="fm-diagram"' in html, f"{stage_page(d)}.md has no diagram"
 
 
+def test_every_lesson_shows_its_profile(site):
+    """Each lesson has its stage's profile placeholder; stage 0's built page holds the committed profile:
+    one table with the course's kernels beside the reference's, the stalls and the verdicts."""
+    for d in STAGE_DIRS:
+        markdown = (ROOT / "docs" / f"{stage_page(d)}.md").read_text()
+        assert f"<!-- profile:{d.name} -->" in markdown, f"{stage_page(d)}.md has no <!-- profile:{d.name} --> placeholder"
+    profile = json.loads((ROOT / "results" / "h100-sxm.json").read_text())["stages"]["stage0_naive"]["profile"]
+    html = (site / "stages" / "stage0" / "index.html").read_text()
+    block = re.search(r'<div class="fm-results fm-profile">(.*?)</div>', html, re.S)
+    assert block, "stage 0's page has no profile table"
+    table = block[1]
+    sides = {k["side"] for k in profile["kernels"]}
+    assert sides == {"kernel", "reference"}
+    for k in profile["kernels"]:
+        assert f'title="{k["name"]}"' in table, f"{k['name']} is not a column of stage 0's profile"
+    assert "ours<br" in table and profile["reference"]["name"] + "<br" in table
+    for row in ("duration", "SM throughput", "memory throughput", "tensor pipe", "DRAM bytes", "L1 / L2 hit rate",
+                "occupancy achieved / theoretical", "registers per thread", "shared memory per block", "waves"):
+        assert f"<td>{row}</td>" in table, row
+    assert profile["settings"]["text"] in html and profile["settings"]["ncu"] in html
+    assert "memory-bound (SM" in html and "latency-bound (SM" in html and "long_scoreboard</code>: waiting" in html
+
+
+def test_a_stage_without_a_profile_says_so(fake_results, monkeypatch):
+    monkeypatch.setenv("FLASHMOE_RESULTS_DIR", str(fake_results))
+    hook = load_hook()
+    page = types.SimpleNamespace(file=types.SimpleNamespace(src_path="stages/stage0.md"))
+    assert "not profiled yet" in hook.on_page_markdown("<!-- profile:stage0_naive -->", page, None, None)
+    results = json.loads((ROOT / "results" / "h100-sxm.json").read_text())
+    profiled = copy.deepcopy(FAKE)
+    profiled["stages"]["stage0_naive"]["profile"] = results["stages"]["stage0_naive"]["profile"]
+    (fake_results.parent / "profiled").mkdir(exist_ok=True)
+    (fake_results.parent / "profiled" / "h100-sxm.json").write_text(json.dumps(profiled))
+    (fake_results.parent / "profiled" / "h200.json").write_text(json.dumps(FAKE_H200))
+    monkeypatch.setenv("FLASHMOE_RESULTS_DIR", str(fake_results.parent / "profiled"))
+    text = hook.on_page_markdown("<!-- profile:stage0_naive -->", page, None, None)
+    assert "fm-profile" in text and "| Metric |" in text
+    if "stage0_naive" in FAKE_H200["stages"]:
+        assert "Not profiled on the **NVIDIA H200**" in text
+    with pytest.raises(hook.PluginError, match="no such stage"):
+        hook.on_page_markdown("<!-- profile:stage0_naive:nope -->", page, None, None)
+    assert "`barrier`" in hook.on_page_markdown("<!-- stall-reasons -->", page, None, None)
+
+
 # ---------------------------------------------------------------- the results, through the hook
 
 def test_ladder_and_tables_show_the_recorded_numbers(fake_site):

@@ -17,6 +17,12 @@
                                        hidden4096 inter11008:tflops -->" becomes "678 TFLOP/s"
     <!-- stage-list -->                the list of stages (home page only: its links are relative to docs/)
     <!-- gpus -->                      the GPUs the results files hold, each with its file, the H100's first
+    <!-- stall-reasons -->             the warp-stall reasons a profile reports, with what each means
+                                       (grader/profile.py's STALL_REASONS)
+    <!-- profile:<key> -->             a stage's (or a rung's) Nsight Compute profile beside the reference's,
+                                       from the results' "profile" entry (`python -m grader stageN --profile
+                                       --json ...`): the side-by-side table, the warp stalls, the verdicts;
+                                       the cells and verdicts are grader/profile.py's, as its report prints them
   Every results file is shown, one per GPU: with several, each chart and table gets a tab per GPU,
   the H100's first, and the tabs of one GPU are linked across the page. A figure in prose reads the
   H100's file only (PROSE_GPU: the lessons say "on the H100" beside it). A figure that file does not
@@ -32,6 +38,7 @@ from __future__ import annotations
 import ast
 import functools
 import html
+import importlib.util
 import itertools
 import json
 import math
@@ -46,7 +53,8 @@ from mkdocs.exceptions import PluginError
 ROOT = Path(__file__).resolve().parents[2]
 STAGE_DIR = re.compile(r"stage(\d+)_\w+")
 KEY = r"\w+(?::\w+)?"  # a stage directory, then ":rung" for a rung of its ladder
-PLACEHOLDER = re.compile(rf"<!-- (ladder|stage-list|gpus|results:({KEY})|rungs:(\w+)|figure:({KEY}):([^:>]+):([\w.:]+)) -->")
+PLACEHOLDER = re.compile(rf"<!-- (ladder|stage-list|gpus|stall-reasons|results:({KEY})|rungs:(\w+)|figure:({KEY}):([^:>]+):([\w.:]+)"
+                         rf"|profile:({KEY})) -->")
 COLORS = ["#3b82f6", "#f59e0b", "#10b981", "#ef4444", "#8b5cf6", "#06b6d4", "#ec4899", "#84cc16"]
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 NOT_MEASURED = "Not measured yet"
@@ -304,10 +312,14 @@ def on_page_markdown(markdown, page, config, files):
             return ladder_md(runs)
         if m[1] == "gpus":
             return gpus_md(runs)
+        if m[1] == "stall-reasons":
+            return stall_reasons_md()
         if m[2]:
             return results_md(m[2], runs)
         if m[3]:
             return rungs_md(m[3], runs)
+        if m[7]:
+            return profile_md(m[7], runs)
         return figure_md(runs, m[4], m[5], m[6], page.file.src_path)
 
     return PLACEHOLDER.sub(fill, markdown)
@@ -741,6 +753,107 @@ def stage_run_md(run: dict, key: str) -> str:
     out += resources_table(st.get("resources") or {})
     out.append("\n</div>")
     out += cases_details(c)
+    return "\n".join(out) + "\n\n"
+
+
+# ---------------------------------------------------------------- a stage's profile beside the reference's
+
+NOT_PROFILED = "Not profiled yet"
+
+
+@functools.lru_cache(maxsize=None)
+def profile_helpers():
+    """grader/profile.py, loaded from its file (not through the grader package, whose __init__ may grow
+    imports): its report's pure helpers (table_rows, heading, short_name, top_stalls, verdict, _cell)
+    and STALL_REASONS, so that the site shows what `python -m grader stageN --profile` prints. The
+    module imports only the standard library at its top."""
+    spec = importlib.util.spec_from_file_location("flashmoe_grader_profile", ROOT / "grader" / "profile.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def stall_reasons_md() -> str:
+    """grader/profile.py's STALL_REASONS as a table: the reason, and what it means and what to do."""
+    P = profile_helpers()
+    rows = [f"| `{reason}` | {html.escape(why)}"
+            + (" (counted on sm_90 only)" if reason in P.STALLS_ONLY_ON else "") + " |"
+            for reason, why in P.STALL_REASONS.items()]
+    return ('\n\n<div class="fm-results" markdown>\n\n| Reason | What the warp waits for, and what to try |\n|---|---|\n'
+            + "\n".join(rows) + "\n\n</div>\n\n")
+
+
+def profile_md(key: str, runs: list[dict]) -> str:
+    """A stage's (or rung's) profile on each GPU whose results hold the stage, a tab each where there
+    are several; a GPU whose entry has no profile says so."""
+    name, rung = split_key(key)
+    if key not in ladder_of(name) and not any(key in run.get("stages", {}) for run in runs):
+        raise PluginError(f"<!-- profile:{key} -->: no such stage or rung (stages/{name}/ names "
+                          f"{', '.join(ladder_of(name))})")
+    found = [run for run in runs if key in run.get("stages", {})]
+    command = f"`python -m grader {short_key(key)} --profile`"
+    if not any((run["stages"][key].get("profile") or {}).get("kernels") for run in found):
+        return (f'\n\n!!! note "{NOT_PROFILED}"\n    `results/*.json` has no profile of `{key}`: not profiled yet. '
+                f"Profile it on your own GPU with {command} (Nsight Compute must be installed; see "
+                "[Reading a profile](../grading.md#reading-a-profile)).\n\n")
+    return gpu_tabs([(run, profile_run_md(run, key)) for run in found])
+
+
+def profile_run_md(run: dict, key: str) -> str:
+    P = profile_helpers()
+    st = run["stages"][key]
+    p = st.get("profile") or {}
+    where = f"the **{gpu_of(run)}** (`results/{run.get('_file', '?')}`)"
+    if not p.get("kernels"):
+        return (f"\n\nNot profiled on {where}: `python -m grader {short_key(key)} --profile --json "
+                f"results/{run.get('_file', '<gpu>.json')}` would add it.\n\n")
+    ref = p.get("reference") or {}
+    ref_name = ref.get("name") or "the reference"
+    settings = p.get("settings") or {}
+    kernels = p["kernels"]
+    shape = " ".join(filter(None, [p.get("label"), DTYPES.get(p.get("dtype"), p.get("dtype"))]))
+    index = p.get("shape_index")
+    ref_ms = f", {ref['ms']:.3f} ms in the grader's timing" if ref.get("ms") else ""
+    out = [f"\n\nOn {where}: Nsight Compute at **{html.escape(shape)}**"
+           + (f" (benchmark shape {index}: `python -m grader {short_key(key)} --profile {index}`)" if index is not None else "")
+           + f", beside **{html.escape(ref_name)}**, the fastest library baseline{ref_ms}. "
+           f"Settings: {settings.get('text') or P.SETTINGS_TEXT}; ncu {settings.get('ncu') or 'version not recorded'}; "
+           f"profiled {when(p.get('measured') or measured(run, st))}. "
+           "How to read it: [Reading a profile](../grading.md#reading-a-profile).\n",
+           '<div class="fm-results fm-profile" markdown>\n']
+
+    def column(k: dict) -> str:
+        who = "ours" if k.get("side") == "kernel" else ref_name
+        other = str(k.get("name", "")).startswith("other")
+        short = k.get("name") if other else P.short_name(str(k.get("name", "?")), 24)
+        launches = f" ×{k['launches']}" if (k.get("launches") or 1) > 1 and not other else ""
+        return (f'{html.escape(who)}<br><span title="{html.escape(str(k.get("name", "")))}">'
+                f"{html.escape(short).replace('_', '_<wbr>')}</span>{launches}").replace("|", "&#124;")
+
+    cells = [P.table_rows(k.get("metrics") or {}) for k in kernels]
+    out += ["| Metric | " + " | ".join(column(k) for k in kernels) + " |", "|---|" + "--:|" * len(kernels)]
+    out += ["| " + " | ".join([row, *[c[i][1] for c in cells]]) + " |" for i, (row, _) in enumerate(cells[0])]
+    totals = p.get("totals") or {}
+    ours, theirs = (totals.get("kernel") or {}), (totals.get("reference") or {})
+    if ours.get("duration") and theirs.get("duration"):
+        out += ["", f"All the profiled launches: ours {P._cell(ours['duration'], 'ns')} in {ours.get('launches', '—')} "
+                f"launch{'es' * (ours.get('launches') != 1)}, {html.escape(ref_name)} {P._cell(theirs['duration'], 'ns')} "
+                f"in {theirs.get('launches', '—')}: ours take {ratio(ours['duration'] / theirs['duration'])} "
+                f"{html.escape(ref_name)}'s time "
+                f"at base clocks. DRAM traffic: ours {P._cell(ours.get('dram_bytes'), 'bytes')}, "
+                f"{html.escape(ref_name)} {P._cell(theirs.get('dram_bytes'), 'bytes')}."]
+    stalls = {id(k): k.get("top_stalls") or P.top_stalls(k.get("stalls") or {}) for k in kernels}
+    out += ["", "| Kernel | Top warp stalls (share of the stalled cycles) |", "|---|---|"]
+    out += [f"| {column(k).replace('<br>', ' ')} | "
+            + (" · ".join(f"`{s['reason']}` {s['share']:.0f}%" for s in stalls[id(k)]) or "—") + " |" for k in kernels]
+    out.append("\n</div>\n")
+    seen = list(dict.fromkeys(s["reason"] for k in kernels for s in stalls[id(k)]))
+    out += [f"- `{reason}`: {html.escape(P.STALL_REASONS.get(reason, '(no explanation recorded)'))}" for reason in seen]
+    out += ["", "The verdicts (see [the rule](../grading.md#reading-a-profile)):", ""]
+    for k in kernels:
+        v = k.get("verdict") or P.verdict(k.get("metrics") or {}, k.get("stalls") or {})
+        out.append(f"- **{column(k).replace('<br>', ' ')}**: {v['bound']}-bound ({v['why']}). "
+                   f"First look at: {html.escape(v['first'])}.")
     return "\n".join(out) + "\n\n"
 
 
