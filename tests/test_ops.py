@@ -1,9 +1,13 @@
-"""stages/ops.py: the course's attention as a differentiable PyTorch function.
+"""stages/ops.py: the course's kernels as PyTorch custom ops (torch.library, namespace "flashmoe").
 
 Without a GPU: inputs the kernels do not take are refused in one line before anything is launched,
-each GPU gets the fastest stage it runs, and the autograd plumbing (what forward saves, what backward
+each GPU gets the fastest stage (or rung) it runs, the ops are registered with fake implementations
+that FakeTensorMode and make_fx trace, and the autograd plumbing (what forward saves, what backward
 is given and returns) is right, with PyTorch math standing in for the kernels. On a GPU: the output and
-the gradients pass the course's tolerance rule against float64, with PyTorch's SDPA as the yardstick."""
+the gradients pass the course's tolerance rule against float64, with PyTorch's SDPA as the yardstick;
+torch.library.opcheck passes; torch.compile(fullgraph=True) runs the attention forward and backward; a
+tiny transformer trains as well on the course's attention as on PyTorch's; the MoE layer passes its
+problem's rule."""
 from types import SimpleNamespace
 
 import pytest
@@ -36,6 +40,8 @@ BAD_INPUTS = {
     "D = 96": (lambda: (meta(1, 2, 8, 96),) * 3, "must be one of (64, 128); got 96"),
     "a transposed k": (lambda: (meta(1, 2, 8, 64), meta(1, 8, 2, 64).transpose(1, 2), meta(1, 2, 8, 64)),
                        "contiguous (.contiguous() makes a copy that is); not: k"),
+    "an unaligned v": (lambda: (meta(1, 2, 8, 64), meta(1, 2, 8, 64), meta(1 + 2 * 8 * 64)[1:].view(1, 2, 8, 64)),
+                       "16-byte aligned (.clone() makes a copy that does); not: v"),
     "CPU tensors": (lambda: (torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16),) * 3, "must be on one CUDA GPU"),
     "not tensors": (lambda: ([1.0], [2.0], [3.0]), "must be tensors"),
 }
@@ -78,7 +84,7 @@ def scores_of(q, k, scale, causal):
     return scores.masked_fill(causal_mask(q.shape[2], k.shape[2], q.device), float("-inf")) if causal else scores
 
 
-def math_launches(problem, q, *rest):
+def math_launches(problem, variant, q, *rest):
     """Stands in for launch_fastest: the kernels' contract in PyTorch math. The backward recomputes P from
     the O and LSE the forward wrote (as a FlashAttention backward does), so that both must reach it."""
     if problem == "attention":
@@ -100,10 +106,12 @@ def math_launches(problem, q, *rest):
 @pytest.mark.parametrize("causal", [False, True])
 def test_backward_gets_what_forward_saved_and_returns_the_gradients_in_order(causal, monkeypatch):
     monkeypatch.setattr(ops, "launch_fastest", math_launches)
+    monkeypatch.setattr(ops, "refuse", lambda who, problem: None)  # float64 on the CPU: the kernels' math in it
+    monkeypatch.setattr(ops, "attention_variant", lambda q: {})
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, seq, 64, generator=gen, dtype=torch.float64) for seq in (13, 21, 21))
     grad_o = torch.randn(2, 13, 3, 64, generator=gen, dtype=torch.float64).transpose(1, 2)  # strided
-    ours = gradients(lambda q, k, v: ops.Attention.apply(q, k, v, causal, 0.3), q, k, v, grad_o)
+    ours = gradients(lambda q, k, v: torch.ops.flashmoe.attention_forward(q, k, v, causal, 0.3)[0], q, k, v, grad_o)
     torch_math = gradients(lambda q, k, v: torch.softmax(scores_of(q, k, 0.3, causal), -1) @ v, q, k, v, grad_o)
     for name, mine, expected in zip(("dq", "dk", "dv"), ours, torch_math):
         torch.testing.assert_close(mine, expected, rtol=1e-5, atol=1e-5, msg=name)  # the LSE is fp32
