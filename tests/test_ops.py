@@ -12,6 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import reference
 from reference.attention import causal_mask, sdpa
@@ -115,6 +117,164 @@ def test_backward_gets_what_forward_saved_and_returns_the_gradients_in_order(cau
     torch_math = gradients(lambda q, k, v: torch.softmax(scores_of(q, k, 0.3, causal), -1) @ v, q, k, v, grad_o)
     for name, mine, expected in zip(("dq", "dk", "dv"), ours, torch_math):
         torch.testing.assert_close(mine, expected, rtol=1e-5, atol=1e-5, msg=name)  # the LSE is fp32
+
+
+# ---------------------------------------------------------------- the MoE layer's inputs and stage, without a GPU
+
+def moe_inputs(T=5, E=4, hidden=64, inter=64, dtype=torch.bfloat16, device="meta"):
+    """x, router_weight, router_bias, w1, w2 of the layer's layout (reference/moe.py)."""
+    return dict(x=torch.empty(T, hidden, dtype=dtype, device=device),
+                router_weight=torch.empty(hidden, E, dtype=dtype, device=device),
+                router_bias=torch.empty(E, dtype=torch.float32, device=device),
+                w1=torch.empty(E, hidden, 2 * inter, dtype=dtype, device=device),
+                w2=torch.empty(E, inter, hidden, dtype=dtype, device=device))
+
+
+def moe_with(**changes):
+    return lambda: {**moe_inputs(), **changes}
+
+
+BAD_MOE_INPUTS = {
+    "w1 of another hidden": (moe_with(w1=meta(4, 72, 128, dtype=torch.bfloat16)), "expected x [T, hidden]"),
+    "w1 not 2·I wide": (moe_with(w1=meta(4, 64, 64, dtype=torch.bfloat16)), "expected x [T, hidden]"),
+    "router [E, hidden]": (moe_with(router_weight=meta(4, 64, dtype=torch.bfloat16)), "router_weight [hidden, E]"),
+    "no tokens": (moe_with(x=meta(0, 64, dtype=torch.bfloat16)), "at least 1"),
+    "float32": (lambda: moe_inputs(dtype=torch.float32), "float16 or all bfloat16"),
+    "mixed dtypes": (moe_with(x=meta(5, 64)), "float16 or all bfloat16"),
+    "a bf16 bias": (moe_with(router_bias=meta(4, dtype=torch.bfloat16)), "router_bias must be float32 [E] = [4]"),
+    "hidden 60": (lambda: moe_inputs(hidden=60), "multiples of 8, at least 64; got hidden 60"),
+    "inter 68": (lambda: moe_inputs(inter=68), "multiples of 8, at least 64; got hidden 64, I 68"),
+    "512 experts": (lambda: moe_inputs(E=512), "at most 256 experts"),
+    "a strided x": (moe_with(x=meta(64, 5, dtype=torch.bfloat16).t()),
+                    "contiguous (.contiguous() makes a copy that is); not: x"),
+    "CPU tensors": (lambda: moe_inputs(device="cpu"), "must be on one CUDA GPU"),
+}
+
+
+@pytest.mark.parametrize("what", BAD_MOE_INPUTS)
+def test_moe_inputs_the_kernels_do_not_take_are_refused_in_one_line(what, monkeypatch):
+    make, says = BAD_MOE_INPUTS[what]
+    monkeypatch.setattr(ops, "launch_fastest", lambda *a: pytest.fail("launched on inputs it should refuse"))
+    inputs = make()
+    with pytest.raises(ValueError) as error:
+        ops.moe_layer(inputs["x"], inputs["router_weight"], inputs["w1"], inputs["w2"], 2,
+                      router_bias=inputs["router_bias"])
+    assert str(error.value).startswith("ops.moe_layer: ") and says in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("top_k", [0, 5, 9, 2.0, True])
+def test_a_top_k_the_kernels_do_not_take_is_refused(top_k, monkeypatch):
+    monkeypatch.setattr(ops, "launch_fastest", lambda *a: pytest.fail("launched on inputs it should refuse"))
+    i = moe_inputs(E=4)
+    with pytest.raises(ValueError, match=r"^ops.moe_layer: top_k must be an int from 1 to min\(E, 8\) = 4; got "):
+        ops.moe_layer(i["x"], i["router_weight"], i["w1"], i["w2"], top_k)
+
+
+def test_the_ops_check_their_inputs_when_called_directly(monkeypatch):
+    monkeypatch.setattr(ops, "launch_fastest", lambda *a: pytest.fail("launched on inputs it should refuse"))
+    q = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^flashmoe::attention_forward: q, k, v must be on one CUDA GPU"):
+        torch.ops.flashmoe.attention_forward(q, q, q, False, 0.125)
+    with pytest.raises(ValueError, match=r"^flashmoe::attention_backward: q, k, v must be on one CUDA GPU"):
+        torch.ops.flashmoe.attention_backward(q, q, q, q, q, torch.zeros(1, 2, 8), False, 0.125)
+    i = moe_inputs(device="cpu")
+    with pytest.raises(ValueError, match=r"^flashmoe::moe_layer: .* must be on one CUDA GPU"):
+        torch.ops.flashmoe.moe_layer(i["x"], i["router_weight"], None, i["w1"], i["w2"], 2)
+
+
+@pytest.mark.parametrize("gpu,key,arch", [(H100, "stage7_moe_layer", "sm_90a"),
+                                          (A100, "stage7_moe_layer:mma_sync", "sm_80"),
+                                          (L4, "stage7_moe_layer:mma_sync", "sm_89")])
+def test_the_moe_layer_is_stage_7_or_its_rung_where_wgmma_is_missing(gpu, key, arch):
+    chosen, chosen_arch = ops.fastest_stage("moe_layer", gpu)
+    assert (chosen.key, chosen_arch) == (key, arch)
+
+
+@pytest.mark.parametrize("gpu", [H100, A100])
+def test_the_backward_is_stage_8(gpu):
+    assert ops.fastest_stage("attention_backward", gpu)[0].name == "stage8_backward"
+
+
+# ---------------------------------------------------------------- registration and fake implementations
+
+OPS = ("attention_forward", "attention_backward", "moe_layer")
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_the_ops_are_registered_and_neither_mutate_nor_alias(name):
+    schema = getattr(torch.ops.flashmoe, name).default._schema
+    assert not schema.is_mutable
+    assert all(a.alias_info is None for a in [*schema.arguments, *schema.returns]), str(schema)
+
+
+def fake_cuda(mode, *shape, dtype=torch.bfloat16, requires_grad=False):
+    """A fake CUDA tensor: shapes, dtypes and devices without a GPU."""
+    with mode:
+        return torch.empty(*shape, dtype=dtype, device="cuda").requires_grad_(requires_grad)
+
+
+def no_launch(monkeypatch):
+    monkeypatch.setattr(ops, "launch_fastest", lambda *a: pytest.fail("a fake tensor reached a launch"))
+
+
+def test_the_fake_implementations_give_the_shapes_dtypes_and_devices(monkeypatch):
+    no_launch(monkeypatch)
+    mode = FakeTensorMode()
+    q, grad_o = fake_cuda(mode, 2, 3, 17, 64), fake_cuda(mode, 2, 3, 17, 64)
+    k, v = fake_cuda(mode, 2, 3, 29, 64), fake_cuda(mode, 2, 3, 29, 64)
+    x, wr = fake_cuda(mode, 5, 64, dtype=torch.float16), fake_cuda(mode, 64, 8, dtype=torch.float16)
+    w1, w2 = fake_cuda(mode, 8, 64, 256, dtype=torch.float16), fake_cuda(mode, 8, 128, 64, dtype=torch.float16)
+    with mode:
+        o = ops.attention(q, k, v, causal=True)
+        o2, lse = torch.ops.flashmoe.attention_forward(q, k, v, True, 0.125)
+        dq, dk, dv = torch.ops.flashmoe.attention_backward(grad_o, q, k, v, o2, lse, True, 0.125)
+        out, ids = ops.moe_layer(x, wr, w1, w2, 3, return_topk_ids=True)
+    for t in (o, o2, dq, dk, dv, lse, out, ids):
+        assert isinstance(t, FakeTensor) and t.device.type == "cuda"
+    assert (o.shape, o.dtype) == (o2.shape, o2.dtype) == (q.shape, torch.bfloat16)
+    assert (lse.shape, lse.dtype) == ((2, 3, 17), torch.float32)
+    assert [(t.shape, t.dtype) for t in (dq, dk, dv)] == [(t.shape, t.dtype) for t in (q, k, v)]
+    assert (out.shape, out.dtype, ids.shape, ids.dtype) == ((5, 64), torch.float16, (5, 3), torch.int32)
+
+
+def called_ops(graph) -> set:
+    return {node.target for node in graph.graph.nodes if node.op == "call_function"}
+
+
+def test_make_fx_traces_a_model_calling_the_ops(monkeypatch):
+    """The graph of a function that calls ops.attention and ops.moe_layer, traced on fake CUDA tensors,
+    holds the flashmoe ops: what torch.compile's AOTAutograd sees."""
+    no_launch(monkeypatch)
+    mode = FakeTensorMode()
+    q, k, v = (fake_cuda(mode, 1, 2, 16, 64) for _ in range(3))
+    x, wr = fake_cuda(mode, 16, 128), fake_cuda(mode, 128, 4)
+    w1, w2 = fake_cuda(mode, 4, 128, 128), fake_cuda(mode, 4, 64, 128)
+
+    def model(q, k, v, x, wr, w1, w2):
+        return ops.attention(q, k, v, causal=True), ops.moe_layer(x, wr, w1, w2, 2)
+
+    graph = make_fx(model, tracing_mode="fake")(q, k, v, x, wr, w1, w2)
+    assert {torch.ops.flashmoe.attention_forward.default, torch.ops.flashmoe.moe_layer.default} <= called_ops(graph)
+
+
+def test_make_fx_traces_the_attention_backward(monkeypatch):
+    """Differentiating through ops.attention puts flashmoe::attention_backward in the graph. On fake CPU
+    tensors, the device check off: a CPU build of PyTorch aborts the process on autograd over fake CUDA
+    tensors (the GPU tests compile the backward on real ones)."""
+    no_launch(monkeypatch)
+    monkeypatch.setattr(ops, "device_problem", lambda tensors: None)
+    mode = FakeTensorMode()
+    with mode:
+        q, k, v = (torch.empty(1, 2, 16, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+
+    def model(q, k, v):
+        o = ops.attention(q, k, v, causal=True)
+        return o, *torch.autograd.grad(o.float().square().sum(), (q, k, v))
+
+    graph = make_fx(model, tracing_mode="fake")(q, k, v)
+    assert {torch.ops.flashmoe.attention_forward.default, torch.ops.flashmoe.attention_backward.default} <= \
+        called_ops(graph), graph.code
 
 
 # ---------------------------------------------------------------- on a GPU
