@@ -244,6 +244,8 @@ def layout_problem(tensors: dict) -> str | None:
     if strided := [name for name, t in tensors.items() if not t.is_contiguous()]:
         names = ", ".join(tensors)
         return f"{names} must be contiguous (.contiguous() makes a copy that is); not: {', '.join(strided)}"
+    if torch.compiler.is_compiling():  # Dynamo cannot trace storage_offset(): the op checks it when it runs
+        return None
     if unaligned := [name for name, t in tensors.items() if t.storage_offset() * t.element_size() % ALIGNMENT]:
         return (f"each tensor must start {ALIGNMENT}-byte aligned (.clone() makes a copy that does); "
                 f"not: {', '.join(unaligned)}")

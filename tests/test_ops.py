@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import reference
+from reference import moe
 from reference.attention import causal_mask, sdpa
 from reference.tolerance import relative_to_library
 from stages import ops
@@ -89,14 +90,23 @@ def scores_of(q, k, scale, causal):
 def math_launches(problem, variant, q, *rest):
     """Stands in for launch_fastest: the kernels' contract in PyTorch math. The backward recomputes P from
     the O and LSE the forward wrote (as a FlashAttention backward does), so that both must reach it."""
+    if problem == "moe_layer":
+        x, (wr, bias, w1, w2, top_k, out, topk_ids) = q, rest
+        layer = dict(x=x, wr=wr, bias=bias, w1=w1, w2=w2)
+        topk_ids.copy_(moe.topk_exact(moe.router_logits(x, wr, bias), top_k)[0])
+        out.copy_(moe.layer_reference(layer, top_k, dtype=torch.float32))
+        return
+    wide = torch.promote_types(q.dtype, torch.float32)  # 16-bit inputs: the math in fp32, as the kernels'
     if problem == "attention":
         k, v, o, lse, scale, causal = rest
+        q, k, v = q.to(wide), k.to(wide), v.to(wide)
         scores = scores_of(q, k, scale, causal)
         lse.copy_(torch.logsumexp(scores, dim=-1))
         o.copy_(torch.softmax(scores, dim=-1) @ v)
         return
     k, v, o, lse, grad_o, dq, dk, dv, scale, causal = rest
     assert grad_o.is_contiguous(), "the backward kernel was given a strided gradient"
+    q, k, v, o, grad_o = q.to(wide), k.to(wide), v.to(wide), o.to(wide), grad_o.to(wide)
     p = torch.exp(scores_of(q, k, scale, causal) - lse[..., None])
     grad_p = grad_o @ v.transpose(-1, -2)
     grad_scores = p * (grad_p - (grad_o * o).sum(-1, keepdim=True)) * scale  # softmax's backward, through O
@@ -275,6 +285,31 @@ def test_make_fx_traces_the_attention_backward(monkeypatch):
     graph = make_fx(model, tracing_mode="fake")(q, k, v)
     assert {torch.ops.flashmoe.attention_forward.default, torch.ops.flashmoe.attention_backward.default} <= \
         called_ops(graph), graph.code
+
+
+def test_torch_compile_fullgraph_traces_the_checks_and_the_ops(monkeypatch):
+    """torch.compile(fullgraph=True) traces ops.attention's and ops.moe_layer's checks and ops without a
+    graph break, forward and backward (the aot_eager backend, on CPU tensors: the device check off, PyTorch
+    math standing in for the kernels), and the compiled model computes what the eager one does."""
+    monkeypatch.setattr(ops, "device_problem", lambda tensors: None)
+    monkeypatch.setattr(ops, "launch_fastest", math_launches)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, seq, 64, generator=gen).bfloat16() for seq in (9, 12, 12))
+
+    layer = moe.make_layer(16, 64, 64, 4, "bfloat16", seed=0, device="cpu")
+
+    def model(q, k, v, x, wr, bias, w1, w2):
+        return ops.attention(q, k, v, causal=True).float().square().sum(), ops.moe_layer(x, wr, w1, w2, 2, bias)
+
+    results = []
+    for run in (model, torch.compile(model, fullgraph=True, backend="aot_eager")):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        loss, out = run(*leaves, *(layer[n] for n in ("x", "wr", "bias", "w1", "w2")))
+        loss.backward()
+        results.append([loss, out, *(t.grad for t in leaves)])
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager)
+    torch._dynamo.reset()
 
 
 # ---------------------------------------------------------------- on a GPU
