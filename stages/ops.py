@@ -1,18 +1,34 @@
-"""The course's kernels as PyTorch functions, on your own tensors: `from stages import ops`.
+"""The course's kernels as PyTorch ops, on your own tensors: `from stages import ops`.
 
-    o = ops.attention(q, k, v, causal=True)  # q [B, H, Sq, D], k and v [B, H, Skv, D], fp16 or bf16
-    o.backward(grad)                          # q.grad, k.grad, v.grad by the course's backward kernel
+    o = ops.attention(q, k, v, causal=True)   # q [B, H, Sq, D], k and v [B, H, Skv, D], fp16 or bf16
+    o.backward(grad)                           # q.grad, k.grad, v.grad by the course's backward kernel
+    out = ops.moe_layer(x, router_weight, w1, w2, top_k, router_bias=None)  # forward only
 
-Each direction runs the fastest course stage this GPU runs: the highest-numbered stage that solves its
-problem ("attention", "attention_backward") and compiles for the GPU (the forward: stage 4 on sm_90a,
-an H100 or H200; stage 3 elsewhere). A stage is compiled on first use for the inputs' dtype and head
-dimension, with the -D macros the grader uses, into the compile cache on disk (stages/common/compiler.py);
-the process keeps its kernels and launches them on the caller's tensors and current stream.
+They are `torch.library` custom ops (namespace "flashmoe"), each with a fake implementation (the
+output shapes and dtypes alone), so that `torch.compile(fullgraph=True)` and `make_fx` trace a model
+that calls them; the attention has autograd through the course's backward stage:
+
+    flashmoe::attention_forward(q, k, v, causal, scale) -> (o, lse)        lse fp32 [B, H, Sq], no gradient
+    flashmoe::attention_backward(grad_o, q, k, v, o, lse, causal, scale) -> (dq, dk, dv)
+    flashmoe::moe_layer(x, router_weight, router_bias, w1, w2, top_k) -> (out, topk_ids)
+
+Each op returns new tensors and mutates none of its inputs. `ops.attention` and `ops.moe_layer` refuse
+inputs the kernels do not take with one ValueError, in one line, before anything is launched (the ops
+check again when called directly).
+
+Each problem runs the fastest course stage this GPU runs (`fastest_stage`): the highest-numbered stage
+solving it, or the highest rung of that stage's ladder, that compiles for the GPU. The forward
+attention: stage 4 on sm_90a (an H100 or H200), stage 3 elsewhere; its backward: stage 8; the MoE
+layer: stage 7 on sm_90a, stage 7's mma_sync rung elsewhere. A stage is compiled on first use for the
+inputs' dtype (and head dimension), with the -D macros the grader uses, into the compile cache on disk
+(stages/common/compiler.py); the process keeps its kernels and launches them on the caller's tensors
+and current stream.
 """
 from __future__ import annotations
 
 import functools
 import math
+from typing import Optional
 
 import torch
 
@@ -20,44 +36,89 @@ import reference
 import stages
 from stages.common.compiler import compile_cubin
 from stages.common.launcher import KernelSet
+from stages.common.moe import MAX_EXPERTS, MAX_TOP_K
 
 ATTENTION = reference.load("attention")  # the problem the forward stages solve: its dtypes and head dims
 DTYPES = {getattr(torch, name): name for name in ATTENTION.dtypes}
 HEAD_DIMS = ATTENTION.parameters["D"]
+MOE_LAYER = reference.load("moe_layer")  # the problem stage 7 solves
+MOE_DTYPES = {getattr(torch, name): name for name in MOE_LAYER.dtypes}
+MOE_MIN_DIM = 64   # hidden and inter: multiples of 8 (16-byte rows, TMA strides), at least a 64-wide tile
+ALIGNMENT = 16     # bytes: the kernels load 16-byte vectors (cp.async, TMA) from each tensor's start
 
+
+# ================================================================ attention
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
               scale: float | None = None) -> torch.Tensor:
     """softmax(scale · q kᵀ [causal mask]) v, differentiable: reference/attention.py's problem (the causal
-    mask top-left aligned, as PyTorch's); scale defaults to 1/√D."""
-    check_attention_inputs(q, k, v)
+    mask top-left aligned, as PyTorch's); scale defaults to 1/√D. q [B, H, Sq, D], k and v [B, H, Skv, D],
+    contiguous, all float16 or all bfloat16, D 64 or 128, on one CUDA GPU."""
+    refuse("ops.attention", attention_input_problem(q, k, v))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return Attention.apply(q, k, v, bool(causal), scale)
+    o, _ = attention_forward(q, k, v, bool(causal), scale)
+    return o
 
 
-class Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float):
-        o = torch.empty_like(q)
-        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)  # what backward recomputes P from
-        launch_fastest("attention", q, k, v, o, lse, scale, causal)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale = causal, scale
-        return o
+@torch.library.custom_op("flashmoe::attention_forward", mutates_args=())
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse): the attention and each query row's log-sum-exp of its scaled scores (natural log, fp32
+    [B, H, Sq]), what the backward recomputes the probabilities from."""
+    refuse("flashmoe::attention_forward", attention_input_problem(q, k, v))
+    o = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    launch_fastest("attention", attention_variant(q), q, k, v, o, lse, scale, causal)
+    return o, lse
 
-    @staticmethod
-    def backward(ctx, grad_o):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        # grad_o may be any view (the gradient of o.sum() is one expanded value): the kernel reads it dense.
-        launch_fastest("attention_backward", q, k, v, o, lse, grad_o.contiguous(), dq, dk, dv, ctx.scale, ctx.causal)
-        return dq, dk, dv, None, None
+
+@attention_forward.register_fake
+def _(q, k, v, causal, scale):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("flashmoe::attention_backward", mutates_args=())
+def attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                       lse: torch.Tensor, causal: bool,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) for the output's gradient grad_o (any strides), from the forward's o and lse."""
+    refuse("flashmoe::attention_backward", attention_backward_input_problem(grad_o, q, k, v, o, lse))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # grad_o may be any view (the gradient of o.sum() is one expanded value): the kernel reads it dense.
+    launch_fastest("attention_backward", attention_variant(q), q, k, v, o, lse, grad_o.contiguous(), dq, dk, dv,
+                   scale, causal)
+    return dq, dk, dv
+
+
+@attention_backward.register_fake
+def _(grad_o, q, k, v, o, lse, causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _save_for_attention_backward(ctx, inputs, output):
+    q, k, v, causal, scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.causal, ctx.scale = causal, scale
+    ctx.mark_non_differentiable(lse)  # the kernels give no gradient through the LSE: say so, not drop it
+
+
+def _attention_gradients(ctx, grad_o, grad_lse):
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = attention_backward(grad_o, q, k, v, o, lse, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+attention_forward.register_autograd(_attention_gradients, setup_context=_save_for_attention_backward)
+
+
+def attention_variant(q) -> dict:
+    return {"dtype": DTYPES[q.dtype], "D": q.shape[-1]}
 
 
 def check_attention_inputs(q, k, v) -> None:
     """ValueError, in one line, for inputs the course's kernels do not take (before anything is launched)."""
-    if problem := attention_input_problem(q, k, v):
-        raise ValueError(f"ops.attention: {problem}")
+    refuse("ops.attention", attention_input_problem(q, k, v))
 
 
 def attention_input_problem(q, k, v) -> str | None:
@@ -77,19 +138,137 @@ def attention_input_problem(q, k, v) -> str | None:
         return f"q, k and v must all be {' or all '.join(DTYPES.values())}; got {dtypes}"
     if q.shape[-1] not in HEAD_DIMS:
         return f"the head dimension D must be one of {HEAD_DIMS}; got {q.shape[-1]}"
+    return layout_problem(tensors) or device_problem(tensors)
+
+
+def attention_backward_input_problem(grad_o, q, k, v, o, lse) -> str | None:
+    """attention_input_problem, and o, lse and grad_o as the forward gives them for q, k, v."""
+    if problem := attention_input_problem(q, k, v):
+        return problem
+    if not all(isinstance(t, torch.Tensor) for t in (grad_o, o, lse)):
+        return "grad_o, o and lse must be tensors"
+    if grad_o.shape != q.shape or o.shape != q.shape or lse.shape != q.shape[:3]:
+        return (f"expected grad_o and o of q's shape {list(q.shape)} and lse [B, H, Sq]; got grad_o "
+                f"{list(grad_o.shape)}, o {list(o.shape)}, lse {list(lse.shape)}")
+    if grad_o.dtype != q.dtype or o.dtype != q.dtype or lse.dtype != torch.float32:
+        return (f"expected grad_o and o of q's dtype {q.dtype} and lse float32; got {grad_o.dtype}, {o.dtype}, "
+                f"{lse.dtype}")
+    # grad_o may have any strides: the op makes it dense.
+    return layout_problem({"o": o, "lse": lse}) or device_problem({"q": q, "grad_o": grad_o, "o": o, "lse": lse})
+
+
+# ================================================================ the MoE layer
+
+def moe_layer(x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, top_k: int,
+              router_bias: torch.Tensor | None = None, return_topk_ids: bool = False):
+    """reference/moe_layer.py's layer (Mixtral-style, SwiGLU experts), forward only:
+
+        logits = x · router_weight + router_bias (fp32); each token's top_k experts by logit, weighted by
+        the softmax of their logits; out[t] = Σ_j w[t, j] · (silu(x[t]·W1[e][:, :I]) * (x[t]·W1[e][:, I:])) · W2[e]
+
+    x [T, hidden], router_weight [hidden, E] (the transpose of an nn.Linear(hidden, E)'s weight),
+    w1 [E, hidden, 2·I] (gate half, then up half), w2 [E, I, hidden]: contiguous, all float16 or all
+    bfloat16, on one CUDA GPU; router_bias fp32 [E] or None (0); hidden and I multiples of 8, at least 64;
+    E <= 256, 1 <= top_k <= min(E, 8). Returns out [T, hidden] in x's dtype, and with return_topk_ids also
+    each token's experts, int32 [T, top_k] by decreasing logit.
+
+    No autograd: the course has no backward for the layer, so a backward through `out` raises PyTorch's
+    "no autograd formula was registered" error (the forward runs even on weights that require grad)."""
+    refuse("ops.moe_layer", moe_layer_input_problem(x, router_weight, router_bias, w1, w2, top_k))
+    out, topk_ids = moe_layer_op(x, router_weight, router_bias, w1, w2, int(top_k))
+    return (out, topk_ids) if return_topk_ids else out
+
+
+@torch.library.custom_op("flashmoe::moe_layer", mutates_args=())
+def moe_layer_op(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[torch.Tensor],
+                 w1: torch.Tensor, w2: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, topk_ids) of the MoE layer: see ops.moe_layer."""
+    refuse("flashmoe::moe_layer", moe_layer_input_problem(x, router_weight, router_bias, w1, w2, top_k))
+    if router_bias is None:
+        router_bias = torch.zeros(router_weight.shape[1], dtype=torch.float32, device=x.device)
+    out = torch.empty_like(x)
+    topk_ids = torch.empty(x.shape[0], top_k, dtype=torch.int32, device=x.device)
+    launch_fastest("moe_layer", {"dtype": MOE_DTYPES[x.dtype]}, x, router_weight, router_bias, w1, w2, top_k, out,
+                   topk_ids)
+    return out, topk_ids
+
+
+@moe_layer_op.register_fake
+def _(x, router_weight, router_bias, w1, w2, top_k):
+    return torch.empty_like(x), x.new_empty((x.shape[0], top_k), dtype=torch.int32)
+
+
+def moe_layer_input_problem(x, router_weight, router_bias, w1, w2, top_k) -> str | None:
+    """What is wrong with the MoE layer's inputs for stage 7, in words; None if nothing (the GPU last)."""
+    tensors = {"x": x, "router_weight": router_weight, "w1": w1, "w2": w2}
+    if not all(isinstance(t, torch.Tensor) for t in tensors.values()) or \
+            not (router_bias is None or isinstance(router_bias, torch.Tensor)):
+        return "x, router_weight, w1 and w2 must be tensors, router_bias a tensor or None"
+    shapes = ", ".join(f"{name} {list(t.shape)}" for name, t in tensors.items())
+    dims = [t.dim() for t in tensors.values()]
+    if dims != [2, 2, 3, 3] or not (x.shape[1] == router_weight.shape[0] == w1.shape[1] == w2.shape[2]) or \
+            not (router_weight.shape[1] == w1.shape[0] == w2.shape[0]) or w1.shape[2] != 2 * w2.shape[1]:
+        return (f"expected x [T, hidden], router_weight [hidden, E], w1 [E, hidden, 2·I], w2 [E, I, hidden]; "
+                f"got {shapes}")
+    (tokens, hidden), (experts, inter) = x.shape, (w2.shape[0], w2.shape[1])
+    if tokens == 0 or experts == 0:
+        return f"every dimension must be at least 1; got {shapes}"
+    if x.dtype not in MOE_DTYPES or not x.dtype == router_weight.dtype == w1.dtype == w2.dtype:
+        dtypes = ", ".join(f"{name} {t.dtype}" for name, t in tensors.items())
+        return f"x, router_weight, w1 and w2 must all be {' or all '.join(MOE_DTYPES.values())}; got {dtypes}"
+    if router_bias is not None and (router_bias.shape != (experts,) or router_bias.dtype != torch.float32):
+        return f"router_bias must be float32 [E] = [{experts}]; got {router_bias.dtype} {list(router_bias.shape)}"
+    if hidden % 8 or inter % 8 or min(hidden, inter) < MOE_MIN_DIM:
+        return f"hidden and I must be multiples of 8, at least {MOE_MIN_DIM}; got hidden {hidden}, I {inter}"
+    if experts > MAX_EXPERTS:
+        return f"at most {MAX_EXPERTS} experts; got {experts}"
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, torch.SymInt)) or \
+            not 1 <= top_k <= min(experts, MAX_TOP_K):
+        return f"top_k must be an int from 1 to min(E, {MAX_TOP_K}) = {min(experts, MAX_TOP_K)}; got {top_k!r}"
+    if router_bias is not None:
+        tensors["router_bias"] = router_bias
+    return layout_problem(tensors) or device_problem(tensors)
+
+
+# ================================================================ shared checks and the launch
+
+def refuse(who: str, problem: str | None) -> None:
+    """ValueError "who: problem", in one line, where there is a problem."""
+    if problem:
+        raise ValueError(f"{who}: {problem}")
+
+
+def layout_problem(tensors: dict) -> str | None:
+    """Each tensor dense, in row-major order, from a 16-byte aligned start (a contiguous tensor of the
+    caching allocator's, or a slice of one on whole rows, is)."""
     if strided := [name for name, t in tensors.items() if not t.is_contiguous()]:
-        return f"q, k and v must be contiguous (.contiguous() makes a copy that is); not: {', '.join(strided)}"
-    if any(t.device.type != "cuda" for t in tensors.values()) or not q.device == k.device == v.device:
-        return f"q, k and v must be on one CUDA GPU; got {', '.join(f'{n} on {t.device}' for n, t in tensors.items())}"
+        names = ", ".join(tensors)
+        return f"{names} must be contiguous (.contiguous() makes a copy that is); not: {', '.join(strided)}"
+    if torch.compiler.is_compiling():  # Dynamo cannot trace storage_offset(): the op checks it when it runs
+        return None
+    if unaligned := [name for name, t in tensors.items() if t.storage_offset() * t.element_size() % ALIGNMENT]:
+        return (f"each tensor must start {ALIGNMENT}-byte aligned (.clone() makes a copy that does); "
+                f"not: {', '.join(unaligned)}")
     return None
 
 
-def launch_fastest(problem: str, q: torch.Tensor, *rest) -> None:
-    """stage.launch(kernels, q, *rest) of the fastest stage of `problem` on q's GPU, its kernels compiled
-    for q's dtype and head dimension."""
-    stage, arch = fastest_stage_on(problem, q.device.index)
-    with torch.cuda.device(q.device):  # so that the current stream, which the launch uses, is q's GPU's
-        stage.launch(kernels_for(stage.name, arch, q.dtype, q.shape[-1], q.device.index), q, *rest)
+def device_problem(tensors: dict) -> str | None:
+    devices = {t.device for t in tensors.values()}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        names = ", ".join(tensors)
+        return f"{names} must be on one CUDA GPU; got {', '.join(f'{n} on {t.device}' for n, t in tensors.items())}"
+    return None
+
+
+def launch_fastest(problem: str, variant: dict, *args) -> None:
+    """stage.launch(kernels, *args) of the fastest stage of `problem` on the GPU of args[0], its kernels
+    compiled for `variant`, the problem's {"dtype": name, parameter: value} (the parameters the stage
+    specializes on are compiled in)."""
+    device = args[0].device
+    stage, arch = fastest_stage_on(problem, device.index)
+    defines = tuple(sorted(stage.defines(variant).items()))
+    with torch.cuda.device(device):  # so that the current stream, which the launch uses, is that GPU's
+        stage.launch(kernels_for(stage.key, arch, defines, device.index), *args)
 
 
 @functools.cache
@@ -98,24 +277,27 @@ def fastest_stage_on(problem: str, device_index: int) -> tuple[stages.Stage, str
 
 
 def fastest_stage(problem: str, gpu) -> tuple[stages.Stage, str]:
-    """(the highest-numbered stage solving `problem` that `gpu` runs, the arch to compile it for); gpu is
-    anything with a name, major and minor (torch.cuda.get_device_properties())."""
+    """(the fastest stage or rung solving `problem` that `gpu` runs, the arch to compile it for): the
+    highest-numbered stage first, each stage's own kernel before the rungs of its ladder, top down (a
+    rung is the stage with an earlier stage's technique: it runs where the stage's own kernel may not).
+    gpu is anything with a name, major and minor (torch.cuda.get_device_properties())."""
     for name in reversed(stages.stage_names()):
-        stage = stages.load(name)
-        if stage.problem == problem:
-            try:
-                return stage, stages.arch_for(gpu, stage.archs)
-            except ValueError:
-                continue  # needs another GPU: try the stage below
+        for stage in stages.with_rungs(name):
+            if stage.problem == problem:
+                try:
+                    return stage, stages.arch_for(gpu, stage.archs)
+                except ValueError:
+                    continue  # needs another GPU: try the rung or stage below
     raise RuntimeError(f"no course stage solves {problem} on this GPU ({gpu.name}, sm_{gpu.major}{gpu.minor})")
 
 
 @functools.cache
-def kernels_for(stage_name: str, arch: str, dtype: torch.dtype, head_dim: int, device_index: int) -> KernelSet:
-    """The stage's kernels for one variant, compiled (or read from the disk cache) and loaded on one GPU."""
+def kernels_for(stage_key: str, arch: str, defines: tuple, device_index: int) -> KernelSet:
+    """A stage's (or rung's) kernels for one variant's -D macros, compiled (or read from the disk cache)
+    and loaded on one GPU."""
     from cuda.core import Device
 
-    stage = stages.load(stage_name)
-    cubin = compile_cubin(stage.source_path, arch, stage.defines({"dtype": DTYPES[dtype], "D": head_dim}))
+    stage = stages.load(stage_key)
+    cubin = compile_cubin(stage.source_path, arch, dict(defines))
     Device(device_index).set_current()  # as the grader's worker does: PyTorch's own (primary) context
     return KernelSet(cubin.path, list(stage.kernels))
