@@ -5,7 +5,7 @@ import torch
 
 import reference
 import stages
-from stages.common.launcher import GRID_LIMITS, LaunchGeometryError, check_geometry
+from stages.common.launcher import GRID_LIMITS, LaunchGeometryError, check_geometry, check_shared_memory
 from stages.common.attention import head_slices
 
 # Stages whose launch runs without a driver (stage 4 builds TMA descriptors, which needs one).
@@ -63,3 +63,13 @@ def test_a_launch_beyond_the_limits_is_one_line(grid, block, says):
 
 def test_a_launch_within_the_limits_passes():
     check_geometry("attention_fwd", (2**31 - 1, 65535, 65535), (1024,))
+
+
+def test_a_block_asking_for_more_shared_memory_than_the_gpu_gives_is_refused_in_one_line():
+    # stage 8 at D = 128 on an RTX 4090 (sm_89: 99 KB per block)
+    smem = stages.load("stage8").geometry({"HEAD_DIM": "128"})["SHARED_BYTES"]
+    with pytest.raises(LaunchGeometryError) as refused:
+        check_shared_memory("attention_bwd", smem, 101_376, "NVIDIA GeForce RTX 4090")
+    said = str(refused.value)
+    assert "\n" not in said and "attention_bwd" in said and "101,376" in said and "CUDA" not in said
+    check_shared_memory("attention_bwd", smem, 232_448, "NVIDIA H100 80GB HBM3")  # fits: nothing said
