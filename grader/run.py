@@ -153,17 +153,14 @@ def previous_stage_job(stage, gpu) -> dict | None:
 
 
 def forward_stage(problem, gpu):
-    """The course's kernel for the forward of `problem` (its `forward`) on this GPU: the highest-numbered
-    stage solving that problem whose archs this GPU runs; None where there is none."""
-    def runs_here(stage) -> bool:
-        try:
-            arch_for(gpu, stage.archs)
-        except ValueError:
-            return False
-        return True
-
-    found = [s for s in map(stages.load, stages.stage_names()) if s.problem == problem.forward and runs_here(s)]
-    return found[-1] if found else None
+    """The course's kernel for the forward of `problem` (its `forward`) on this GPU, as stages.fastest_stage
+    picks it (the one PyTorch ops use too); None where the problem has no forward, or none runs here."""
+    if problem.forward is None:
+        return None
+    try:
+        return stages.fastest_stage(problem.forward, gpu)[0]
+    except RuntimeError:
+        return None
 
 
 def forward_stage_job(problem, gpu) -> dict | None:

@@ -178,7 +178,6 @@ class Worker:
         timings = time_side_by_side({"kernel": ours, **candidates}, self.job["l2_bytes"], budget_s=self.job["budget_s"])
         return {"stage": stage.key, "timings": {n: t.as_dict() for n, t in timings.items()}, "skipped": skipped}
 
-
     # ---- profile (run under ncu: grader/profile.py) -------------------------------------------
     def profile(self) -> None:
         """One benchmark shape: the kernel and the fastest library baseline, each warmed up, then run once

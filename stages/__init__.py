@@ -161,3 +161,18 @@ def rungs(name: str) -> tuple[Stage, ...]:
 def with_rungs(name: str) -> list[Stage]:
     """A stage, then its rungs."""
     return [load(name), *rungs(load(name).name)]
+
+
+def fastest_stage(problem: str, gpu) -> tuple[Stage, str]:
+    """(the fastest stage or rung solving `problem` that `gpu` runs, the arch to compile it for): the
+    highest-numbered stage first, each stage's own kernel before the rungs of its ladder, top down (a
+    rung is the stage with an earlier stage's technique: it runs where the stage's own kernel may not).
+    gpu is anything with a name, major and minor (torch.cuda.get_device_properties())."""
+    for name in reversed(stage_names()):
+        for stage in with_rungs(name):
+            if stage.problem == problem:
+                try:
+                    return stage, arch_for(gpu, stage.archs)
+                except ValueError:
+                    continue  # needs another GPU: try the rung or stage below
+    raise RuntimeError(f"no course stage solves {problem} on this GPU ({gpu.name}, sm_{gpu.major}{gpu.minor})")

@@ -16,7 +16,7 @@ Each op returns new tensors and mutates none of its inputs. `ops.attention` and 
 inputs the kernels do not take with one ValueError, in one line, before anything is launched (the ops
 check again when called directly).
 
-Each problem runs the fastest course stage this GPU runs (`fastest_stage`): the highest-numbered stage
+Each problem runs the fastest course stage this GPU runs (`stages.fastest_stage`): the highest-numbered stage
 solving it, or the highest rung of that stage's ladder, that compiles for the GPU. The forward
 attention: stage 4 on sm_90a (an H100 or H200), stage 3 elsewhere; its backward: stage 8; the MoE
 layer: stage 7 on sm_90a, stage 7's mma_sync rung elsewhere. A stage is compiled on first use for the
@@ -34,6 +34,7 @@ import torch
 
 import reference
 import stages
+from stages import fastest_stage
 from stages.common.compiler import compile_cubin
 from stages.common.launcher import KernelSet
 from stages.common.moe import MAX_EXPERTS, MAX_TOP_K
@@ -274,21 +275,6 @@ def launch_fastest(problem: str, variant: dict, *args) -> None:
 @functools.cache
 def fastest_stage_on(problem: str, device_index: int) -> tuple[stages.Stage, str]:
     return fastest_stage(problem, torch.cuda.get_device_properties(device_index))
-
-
-def fastest_stage(problem: str, gpu) -> tuple[stages.Stage, str]:
-    """(the fastest stage or rung solving `problem` that `gpu` runs, the arch to compile it for): the
-    highest-numbered stage first, each stage's own kernel before the rungs of its ladder, top down (a
-    rung is the stage with an earlier stage's technique: it runs where the stage's own kernel may not).
-    gpu is anything with a name, major and minor (torch.cuda.get_device_properties())."""
-    for name in reversed(stages.stage_names()):
-        for stage in stages.with_rungs(name):
-            if stage.problem == problem:
-                try:
-                    return stage, stages.arch_for(gpu, stage.archs)
-                except ValueError:
-                    continue  # needs another GPU: try the rung or stage below
-    raise RuntimeError(f"no course stage solves {problem} on this GPU ({gpu.name}, sm_{gpu.major}{gpu.minor})")
 
 
 @functools.cache
