@@ -469,6 +469,7 @@ def run(stage, cubins: dict, gpu, spec: str | None, csv_path: Path, timeout_s: f
     (as the report and the JSON hold it), or ProfileError. `worker` replaces the worker's argv (tests)."""
     import reference
     from grader.isolation import WORKER, run_job
+    from grader.run import relative  # (grader.run imports this module lazily too: the docs hook loads it alone)
 
     ncu = ncu or find_ncu()
     if ncu is None:
@@ -508,16 +509,8 @@ def run(stage, cubins: dict, gpu, spec: str | None, csv_path: Path, timeout_s: f
                "skipped": done.get("skipped", {}),
                "settings": dict(SETTINGS, text=SETTINGS_TEXT, ncu=ncu_version(ncu),
                                 command=[Path(command[0]).name, *command[1:-1], "<CSV>"]),
-               "raw_csv": _shown(csv_path), **summarize(records)}
+               "raw_csv": relative(csv_path), **summarize(records)}
     return profile
-
-
-def _shown(path: Path) -> str:
-    from stages.common.compiler import REPO
-    try:
-        return str(Path(path).resolve().relative_to(REPO))
-    except ValueError:
-        return str(path)
 
 
 # ---- the report ----------------------------------------------------------------------------------------
