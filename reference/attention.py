@@ -1,11 +1,15 @@
 """The attention problem: O = softmax(scale · Q Kᵀ [causal mask]) V, and the LSE of each row.
 
-Q: [B, H, Sq, D], K and V: [B, H, Skv, D], O: [B, H, Sq, D], all contiguous, float16 or bfloat16;
+Q: [B, H, Sq, D], K and V: [B, H_kv, Skv, D], O: [B, H, Sq, D], all contiguous, float16 or bfloat16;
 LSE: [B, H, Sq] float32, lse_i = log Σ_j exp(scale · q_i · k_j) over the keys row i sees (natural log).
 scale is 1/√D. Causal masking is top-left aligned, as in PyTorch: query i sees keys j <= i.
 
+Grouped-query attention (GQA; MQA when H_kv = 1): H is a multiple of H_kv, and query head h attends with
+KV head h // (H / H_kv), as PyTorch's enable_gqa and Llama's repeat_kv (repeat_interleave) have it. Llama-3
+and Mixtral: 32 query heads over 8 KV heads. A shape's "Hkv" is H where it is absent.
+
 Work: 4·D flops for each (query, key) pair a row sees (2·D for q·k, 2·D for p·v): 4·B·H·S²·D, about
-half that when causal. Fewest bytes: Q, K, V read once, O and the LSE written once.
+half that when causal. Fewest bytes: Q, K, V read once (K and V: H_kv heads), O and the LSE written once.
 """
 from __future__ import annotations
 
@@ -21,12 +25,33 @@ from reference.problem import FLOAT_POISON, Case, Problem
 LSE_RTOL = 4e-5  # fp32 scores over D <= 128 terms: a few ulp of Σ|q·k|, relative to 1 + |lse|
 
 
-def _case(index, B, H, Sq, Skv, D, causal, dtype, input_scale=1.0, base_seed=0) -> Case:
+def _case(index, B, H, Sq, Skv, D, causal, dtype, input_scale=1.0, Hkv=None, base_seed=0) -> Case:
     mask = "causal" if causal else "full"
     scaled = f" x{input_scale:g}" if input_scale != 1 else ""
-    name = f"B{B} H{H} Sq{Sq} Skv{Skv} D{D} {mask} {'fp16' if dtype == 'float16' else 'bf16'}{scaled}"
+    grouped = f" Hkv{Hkv}" if Hkv not in (None, H) else ""
+    name = f"B{B} H{H}{grouped} Sq{Sq} Skv{Skv} D{D} {mask} {'fp16' if dtype == 'float16' else 'bf16'}{scaled}"
     shape = dict(B=B, H=H, Sq=Sq, Skv=Skv, D=D, causal=causal)
+    if grouped:  # only then: the shapes (and results) of H_kv = H mean what they always did
+        shape["Hkv"] = Hkv
     return Case(name, shape, dtype, input_scale, base_seed * 1000 + index)
+
+
+def kv_heads(shape: dict) -> int:
+    """H_kv, the heads of K and V: the shape's "Hkv", or H where it has none."""
+    return shape.get("Hkv", shape["H"])
+
+
+def kv_group(q: torch.Tensor, k: torch.Tensor) -> int:
+    """Query heads per KV head, H / H_kv, of q [B, H, ...] and k [B, H_kv, ...]."""
+    return q.shape[1] // k.shape[1]
+
+
+def expand_kv(inputs: dict) -> dict:
+    """The inputs with K and V repeated to H heads (KV head h // group for query head h): plain attention."""
+    group = kv_group(inputs["q"], inputs["k"])
+    if group == 1:
+        return inputs
+    return {**inputs, **{n: inputs[n].repeat_interleave(group, dim=1) for n in "kv"}}
 
 
 # (B, H, Sq, Skv, D, causal, dtype, input scale): single rows, lengths that are no multiple of any
@@ -47,6 +72,12 @@ _CASES = [
     (3, 5, 4096, 4096, 128, False, "float16", 1), (1, 1, 4096, 4096, 64, True, "bfloat16", 10),
     # more (batch, head) pairs than a grid's y or z dimension holds (65,535): a decode-sized batch
     (280, 250, 16, 16, 64, False, "float16", 1), (300, 229, 5, 33, 128, True, "bfloat16", 1),
+    # GQA and MQA (H_kv, last): groups of 4, Llama-3's and Mixtral's 32 query heads over 8 KV heads, MQA,
+    # Sq != Skv both ways, large scores, and B·H beyond 65,535 pairs (launches cut between groups).
+    (2, 8, 239, 239, 64, True, "float16", 1, 2), (1, 32, 1000, 1000, 128, True, "bfloat16", 1, 8),
+    (2, 4, 333, 333, 64, False, "bfloat16", 1, 1), (1, 32, 1000, 1000, 64, False, "float16", 1, 8),
+    (2, 6, 100, 333, 128, True, "float16", 1, 2), (1, 4, 333, 100, 64, True, "bfloat16", 1, 1),
+    (2, 8, 512, 512, 128, True, "float16", 10, 2), (280, 256, 16, 16, 64, True, "bfloat16", 1, 32),
 ]
 
 _BENCHMARKS = [
@@ -73,7 +104,8 @@ class AttentionProblem(Problem):
     @staticmethod
     def shape_label(shape: dict) -> str:
         seq = f"S{shape['Sq']}" if shape["Sq"] == shape["Skv"] else f"Sq{shape['Sq']} Skv{shape['Skv']}"
-        return f"B{shape['B']} H{shape['H']} {seq} D{shape['D']}{' causal' if shape['causal'] else ''}"
+        grouped = f" Hkv{kv_heads(shape)}" if kv_heads(shape) != shape["H"] else ""
+        return f"B{shape['B']} H{shape['H']}{grouped} {seq} D{shape['D']}{' causal' if shape['causal'] else ''}"
 
     # ---- inputs and outputs -------------------------------------------------------------------
     def make_inputs(self, shape: dict, dtype: str, seed: int, input_scale: float = 1.0, device="cuda") -> dict:
@@ -93,7 +125,7 @@ class AttentionProblem(Problem):
 
     # ---- the exact result and the check ------------------------------------------------------
     def reference(self, inputs: dict) -> dict:
-        q, k, v = (inputs[n].to(torch.float64) for n in "qkv")
+        q, k, v = (expand_kv(inputs)[n].to(torch.float64) for n in "qkv")
         scores = (q @ k.transpose(-1, -2)) * inputs["scale"]
         if inputs["causal"]:
             scores = scores.masked_fill(causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
@@ -133,17 +165,20 @@ class AttentionProblem(Problem):
     @staticmethod
     def min_bytes(shape: dict, element_bytes: int = 2) -> float:
         B, H, Sq, Skv, D = (shape[k] for k in ("B", "H", "Sq", "Skv", "D"))
-        return B * H * ((2 * Sq + 2 * Skv) * D * element_bytes + Sq * 4)
+        return B * H * (2 * Sq * D * element_bytes + Sq * 4) + B * kv_heads(shape) * 2 * Skv * D * element_bytes
 
 
 def random_inputs(shape: dict, dtype: str, gen: torch.Generator, input_scale: float = 1.0) -> dict:
-    """Q, K and V drawn from `gen` in that order (on its device), the scale and the mask."""
+    """Q, K and V drawn from `gen` in that order (on its device), K and V with H_kv heads, the scale and the mask."""
     B, H, Sq, Skv, D = (shape[k] for k in ("B", "H", "Sq", "Skv", "D"))
+    if H % kv_heads(shape):
+        raise ValueError(f"H = {H} is not a multiple of H_kv = {kv_heads(shape)}")
 
-    def rand(S):
-        return (torch.randn(B, H, S, D, generator=gen, device=gen.device) * input_scale).to(getattr(torch, dtype))
+    def rand(heads, S):
+        return (torch.randn(B, heads, S, D, generator=gen, device=gen.device) * input_scale).to(getattr(torch, dtype))
 
-    return dict(q=rand(Sq), k=rand(Skv), v=rand(Skv), scale=1.0 / math.sqrt(D), causal=bool(shape["causal"]))
+    return dict(q=rand(H, Sq), k=rand(kv_heads(shape), Skv), v=rand(kv_heads(shape), Skv), scale=1.0 / math.sqrt(D),
+                causal=bool(shape["causal"]))
 
 
 def visible_pairs(seq_q: int, seq_kv: int, causal: bool) -> int:
@@ -176,14 +211,17 @@ def sdpa(inputs: dict, backend=None) -> torch.Tensor:
         from torch.nn.attention import sdpa_kernel
         context = sdpa_kernel(backend)
     with context:
+        # enable_gqa (torch >= 2.5) only where H_kv < H: with H_kv = H the call is what it always was
+        gqa = {"enable_gqa": True} if kv_group(q, k) > 1 else {}
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
-                                              scale=inputs["scale"])
+                                              scale=inputs["scale"], **gqa)
 
 
 def naive_attention(inputs: dict) -> torch.Tensor:
     """Naive PyTorch as model code writes it (Meta's Llama reference implementation): matmul, softmax,
-    matmul, the S×S scores in memory, the softmax in float32 (`softmax(scores.float()).type_as(q)`)."""
-    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    matmul, the S×S scores in memory, the softmax in float32 (`softmax(scores.float()).type_as(q)`); K and V
+    repeated to H heads first (Llama's repeat_kv) where H_kv < H."""
+    q, k, v = (expand_kv(inputs)[n] for n in "qkv")
     scores = (q @ k.transpose(-1, -2)) * inputs["scale"]
     if inputs["causal"]:
         scores.masked_fill_(causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))

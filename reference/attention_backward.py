@@ -1,7 +1,7 @@
 """The backward of attention: given dO, the gradient of a loss with respect to O, the gradients dQ, dK, dV.
 
-Inputs as in the forward (reference/attention.py: Q [B, H, Sq, D], K and V [B, H, Skv, D], scale 1/√D,
-causal top-left aligned), with the forward's results, computed exactly and rounded, as a kernel gets them
+Inputs as in the forward (reference/attention.py: Q [B, H, Sq, D], K and V [B, H_kv, Skv, D], scale 1/√D,
+causal top-left aligned, query head h with KV head h // (H / H_kv)), with the forward's results, computed exactly and rounded, as a kernel gets them
 from a forward pass: O [B, H, Sq, D] in the dtype, LSE [B, H, Sq] float32; and dO [B, H, Sq, D].
 Outputs dQ, dK, dV, shaped and typed as Q, K, V. With P = softmax(scale · Q Kᵀ [masked]) (= exp(scale ·
 Q Kᵀ − LSE)), per (batch, head):
@@ -9,9 +9,12 @@ Q Kᵀ − LSE)), per (batch, head):
     dV = Pᵀ dO          dP = dO Vᵀ          Δ_i = Σ_d dO_id O_id  (= Σ_j P_ij dP_ij)
     dS = P ∘ (dP − Δ)   dQ = scale · dS K   dK = scale · dSᵀ Q
 
+and, with fewer KV heads than query heads (GQA), the dK and dV of a KV head are the sums of these over the
+query heads of its group.
+
 Work, FlashAttention's convention: five products per tile (Q Kᵀ recomputed, dV, dP, dQ, dK) for the
 forward's two, 2.5 × the forward's flops. Fewest bytes: Q, K, V, O, dO and the LSE read once, dQ, dK
-and dV written once.
+and dV written once (K, V, dK, dV: H_kv heads).
 """
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ import functools
 import torch
 
 from reference import attention, tolerance
-from reference.attention import AttentionProblem, causal_mask, naive_attention, random_inputs, sdpa, sdpa_backends
+from reference.attention import (AttentionProblem, causal_mask, expand_kv, kv_group, kv_heads, naive_attention,
+                                 random_inputs, sdpa, sdpa_backends)
 from reference.problem import FLOAT_POISON, Case, Problem
 
 FORWARD = attention.PROBLEM
@@ -96,9 +100,9 @@ class AttentionBackwardProblem(Problem):
     @staticmethod
     def min_bytes(shape: dict, element_bytes: int = 2) -> float:
         B, H, Sq, Skv, D = (shape[k] for k in ("B", "H", "Sq", "Skv", "D"))
-        read = (3 * Sq + 2 * Skv) * D * element_bytes + Sq * 4  # Q, O, dO; K, V; the LSE
-        written = (Sq + 2 * Skv) * D * element_bytes             # dQ; dK, dV
-        return B * H * (read + written)
+        query_side = (3 * Sq * D * element_bytes + Sq * 4) + Sq * D * element_bytes  # read Q, O, dO, the LSE; write dQ
+        kv_side = 2 * Skv * D * element_bytes + 2 * Skv * D * element_bytes          # read K, V; write dK, dV
+        return B * H * query_side + B * kv_heads(shape) * kv_side
 
 
 def exact_gradients(inputs: dict) -> dict:
@@ -119,14 +123,21 @@ def exact_gradients(inputs: dict) -> dict:
 
 def by_head_chunks(compute, inputs: dict) -> dict:
     """compute(inputs) on a few (batch, head) pairs at a time (each pair a [1, 1, S, ...] slice's worth,
-    CHUNK_ELEMENTS of S×S at most), its results joined back into [B, H, ...]."""
+    CHUNK_ELEMENTS of S×S at most), its results joined back into [B, H, ...]. With fewer KV heads than
+    query heads, K and V are first repeated to H heads, and results on their side (dk, dv) summed back
+    over each group of query heads to [B, H_kv, ...]."""
+    group = kv_group(inputs["q"], inputs["k"])
+    inputs = expand_kv(inputs)
     B, H, seq_q = inputs["q"].shape[:3]
     pairs_per_chunk = max(1, CHUNK_ELEMENTS // (seq_q * inputs["k"].shape[2]))
     # [B, H, ...] -> [B·H, 1, ...]: the pairs as a batch of single heads, which compute sees as [b, h, S, ...]
     flat = {n: x.flatten(0, 1).unsqueeze(1) if isinstance(x, torch.Tensor) else x for n, x in inputs.items()}
     chunks = [compute({n: x[start:start + pairs_per_chunk] if isinstance(x, torch.Tensor) else x
                        for n, x in flat.items()}) for start in range(0, B * H, pairs_per_chunk)]
-    return {n: torch.cat([c[n] for c in chunks]).reshape(B, H, *chunks[0][n].shape[2:]) for n in chunks[0]}
+    joined = {n: torch.cat([c[n] for c in chunks]).reshape(B, H, *chunks[0][n].shape[2:]) for n in chunks[0]}
+    for n in set(joined) & {"dk", "dv"} if group > 1 else ():  # [B, H, ...] -> [B, H_kv, group, ...], summed over the group
+        joined[n] = joined[n].unflatten(1, (H // group, group)).sum(dim=2)
+    return joined
 
 
 def _libraries(inputs: dict) -> dict:

@@ -1,6 +1,6 @@
 """The course's kernels as PyTorch ops, on your own tensors: `from stages import ops`.
 
-    o = ops.attention(q, k, v, causal=True)   # q [B, H, Sq, D], k and v [B, H, Skv, D], fp16 or bf16
+    o = ops.attention(q, k, v, causal=True)   # q [B, H, Sq, D], k and v [B, H_kv, Skv, D] (H_kv | H), fp16 or bf16
     o.backward(grad)                           # q.grad, k.grad, v.grad by the course's backward kernel
     out = ops.moe_layer(x, router_weight, w1, w2, top_k, router_bias=None)  # forward only
 
@@ -53,7 +53,8 @@ ALIGNMENT = 16     # bytes: the kernels load 16-byte vectors (cp.async, TMA) fro
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
               scale: float | None = None) -> torch.Tensor:
     """softmax(scale · q kᵀ [causal mask]) v, differentiable: reference/attention.py's problem (the causal
-    mask top-left aligned, as PyTorch's); scale defaults to 1/√D. q [B, H, Sq, D], k and v [B, H, Skv, D],
+    mask top-left aligned, as PyTorch's); scale defaults to 1/√D. q [B, H, Sq, D], k and v [B, H_kv, Skv, D]
+    with H_kv dividing H (grouped-query attention: query head h uses KV head h // (H / H_kv)),
     contiguous, all float16 or all bfloat16, D 64 or 128, on one CUDA GPU."""
     refuse("ops.attention", attention_input_problem(q, k, v))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -130,8 +131,10 @@ def attention_input_problem(q, k, v) -> str | None:
         return "q, k and v must be tensors"
     shapes = ", ".join(f"{name} {list(t.shape)}" for name, t in tensors.items())
     if not all(t.dim() == 4 for t in tensors.values()) or k.shape != v.shape or \
-            (k.shape[0], k.shape[1], k.shape[3]) != (q.shape[0], q.shape[1], q.shape[3]):
-        return f"expected q [B, H, Sq, D], k and v [B, H, Skv, D]; got {shapes}"
+            (k.shape[0], k.shape[3]) != (q.shape[0], q.shape[3]):
+        return f"expected q [B, H, Sq, D], k and v [B, H_kv, Skv, D]; got {shapes}"
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        return f"the KV heads H_kv must divide the query heads H (grouped-query attention); got {shapes}"
     if 0 in q.shape or 0 in k.shape:
         return f"every dimension must be at least 1; got {shapes}"
     if q.dtype not in DTYPES or not q.dtype == k.dtype == v.dtype:

@@ -118,3 +118,56 @@ def test_forward_backward_figures_count_both_problems_work():
     assert figures["ms"] == 2.0 and figures["stage"] == "stage4_hopper"
     assert figures["baselines"] == {"flash": 3.0, "naive": 30.0, "math": None}
     assert figures["tflops"] == pytest.approx(3.5 * FORWARD.flops(shape) / 2.0 / 1e9)
+
+
+# ---- grouped-query attention: dK and dV of a KV head are sums over its group of query heads ------------
+def grouped_autograd_gradients(inputs):
+    """dQ, dK, dV by autograd in float64 through K and V repeated to H heads (repeat_interleave, Llama's
+    repeat_kv): autograd sums each repeated head's gradients back onto its KV head."""
+    q, k, v = (inputs[n].to(torch.float64).requires_grad_() for n in "qkv")
+    group = q.shape[1] // k.shape[1]
+    keys_, values_ = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = inputs["scale"] * q @ keys_.transpose(-1, -2)
+    if inputs["causal"]:
+        keys, queries = torch.arange(k.shape[2]), torch.arange(q.shape[2])
+        scores = torch.where(keys[None, :] <= queries[:, None], scores, float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ values_
+    return dict(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), inputs["do"].to(torch.float64))))
+
+
+@pytest.mark.parametrize("H,Hkv,Sq,Skv,causal", [(4, 2, 5, 5, False), (6, 2, 7, 7, True), (4, 1, 3, 9, True),
+                                                  (8, 2, 9, 3, True), (3, 1, 6, 2, False)])
+def test_grouped_reference_matches_autograd(H, Hkv, Sq, Skv, causal):
+    shape = dict(B=2, H=H, Hkv=Hkv, Sq=Sq, Skv=Skv, D=64, causal=causal)
+    inputs = P.make_inputs(shape, "float16", seed=Sq * 31 + Skv, input_scale=3.0, device="cpu")
+    exact, expected = P.reference(inputs), grouped_autograd_gradients(inputs)
+    assert exact["dk"].shape == exact["dv"].shape == (2, Hkv, Skv, 64) and exact["dq"].shape == (2, H, Sq, 64)
+    for name in P.outputs:
+        torch.testing.assert_close(exact[name], expected[name], rtol=1e-10, atol=1e-12)
+
+
+def test_grouped_reference_in_chunks_is_the_reference_at_once(monkeypatch):
+    shape = dict(B=2, H=6, Hkv=2, Sq=9, Skv=3, D=64, causal=True)
+    inputs = P.make_inputs(shape, "bfloat16", seed=5, device="cpu")
+    at_once = P.reference(inputs)
+    monkeypatch.setattr(attention_backward, "CHUNK_ELEMENTS", 5 * 9 * 3)  # 12 pairs: chunks that cut groups
+    in_chunks = P.reference(inputs)
+    for name in P.outputs:
+        torch.testing.assert_close(in_chunks[name], at_once[name], rtol=1e-12, atol=1e-14)
+
+
+def test_grouped_library_passes_its_own_rule_and_the_baselines_run():
+    inputs = P.make_inputs(dict(B=1, H=4, Hkv=1, Sq=9, Skv=5, D=64, causal=True), "bfloat16", seed=1, device="cpu")
+    library = P.library_output(inputs)
+    assert library["dk"].shape == inputs["k"].shape
+    assert all(check.passed for check in P.check(library, P.reference(inputs), library))
+    for runs in (P.baselines(inputs), P.forward_backward_baselines(inputs)):
+        assert "naive" in runs and len(runs) >= 2
+        for run in runs.values():
+            assert run() is None
+
+
+def test_grouped_bytes_count_kv_heads_once():
+    shape = dict(B=2, H=8, Sq=64, Skv=32, D=64, causal=False)
+    # K, V read and dK, dV written: 4 tensors of Skv × D for each of the 6 KV heads fewer
+    assert P.min_bytes(shape) - P.min_bytes(dict(shape, Hkv=2)) == 2 * 6 * 4 * 32 * 64 * 2

@@ -1,5 +1,7 @@
 """Launch geometry of the attention stages, without a GPU: any B·H a tensor can hold fits CUDA's grid
 limits (grid.y and grid.z stop at 65,535), and a launch beyond them is refused in one line."""
+import math
+
 import pytest
 import torch
 
@@ -37,10 +39,59 @@ def test_every_launch_fits_the_grid_limits_at_70000_heads(name):
     stage.launch(kernels, q, k, v, o, lse, 0.125, False)
     for kernel, grid, block, _ in kernels.launches:
         check_geometry(kernel, grid, block)
-    # every (batch, head) pair is launched once: the launches of the last kernel cover B·H pairs
+    # every (batch, head) pair is launched once: the launches of the last kernel cover B·H pairs (stage 0:
+    # grid.y; stages 1-3: grid.y × grid.z, query heads per KV head × KV pairs)
     last = kernels.launches[-1][0]
-    covered = sum(grid[1] for kernel, grid, _, _ in kernels.launches if kernel == last)
+    covered = sum(math.prod(grid[1:]) for kernel, grid, _, _ in kernels.launches if kernel == last)
     assert covered == B * H
+
+
+@pytest.mark.parametrize("name", PLAIN_LAUNCH_STAGES)
+@pytest.mark.parametrize("H,Hkv", [(250, 50), (256, 32), (8, 1)])
+def test_grouped_launches_pair_each_query_head_with_its_kv_head(name, H, Hkv):
+    """B·H beyond the grid limit with groups: each launch's K and V views are the KV heads of its query heads."""
+    stage = stages.load(name)
+    B, S, D = 280 if H > 8 else 2, 16, 64
+    q, o = (torch.empty(B, H, S, D, dtype=torch.float16, device="meta") for _ in range(2))
+    k, v = (torch.empty(B, Hkv, S, D, dtype=torch.float16, device="meta") for _ in range(2))
+    lse = torch.empty(B, H, S, dtype=torch.float32, device="meta")
+    kernels = RecordingKernels()
+    stage.launch(kernels, q, k, v, o, lse, 0.125, False)
+    group, pairs = H // Hkv, 0
+    for kernel, grid, block, args in kernels.launches:
+        check_geometry(kernel, grid, block)
+        if kernel in ("attention_fwd", "attention_scores"):
+            q_, k_ = args[0], args[1]
+            assert q_.shape[0] == k_.shape[0] * group and q_.shape[0] % group == 0
+            if kernel == "attention_fwd":
+                assert grid[1:] == (group, k_.shape[0])  # query heads of a group, KV pairs
+            else:
+                assert grid[2] == q_.shape[0] and args[-1] == group
+            pairs += q_.shape[0]
+    assert pairs == B * H
+
+
+def test_head_slices_with_groups_never_cut_a_group_and_pair_each_query_head_with_its_kv_head():
+    B, H, Hkv = 3, 10, 2  # groups of 5
+    q = torch.arange(B * H, dtype=torch.float32).reshape(B, H, 1)
+    k = torch.arange(B * Hkv, dtype=torch.float32).reshape(B, Hkv, 1)
+    slices = list(head_slices(q, kv=(k,), group=5, pairs_per_launch=12))  # 12 -> 10 pairs a launch
+    assert [s[0].shape[0] for s in slices] == [10, 10, 10]
+    for q_, k_ in slices:
+        pair = q_[:, 0].long()                  # query pair b·H + h
+        b, h = pair // H, pair % H
+        expected = b * Hkv + h // 5             # its KV pair, as the problem's repeat_interleave has it
+        assert torch.equal(k_[:, 0].long()[torch.arange(len(pair)) // 5], expected)
+    assert torch.equal(torch.cat([s[1] for s in slices]), k.flatten(0, 1))
+    with pytest.raises(ValueError):
+        list(head_slices(q, kv=(k,), group=5, pairs_per_launch=4))
+
+
+def test_kv_group_refuses_kv_heads_that_do_not_divide_the_query_heads():
+    from stages.common.attention import kv_group
+    assert kv_group(torch.empty(1, 32, 1, 1), torch.empty(1, 8, 1, 1)) == 4
+    with pytest.raises(ValueError, match="no multiple"):
+        kv_group(torch.empty(1, 6, 1, 1), torch.empty(1, 4, 1, 1))
 
 
 def test_head_slices_cut_b_h_into_views_of_at_most_the_limit():

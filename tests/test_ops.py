@@ -34,7 +34,8 @@ def meta(*shape, dtype=torch.float16):
 BAD_INPUTS = {
     "k and v of different lengths": (lambda: (meta(1, 2, 8, 64), meta(1, 2, 9, 64), meta(1, 2, 10, 64)),
                                      "expected q [B, H"),
-    "q of other heads than k": (lambda: (meta(1, 3, 8, 64), meta(1, 2, 9, 64), meta(1, 2, 9, 64)), "expected q [B, H"),
+    "KV heads that do not divide the query heads": (lambda: (meta(1, 3, 8, 64), meta(1, 2, 9, 64), meta(1, 2, 9, 64)),
+                                                    "H_kv must divide"),
     "3-D tensors": (lambda: (meta(2, 8, 64),) * 3, "expected q [B, H"),
     "an empty sequence": (lambda: (meta(1, 2, 0, 64), meta(1, 2, 9, 64), meta(1, 2, 9, 64)), "at least 1"),
     "float32": (lambda: (meta(1, 2, 8, 64, dtype=torch.float32),) * 3, "float16 or all bfloat16"),
@@ -358,6 +359,37 @@ def test_the_gradients_pass_the_tolerance_rule(shape):
                       q.double(), k.double(), v.double(), grad_o.double())
     checks = [relative_to_library(name, *grads) for name, *grads in zip(("dq", "dk", "dv"), ours, exact, library)]
     assert all(c.passed for c in checks), failures(checks)
+
+
+# Grouped-query attention (K, V with H_kv heads, H_kv | H): Llama-3's 32 over 8, groups of 3, MQA.
+GQA_SHAPES = [(1, 32, 8, 333, 333, 128, True, "bfloat16"), (2, 6, 2, 100, 239, 64, False, "float16"),
+              (2, 4, 1, 239, 100, 64, True, "bfloat16")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,H,Hkv,Sq,Skv,D,causal,dtype", GQA_SHAPES)
+def test_grouped_query_gradients_pass_the_tolerance_rule(B, H, Hkv, Sq, Skv, D, causal, dtype):
+    try:
+        ops.fastest_stage_on("attention_backward", torch.cuda.current_device())
+    except RuntimeError as error:
+        pytest.skip(f"no backward to test: {error}")
+    inputs = ATTENTION.make_inputs(dict(B=B, H=H, Hkv=Hkv, Sq=Sq, Skv=Skv, D=D, causal=causal), dtype, seed=0)
+    scale = inputs["scale"]
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    assert k.shape[1] == Hkv
+    grad_o = torch.randn_like(q)
+    ours = gradients(lambda q, k, v: ops.attention(q, k, v, causal=causal, scale=scale), q, k, v, grad_o)
+    library = gradients(lambda q, k, v: sdpa(dict(q=q, k=k, v=v, scale=scale, causal=causal)), q, k, v, grad_o)
+    exact = gradients(lambda q, k, v: ATTENTION.reference(dict(q=q, k=k, v=v, scale=scale, causal=causal))["o"],
+                      q.double(), k.double(), v.double(), grad_o.double())
+    assert ours[1].shape == k.shape and ours[2].shape == v.shape
+    checks = [relative_to_library(name, *grads) for name, *grads in zip(("dq", "dk", "dv"), ours, exact, library)]
+    assert all(c.passed for c in checks), failures(checks)
+
+
+def test_grouped_query_inputs_are_accepted():
+    problem = ops.attention_input_problem(meta(2, 32, 8, 64), meta(2, 8, 9, 64), meta(2, 8, 9, 64))
+    assert problem is None or ("H_kv" not in problem and "expected q" not in problem)  # only the device is refused here
 
 
 # ---------------------------------------------------------------- the custom ops on a GPU

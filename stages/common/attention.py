@@ -1,10 +1,16 @@
-"""What the launches of the attention stages share: B·H beyond the limits of a grid.
+"""What the launches of the attention stages share: B·H beyond the limits of a grid, and K, V with fewer
+heads than Q (grouped-query attention).
 
 A kernel that walks the (batch, head) pairs in grid.y or grid.z sees at most 65,535 of them in one
 launch (grid.x goes up to 2^31 - 1, grid.y and grid.z only to 65,535), and a decode-sized batch
 (280 sequences × 250 heads) has more. The launch then covers them in slices: the tensors, seen as
 [B·H, ...], are cut into runs of at most 65,535 pairs, and each run is one launch whose pointers start
 at its first pair. The kernels stay as they are.
+
+With GQA, Q is [B, H, ...] and K, V are [B, H_kv, ...], H a multiple of H_kv: query head h uses KV head
+h / group, group = H / H_kv, so query pair p = b·H + h uses KV pair b·H_kv + h / group = p / group. A slice
+of query pairs [first, first + n), first and n multiples of the group, uses KV pairs [first / group,
+(first + n) / group): the launch passes both views and the kernel takes KV pair (p - first) / group.
 """
 MAX_GRID_YZ = 65535
 
@@ -15,9 +21,24 @@ def by_head_dim(geometry: dict[int, dict[str, int]]):
     return lambda defines: geometry[int(defines["HEAD_DIM"])]
 
 
-def head_slices(*tensors, pairs_per_launch: int = MAX_GRID_YZ):
-    """For tensors of shape [B, H, ...]: lists of [n, ...] views, one list per launch, of the same
-    n ≤ pairs_per_launch (batch, head) pairs of each tensor."""
+def kv_group(q, k) -> int:
+    """Query heads per KV head, H / H_kv, of q [B, H, ...] and k [B, H_kv, ...]; ValueError unless H_kv divides H."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"{heads} query heads are no multiple of {kv_heads} KV heads")
+    return heads // kv_heads
+
+
+def head_slices(*tensors, kv=(), group: int = 1, pairs_per_launch: int = MAX_GRID_YZ):
+    """For tensors of shape [B, H, ...] and kv tensors of shape [B, H / group, ...]: lists of views, one list
+    per launch, of the same n (batch, head) pairs of each tensor, then of the n / group KV pairs those use
+    of each kv tensor. n is at most pairs_per_launch rounded down to a multiple of the group, so that no
+    launch cuts a group of query heads."""
+    step = pairs_per_launch - pairs_per_launch % group
+    if step < 1:
+        raise ValueError(f"groups of {group} query heads do not fit {pairs_per_launch} pairs a launch")
     flat = [t.flatten(0, 1) for t in tensors]  # contiguous [B, H, ...]: a view, no copy
-    for first in range(0, flat[0].shape[0], pairs_per_launch):
-        yield [t[first:first + pairs_per_launch] for t in flat]
+    flat_kv = [t.flatten(0, 1) for t in kv]
+    for first in range(0, flat[0].shape[0], step):
+        yield ([t[first:first + step] for t in flat] +
+               [t[first // group:(first + step) // group] for t in flat_kv])

@@ -1,7 +1,11 @@
 """What every fused attention stage (1 to 3) shares: one kernel, `attention_fwd` in attention.cu,
-compiled per head dimension, one block per tile of BLOCK_M query rows of one (batch, head)."""
+compiled per head dimension, one block per tile of BLOCK_M query rows of one (batch, head).
+
+grid = (query tiles, group, KV pairs): grouped-query attention has group = H / H_kv query heads per KV
+head, and the block (x, y, z) takes query pair z · group + y (gridDim.y = group: no parameter says it)
+and reads the K and V of KV pair z. Without groups, grid.y = 1 and grid.z walks the pairs."""
 from stages import Goal, Stage
-from stages.common.attention import by_head_dim, head_slices
+from stages.common.attention import MAX_GRID_YZ, by_head_dim, head_slices, kv_group
 
 KERNELS = {"attention_fwd": "const elem_t*, const elem_t*, const elem_t*, elem_t*, float*, int, int, float, int"}
 
@@ -11,9 +15,10 @@ def fused_launch(geometry: dict[int, dict[str, int]]):
     head dimension D are geometry[D]'s."""
     def launch(kernels, q, k, v, o, lse, scale, causal) -> None:
         launched = geometry[q.shape[-1]]
-        seq_q, seq_kv = q.shape[2], k.shape[2]
-        for q_, k_, v_, o_, lse_ in head_slices(q, k, v, o, lse):  # B·H in grid.y: 65,535 pairs a launch
-            grid = (-(-seq_q // launched["BLOCK_M"]), q_.shape[0])
+        seq_q, seq_kv, group = q.shape[2], k.shape[2], kv_group(q, k)
+        # B·H_kv in grid.z: at most 65,535 KV pairs a launch, each with its whole group of query heads
+        for q_, o_, lse_, k_, v_ in head_slices(q, o, lse, kv=(k, v), group=group, pairs_per_launch=MAX_GRID_YZ * group):
+            grid = (-(-seq_q // launched["BLOCK_M"]), group, k_.shape[0])
             kernels.attention_fwd(grid, (launched["NUM_THREADS"],), q_, k_, v_, o_, lse_, seq_q, seq_kv, scale,
                                   int(causal), smem=launched["SHARED_BYTES"])
     return launch

@@ -13,7 +13,9 @@
 // The two matrix products are tiled through shared memory like a textbook matmul (on CUDA cores,
 // in fp32): the lesson here is the algorithm, not the arithmetic.
 //
-// Tensors are [B, H, S, D], contiguous; blockIdx.z walks the B·H (batch, head) pairs.
+// Tensors are [B, H, S, D], contiguous, K and V [B, H_kv, S, D]; blockIdx.z walks the B·H (batch, head)
+// pairs. With fewer KV heads (grouped-query attention), `group` = H / H_kv query heads share one: pair p
+// reads KV pair p / group.
 // Causal masking is top-left aligned, as in PyTorch: query i sees keys j <= i.
 #include "attention.cuh"
 
@@ -35,12 +37,12 @@ __device__ void load_rows(float (*tile)[HEAD_DIM + 1], const elem_t* rows, int f
 
 extern "C" __global__ void attention_scores(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
                                             float* __restrict__ scores, int seq_q, int seq_kv,
-                                            float scale, int causal) {
+                                            float scale, int causal, int group) {
     // +1 column: k_tile[tx][d] for 32 consecutive tx would otherwise all sit in one bank.
     __shared__ float q_tile[TILE][HEAD_DIM + 1], k_tile[TILE][HEAD_DIM + 1];
     const int first_q = blockIdx.y * TILE, first_k = blockIdx.x * TILE;
     load_rows(q_tile, q + (size_t)blockIdx.z * seq_q * HEAD_DIM, first_q, seq_q);
-    load_rows(k_tile, k + (size_t)blockIdx.z * seq_kv * HEAD_DIM, first_k, seq_kv);
+    load_rows(k_tile, k + (size_t)(blockIdx.z / group) * seq_kv * HEAD_DIM, first_k, seq_kv);
     __syncthreads();
 
     float dot[ROWS_PER_THREAD] = {};
@@ -109,11 +111,11 @@ extern "C" __global__ void attention_softmax(float* __restrict__ scores, float* 
 #define COLS_PER_THREAD (HEAD_DIM / TILE)
 
 extern "C" __global__ void attention_pv(const float* __restrict__ probs, const elem_t* __restrict__ v,
-                                        elem_t* __restrict__ o, int seq_q, int seq_kv) {
+                                        elem_t* __restrict__ o, int seq_q, int seq_kv, int group) {
     __shared__ float p_tile[TILE][TILE], v_tile[TILE][HEAD_DIM];
     const int first_q = blockIdx.x * TILE;
     const float* p_head = probs + (size_t)blockIdx.y * seq_q * seq_kv;
-    const elem_t* v_head = v + (size_t)blockIdx.y * seq_kv * HEAD_DIM;
+    const elem_t* v_head = v + (size_t)(blockIdx.y / group) * seq_kv * HEAD_DIM;
     const int thread = threadIdx.y * blockDim.x + threadIdx.x, threads = blockDim.x * blockDim.y;
 
     float acc[ROWS_PER_THREAD][COLS_PER_THREAD] = {};

@@ -24,7 +24,9 @@
 // D = 128 the S = Q Kᵀ half runs at most at 2/3 speed (an 8 × 4 block per thread, see below).
 // Tensor cores (next stages) do far better. (Predictions and measurements: results/NOTES.md.)
 //
-// Tensors are [B, H, S, D], contiguous; blockIdx.y walks the B·H (batch, head) pairs, blockIdx.x
+// Tensors are [B, H, S, D], K and V [B, H_kv, S, D], contiguous (grouped-query attention: H / H_kv
+// query heads read one KV head); blockIdx.z walks the B·H_kv KV (batch, head) pairs, blockIdx.y the
+// gridDim.y = H / H_kv query heads of each: query pair blockIdx.z · gridDim.y + blockIdx.y, blockIdx.x
 // the tiles of BLOCK_M query rows. Causal masking is top-left aligned, as in PyTorch: query i
 // sees keys j <= i.
 #include "attention.cuh"
@@ -311,7 +313,7 @@ __device__ __forceinline__ void write_output(elem_t* o_head, float* lse_head, in
 }
 // --8<-- [end:write_output]
 
-// One block: BLOCK_M query rows of one (batch, head). grid = (ceil(S_q / BLOCK_M), B · H),
+// One block: BLOCK_M query rows of one (batch, head). grid = (ceil(S_q / BLOCK_M), H / H_kv, B · H_kv),
 // NUM_THREADS threads, SHARED_BYTES of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS)
 attention_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
@@ -322,10 +324,11 @@ attention_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     float* p_tile = k_tile;                       // [BLOCK_M][P_STRIDE]: K is dead once the scores exist
     float* v_tile = k_tile + KP_FLOATS;           // [BLOCK_N][V_STRIDE]
 
-    const size_t head = blockIdx.y;               // which (batch, head)
+    const size_t head = (size_t)blockIdx.z * gridDim.y + blockIdx.y;  // which query (batch, head)
     const int first_row = blockIdx.x * BLOCK_M;
-    const elem_t* k_head = k + head * seq_kv * HEAD_DIM;
-    const elem_t* v_head = v + head * seq_kv * HEAD_DIM;
+    const size_t kv_head = blockIdx.z;            // the KV pair it reads, shared by gridDim.y query heads
+    const elem_t* k_head = k + kv_head * seq_kv * HEAD_DIM;
+    const elem_t* v_head = v + kv_head * seq_kv * HEAD_DIM;
     const int row_group = threadIdx.x / COL_GROUPS, col_group = threadIdx.x % COL_GROUPS;
 
     load_tile<BLOCK_M, Q_STRIDE>(q_tile, q + (head * seq_q + first_row) * HEAD_DIM, seq_q - first_row);

@@ -18,7 +18,9 @@
 // Every tile is a load stall that only the other blocks on the SM can hide. (Predictions and
 // measurements: results/NOTES.md.)
 //
-// Tensors are [B, H, S, D], contiguous; blockIdx.y walks the B·H (batch, head) pairs.
+// Tensors are [B, H, S, D], K and V [B, H_kv, S, D], contiguous (grouped-query attention: H / H_kv
+// query heads read one KV head); blockIdx.z walks the B·H_kv KV (batch, head) pairs, blockIdx.y the
+// gridDim.y = H / H_kv query heads of each: query pair blockIdx.z · gridDim.y + blockIdx.y.
 // Causal masking is top-left aligned, as in PyTorch: query i sees keys j <= i.
 #include "mma.cuh"
 
@@ -121,9 +123,10 @@ attention_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int m0 = blockIdx.x * BLOCK_M;      // first query row of the block
     const int warp_m0 = m0 + warp * 16;       // first query row of this warp
-    const size_t head = blockIdx.y;
-    const elem_t* k_head = k + head * seq_kv * HEAD_DIM;
-    const elem_t* v_head = v + head * seq_kv * HEAD_DIM;
+    const size_t head = (size_t)blockIdx.z * gridDim.y + blockIdx.y;  // the query (batch, head) pair
+    const size_t kv_head = blockIdx.z;            // the KV pair it reads, shared by gridDim.y query heads
+    const elem_t* k_head = k + kv_head * seq_kv * HEAD_DIM;
+    const elem_t* v_head = v + kv_head * seq_kv * HEAD_DIM;
 
     load_tile(q_tile, q + (head * seq_q + m0) * HEAD_DIM, seq_q - m0);
     __syncthreads();

@@ -27,7 +27,9 @@
 //            online_softmax_lazy: without the first ptxas spills 96 bytes, without the second 36.
 // (Predictions and measurements, 64-key tiles against 32-key ones at D = 128: results/NOTES.md.)
 //
-// Tensors are [B, H, S, D], contiguous; blockIdx.y walks the B·H (batch, head) pairs.
+// Tensors are [B, H, S, D], K and V [B, H_kv, S, D], contiguous (grouped-query attention: H / H_kv
+// query heads read one KV head); blockIdx.z walks the B·H_kv KV (batch, head) pairs, blockIdx.y the
+// gridDim.y = H / H_kv query heads of each: query pair blockIdx.z · gridDim.y + blockIdx.y.
 // Causal masking is top-left aligned, as in PyTorch: query i sees keys j <= i.
 #include "mma.cuh"
 #include "cp_async.cuh"
@@ -279,6 +281,17 @@ __device__ __forceinline__ void online_softmax_lazy(float (&s)[N_FRAGS][4], floa
 }
 // --8<-- [end:lazy_rescale]
 
+// The block's query (batch, head) pair, blockIdx.z · gridDim.y + blockIdx.y, from blockIdx read again
+// where it is used (volatile asm: not held in registers since the kernel's start). At D = 64 the
+// 128-register cap has no room for the query pair beside the KV pair through the loop: held, ptxas
+// spills 8 bytes at sm_80 and 16 at sm_90a.
+__device__ __forceinline__ size_t query_pair() {
+    unsigned y, z;
+    asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(y));
+    asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(z));
+    return (size_t)z * gridDim.y + y;
+}
+
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
 attention_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
               elem_t* __restrict__ o, float* __restrict__ lse, int seq_q, int seq_kv, float scale, int causal) {
@@ -293,9 +306,10 @@ attention_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     const int m0 = blockIdx.x * BLOCK_M;      // first query row of the block
     const int q_row0 = warp * WARP_ROWS;      // first row of this warp in the Q tile
     const int warp_m0 = m0 + q_row0;          // first query row of this warp
-    const size_t head = blockIdx.y;
-    const elem_t* k_head = k + head * seq_kv * HEAD_DIM;
-    const elem_t* v_head = v + head * seq_kv * HEAD_DIM;
+    const size_t head = (size_t)blockIdx.z * gridDim.y + blockIdx.y;  // the query (batch, head) pair
+    const size_t kv_offset = (size_t)blockIdx.z * seq_kv * HEAD_DIM;  // the K and V of its KV pair
+#define k_head (k + kv_offset)
+#define v_head (v + kv_offset)
 
     // Causal: keys from m0 + BLOCK_M on are masked for every row of the block: never loaded.
     const int kv_end = causal ? min(seq_kv, m0 + BLOCK_M) : seq_kv;
@@ -366,6 +380,8 @@ attention_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
-        write_output(o_acc[mt], row_max[mt], row_sum[mt], scale, o + head * seq_q * HEAD_DIM, lse + head * seq_q,
-                     warp_m0 + 16 * mt, seq_q, lane);
+        write_output(o_acc[mt], row_max[mt], row_sum[mt], scale, o + query_pair() * seq_q * HEAD_DIM,
+                     lse + query_pair() * seq_q, warp_m0 + 16 * mt, seq_q, lane);
+#undef k_head
+#undef v_head
 }

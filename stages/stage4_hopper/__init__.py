@@ -9,7 +9,7 @@ The tensor maps TMA needs are built here, on the host, by cuda.core (`as_tensor_
 value to the kernel as `const __grid_constant__` parameters.
 """
 from stages import Goal, Stage
-from stages.common.attention import by_head_dim
+from stages.common.attention import by_head_dim, kv_group
 from stages.common.hopper import sm_count, tensor_map
 
 # What the launch uses, per head dimension, as attention.cu computes it (the grader checks each value
@@ -23,7 +23,7 @@ PERSISTENT = 1  # one block per SM looping over query tiles (attention.cu's Sche
 
 
 def _tensor_map(x, box_rows: int, box_cols: int):
-    """A TMA descriptor over x [B, H, S, D] viewed as 3-D [B·H, S, D]: boxes of 1 × box_rows × box_cols with
+    """A TMA descriptor over x [B, H, S, D] (K and V: [B, H_kv, S, D]) viewed as 3-D [B·H, S, D]: boxes of 1 × box_rows × box_cols with
     the 128-byte swizzle. Rows past S inside a head read as zeros, so a box never mixes two heads."""
     batch, heads, seq, head_dim = x.shape
     return tensor_map(x.reshape(batch * heads, seq, head_dim), (1, box_rows, box_cols))
@@ -31,7 +31,7 @@ def _tensor_map(x, box_rows: int, box_cols: int):
 
 def launch(kernels, q, k, v, o, lse, scale, causal):
     batch, heads, seq_q, head_dim = q.shape
-    seq_kv = k.shape[2]
+    seq_kv, group = k.shape[2], kv_group(q, k)  # query heads per KV head: the kernel loads KV pair head / group
     launched = GEOMETRY[head_dim]
     block_m, block_n, box_cols = launched["BLOCK_M"], launched["BLOCK_N"], launched["ATOM_COLS"]
     q_map, k_map, v_map = (_tensor_map(q, block_m, box_cols), _tensor_map(k, block_n, box_cols),
@@ -44,14 +44,14 @@ def launch(kernels, q, k, v, o, lse, scale, causal):
             units = (m_blocks + 1) // 2 * batch * heads
         grid = min(units, sm_count(q.device))
     kernels.attention_fwd((grid,), (launched["NUM_THREADS"],), q_map, k_map, v_map, o, lse, seq_q, seq_kv, scale,
-                          int(causal), batch * heads, PERSISTENT, smem=launched["SHARED_BYTES"])
+                          int(causal), batch * heads, PERSISTENT, group, smem=launched["SHARED_BYTES"])
 
 
 STAGE = Stage(
     name="stage4_hopper",
     problem="attention",
     source="attention.cu",
-    kernels={"attention_fwd": "const TmaMap, const TmaMap, const TmaMap, elem_t*, float*, int, int, float, int, int, int"},
+    kernels={"attention_fwd": "const TmaMap, const TmaMap, const TmaMap, elem_t*, float*, int, int, float, int, int, int, int"},
     launch=launch,
     archs=("sm_90a",),
     specializations={"HEAD_DIM": "D"},  # the head dimension, compiled in

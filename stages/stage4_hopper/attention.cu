@@ -250,7 +250,7 @@ __device__ __forceinline__ void init_barriers(const SharedMemory& shared) {
 // --8<-- [start:warp_specialization]
 // The producer: one thread issues every copy, Q of each query tile and its K/V tiles into the ring.
 __device__ __forceinline__ void produce(const SharedMemory& shared, const Schedule& schedule, const TmaMap& q_map,
-                                        const TmaMap& k_map, const TmaMap& v_map, int seq_kv, int causal) {
+                                        const TmaMap& k_map, const TmaMap& v_map, int seq_kv, int causal, int group) {
     tma_prefetch_map(q_map);
     tma_prefetch_map(k_map);
     tma_prefetch_map(v_map);
@@ -260,6 +260,7 @@ __device__ __forceinline__ void produce(const SharedMemory& shared, const Schedu
     for (int unit = blockIdx.x; unit < schedule.num_units; unit += gridDim.x) {
         for (int half = 0; half < schedule.tiles_in(unit); ++half, ++q_loads) {
             const int m0 = schedule.m0(unit, half), head = schedule.head(unit);
+            const int kv_head = head / group;  // grouped-query attention: group query heads share one KV head
             // One Q buffer: wait until both consumers' last Q·Kᵀ of the previous query tile is done.
             mbarrier_wait(shared.barrier(Q_EMPTY), (q_loads & 1) ^ 1);
             mbarrier_arrive_expect_tx(shared.barrier(Q_FULL), Q_TILE_BYTES);
@@ -272,16 +273,16 @@ __device__ __forceinline__ void produce(const SharedMemory& shared, const Schedu
                 // EXERCISE: fill ring slot `stage` with K, then V, of `tile`. K: tell its full barrier how
                 // many bytes are coming (mbarrier_arrive_expect_tx -- the producer's one arrival, and
                 // KV_TILE_BYTES: rows past seq_kv are zero-filled and counted too), then issue the TMA copy
-                // (load_tile<BLOCK_N>) of rows tile·BLOCK_N onwards of head `head`, completing on that same
+                // (load_tile<BLOCK_N>) of rows tile·BLOCK_N onwards of KV head `kv_head`, completing on that same
                 // barrier. V: wait for its own empty barrier as K's was waited for above, then the same.
                 // STUB: mbarrier_arrive_expect_tx(shared.barrier(K_FULL + stage), 0);  // arrives but loads nothing:
                 // STUB: mbarrier_wait(shared.barrier(V_EMPTY + stage), parity ^ 1);   // wrong results, no hang
                 // STUB: mbarrier_arrive_expect_tx(shared.barrier(V_FULL + stage), 0);
                 mbarrier_arrive_expect_tx(shared.barrier(K_FULL + stage), KV_TILE_BYTES);
-                load_tile<BLOCK_N>(shared.k_slot(stage), k_map, shared.barrier(K_FULL + stage), tile * BLOCK_N, head);
+                load_tile<BLOCK_N>(shared.k_slot(stage), k_map, shared.barrier(K_FULL + stage), tile * BLOCK_N, kv_head);
                 mbarrier_wait(shared.barrier(V_EMPTY + stage), parity ^ 1);
                 mbarrier_arrive_expect_tx(shared.barrier(V_FULL + stage), KV_TILE_BYTES);
-                load_tile<BLOCK_N>(shared.v_slot(stage), v_map, shared.barrier(V_FULL + stage), tile * BLOCK_N, head);
+                load_tile<BLOCK_N>(shared.v_slot(stage), v_map, shared.barrier(V_FULL + stage), tile * BLOCK_N, kv_head);
                 // END EXERCISE
             }
         }
@@ -392,7 +393,7 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const Schedu
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 attention_fwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
               const __grid_constant__ TmaMap v_map, elem_t* __restrict__ o, float* __restrict__ lse, int seq_q,
-              int seq_kv, float scale, int causal, int batch_heads, int persistent) {
+              int seq_kv, float scale, int causal, int batch_heads, int persistent, int group) {
     extern __shared__ __align__(1024) unsigned char shared_raw[];
     // TMA's 128-byte swizzle and the descriptors' base offset 0 assume 1024-byte-aligned tiles.
     const SharedMemory shared{(shared_address(shared_raw) + 1023) & ~1023u};
@@ -403,7 +404,7 @@ attention_fwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaM
     const int warpgroup = threadIdx.x / 128;
     if (warpgroup == 0) {
         setmaxnreg_dec<PRODUCER_REGS>();  // the producer keeps 24 registers per thread
-        if (threadIdx.x == 0) produce(shared, schedule, q_map, k_map, v_map, seq_kv, causal);
+        if (threadIdx.x == 0) produce(shared, schedule, q_map, k_map, v_map, seq_kv, causal, group);
     } else {
         setmaxnreg_inc<CONSUMER_REGS>();  // 240 per thread for S, P and O
         consume(shared, schedule, warpgroup - 1, o, lse, seq_q, seq_kv, scale, causal);

@@ -3,11 +3,16 @@
 dQ, dK and dV from Q, K, V, O, the LSE and dO, never storing P: one block per tile of 128 keys keeps
 its dK and dV in registers while it walks the query tiles, recomputing P from Q, K and the LSE; five
 mma.sync products per tile, fed by stage 3's cp.async ring; dQ summed over key tiles with fp32 atomics.
+
+Grouped-query attention (K, V with H_kv < H heads), for now in the launch, not the kernel: K and V are
+repeated to H heads, the kernel runs as for H_kv = H, and each KV head's dK and dV are the fp32 sums of its
+group's, rounded once more. (The kernel's own way, a block per key tile of one KV head walking its group's
+query heads with dK, dV in registers, spilled at D = 128 in every variant tried so far.)
 """
 import torch
 
 from stages import Goal, Stage
-from stages.common.attention import by_head_dim, head_slices
+from stages.common.attention import by_head_dim, head_slices, kv_group
 
 # What the launch uses, per head dimension, as attention.cu computes it (the grader checks each value
 # against the kernel): 8 warps × 16 keys per block, query tiles of 64 rows; dynamic shared memory, the
@@ -32,6 +37,14 @@ def _blocks(n: int, per_block: int) -> int:
 
 
 def launch(kernels, q, k, v, o, lse, d_o, dq, dk, dv, scale, causal) -> None:
+    group = kv_group(q, k)  # query heads per KV head
+    if group > 1:  # GQA: the kernel on K, V repeated to H heads, dK and dV summed over each group
+        dk_heads, dv_heads = (torch.empty(q.shape[:2] + k.shape[2:], dtype=k.dtype, device=k.device) for _ in "kv")
+        launch(kernels, q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), o, lse, d_o, dq,
+               dk_heads, dv_heads, scale, causal)
+        for summed, per_head in ((dk, dk_heads), (dv, dv_heads)):
+            summed.copy_(per_head.unflatten(1, (k.shape[1], group)).sum(dim=2, dtype=torch.float32))
+        return
     batch, heads, seq_q, head_dim = q.shape
     seq_kv = k.shape[2]
     launched = GEOMETRY[head_dim]
