@@ -18,8 +18,8 @@ check again when called directly).
 
 Each problem runs the fastest course stage this GPU runs (`stages.fastest_stage`): the highest-numbered stage
 solving it, or the highest rung of that stage's ladder, that compiles for the GPU. The forward
-attention: stage 4 on sm_90a (an H100 or H200), stage 3 elsewhere; its backward: stage 8; the MoE
-layer: stage 7 on sm_90a, stage 7's mma_sync rung elsewhere. A stage is compiled on first use for the
+attention: stage 4 on sm_90a (an H100 or H200), stage 3 elsewhere; its backward: stage 9 on sm_90a,
+stage 8 elsewhere; the MoE layer: stage 7 on sm_90a, stage 7's mma_sync rung elsewhere. A stage is compiled on first use for the
 inputs' dtype (and head dimension), with the -D macros the grader uses, into the compile cache on disk
 (stages/common/compiler.py); the process keeps its kernels and launches them on the caller's tensors
 and current stream.

@@ -16,6 +16,7 @@ TEACHES = {
     "stage6_grouped_gemm": {"HGMMA", "UTMALDG"},
     "stage7_moe_layer": {"HGMMA", "UTMALDG"},
     "stage8_backward": {"HMMA", "LDSM", "LDGSTS"},
+    "stage9_hopper_backward": {"HGMMA", "UTMALDG"},
 }
 
 PAIRS = [(name, arch) for name in stages.stage_names() for arch in stages.load(name).archs]

@@ -202,9 +202,11 @@ def test_the_moe_layer_is_stage_7_or_its_rung_where_wgmma_is_missing(gpu, key, a
     assert (chosen.key, chosen_arch) == (key, arch)
 
 
-@pytest.mark.parametrize("gpu", [H100, A100])
-def test_the_backward_is_stage_8(gpu):
-    assert ops.fastest_stage("attention_backward", gpu)[0].name == "stage8_backward"
+@pytest.mark.parametrize("gpu,stage,arch", [(H100, "stage9_hopper_backward", "sm_90a"),
+                                            (A100, "stage8_backward", "sm_80")])
+def test_the_backward_is_stage_9_on_hopper_and_stage_8_elsewhere(gpu, stage, arch):
+    chosen, chosen_arch = ops.fastest_stage("attention_backward", gpu)
+    assert (chosen.name, chosen_arch) == (stage, arch)
 
 
 # ---------------------------------------------------------------- registration and fake implementations

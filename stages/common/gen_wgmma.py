@@ -16,13 +16,16 @@ from pathlib import Path
 HEADER = Path(__file__).with_name("wgmma.cuh")
 GENERATED = "// ---- written by gen_wgmma.py from here on: add a shape to its SHAPES, then run it ----"
 
-# (A from shared memory "ss" or registers "rs", N, B's layout) -- what the kernels multiply:
+# (A from shared memory "ss" -- "ss_a_mn" with A MN-major -- or registers "rs", N, B's layout) -- what
+# the kernels multiply:
 SHAPES = (
+    ("ss", 64, "K_MAJOR"),    # stage 9, Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ over 64-query tiles
     ("ss", 128, "K_MAJOR"),   # stage 4, S = Q·Kᵀ with 128-key tiles (D = 128)
     ("ss", 192, "K_MAJOR"),   # stage 4, S = Q·Kᵀ with 192-key tiles (D = 64)
     ("ss", 256, "MN_MAJOR"),  # stage 6, x·W1 and h·W2 with 256-column tiles
-    ("rs", 64, "MN_MAJOR"),   # stage 4, O += P·V at D = 64
-    ("rs", 128, "MN_MAJOR"),  # stage 4, O += P·V at D = 128
+    ("rs", 64, "MN_MAJOR"),   # stage 4, O += P·V at D = 64; stage 9, dV += Pᵀ·dO and dK += dSᵀ·Q at D = 64
+    ("rs", 128, "MN_MAJOR"),  # stage 4, O += P·V at D = 128; stage 9, dV += Pᵀ·dO and dK += dSᵀ·Q (both D)
+    ("ss_a_mn", 64, "MN_MAJOR"),  # stage 9, dQ = dS·K with dS stored as dSᵀ [key][query] (A MN-major)
 )
 TRANSPOSE_B = {"K_MAJOR": 0, "MN_MAJOR": 1}  # imm-trans-b
 
@@ -32,16 +35,16 @@ def wrapper(kind: str, n: int, major: str) -> list[str]:
     body over T and PTX (the element type's name in the instruction)."""
     accumulators = n // 2  # per thread: operands %0 .. %(n/2 - 1)
     registers = ", ".join(f"%{i}" for i in range(accumulators))
-    if kind == "ss":  # then desc_a, desc_b, accumulate; scale-d, imm-scale-a, -b, imm-trans-a, -b
+    if kind.startswith("ss"):  # then desc_a, desc_b, accumulate; scale-d, imm-scale-a, -b, imm-trans-a, -b
         parameters, inputs = "u64 desc_a, u64 desc_b, int accumulate", '"l"(desc_a), "l"(desc_b), "r"(accumulate)'
         operands = f"%{accumulators}, %{accumulators + 1}"
-        immediates = f"1, 1, 0, {TRANSPOSE_B[major]}"
+        immediates = f"1, 1, {1 if kind == 'ss_a_mn' else 0}, {TRANSPOSE_B[major]}"
     else:  # then a[0..3], desc_b, accumulate; scale-d, imm-scale-a, -b, imm-trans-b
         parameters = "const unsigned (&a)[4], u64 desc_b, int accumulate"
         inputs = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate)'
         operands = "{" + ", ".join(f"%{accumulators + i}" for i in range(4)) + f"}}, %{accumulators + 4}"
         immediates = f"1, 1, {TRANSPOSE_B[major]}"
-    accumulate = accumulators + (2 if kind == "ss" else 5)
+    accumulate = accumulators + (2 if kind.startswith("ss") else 5)
     return [
         f"template <> __device__ __forceinline__ void wgmma_{kind}<T, {n}, {major}>(float (&d)[{n // 8}][4], {parameters}) {{",
         f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{accumulate}, 0;\\n"',

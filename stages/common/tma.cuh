@@ -118,3 +118,13 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
+
+// ---- bulk copies without a tensor map (stage 9) -------------------------------------------------
+// Copies `bytes` (a multiple of 16) contiguous bytes from global `source` to shared `destination`
+// (both 16-byte aligned) and counts them on the mbarrier `bar`, as tma_load_3d does: for the small
+// vectors (a query tile's LSE and Δ) that ride along with the tiles.
+__device__ __forceinline__ void bulk_load(unsigned destination, const void* source, unsigned bytes, unsigned bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 :: "r"(destination), "l"(reinterpret_cast<unsigned long long>(source)), "r"(bytes), "r"(bar)
+                 : "memory");
+}

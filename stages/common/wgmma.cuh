@@ -64,10 +64,13 @@ enum Major { K_MAJOR = 0, MN_MAJOR = 1 };
 // d[64 × N] (+)= A[64 × 16] · B[16 × N], fp32 accumulators, d as the warp's float[N/8][4].
 //   wgmma_ss: A and B from shared memory, A K-major
 //   wgmma_rs: A from registers (4 per thread, the layout of an mma.m16n8k16 A fragment)
+//   wgmma_ss_a_mn: A and B from shared memory, A MN-major ([k][m], m contiguous: imm-trans-a = 1)
 // `accumulate` = 0 ignores the old d (scale-d false): the first k-step needs no zeroed registers.
 // Defined below for the shapes the course uses (gen_wgmma.py's SHAPES), fp16 and bf16.
 template <typename T, int N, Major B>
 __device__ void wgmma_ss(float (&d)[N / 8][4], u64 desc_a, u64 desc_b, int accumulate);
+template <typename T, int N, Major B>
+__device__ void wgmma_ss_a_mn(float (&d)[N / 8][4], u64 desc_a, u64 desc_b, int accumulate);
 template <typename T, int N, Major B>
 __device__ void wgmma_rs(float (&d)[N / 8][4], const unsigned (&a)[4], u64 desc_b, int accumulate);
 // --8<-- [end:wgmma_ptx]
@@ -75,6 +78,12 @@ __device__ void wgmma_rs(float (&d)[N / 8][4], const unsigned (&a)[4], u64 desc_
 // ---- written by gen_wgmma.py from here on: add a shape to its SHAPES, then run it ----
 #define ACC4(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
 #define DEFINE_WGMMA_WRAPPERS(T, PTX) \
+template <> __device__ __forceinline__ void wgmma_ss<T, 64, K_MAJOR>(float (&d)[8][4], u64 desc_a, u64 desc_b, int accumulate) { \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX "." PTX " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n" \
+                 : ACC4(0), ACC4(1), ACC4(2), ACC4(3), ACC4(4), ACC4(5), ACC4(6), ACC4(7) \
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate)); \
+} \
 template <> __device__ __forceinline__ void wgmma_ss<T, 128, K_MAJOR>(float (&d)[16][4], u64 desc_a, u64 desc_b, int accumulate) { \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
                  "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX "." PTX " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n" \
@@ -104,6 +113,12 @@ template <> __device__ __forceinline__ void wgmma_rs<T, 128, MN_MAJOR>(float (&d
                  "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX "." PTX " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n" \
                  : ACC4(0), ACC4(1), ACC4(2), ACC4(3), ACC4(4), ACC4(5), ACC4(6), ACC4(7), ACC4(8), ACC4(9), ACC4(10), ACC4(11), ACC4(12), ACC4(13), ACC4(14), ACC4(15) \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate)); \
+} \
+template <> __device__ __forceinline__ void wgmma_ss_a_mn<T, 64, MN_MAJOR>(float (&d)[8][4], u64 desc_a, u64 desc_b, int accumulate) { \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX "." PTX " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n" \
+                 : ACC4(0), ACC4(1), ACC4(2), ACC4(3), ACC4(4), ACC4(5), ACC4(6), ACC4(7) \
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate)); \
 }
 
 DEFINE_WGMMA_WRAPPERS(__half, "f16")

@@ -24,6 +24,7 @@
 // aligned, as in PyTorch: query i sees keys j <= i.
 #include "mma.cuh"
 #include "cp_async.cuh"
+#include "attention_backward.cuh"  // the preprocess and the dQ conversion, shared with stage 9
 
 // The tile configuration, per head dimension.
 //   Keys: 8 warps × 16 = 128 per block, the block's dK and dV in registers for the whole loop:
@@ -58,10 +59,6 @@ constexpr int DS_TILE_BYTES = BLOCK_N * DS_ROW_BYTES;
 constexpr int VECTOR_BYTES = BLOCK_M * 4;           // the LSE or Δ of a query tile, fp32
 constexpr int SHARED_BYTES = 2 * KV_TILE_BYTES + 2 * Q_STAGES * Q_TILE_BYTES + DS_TILE_BYTES +
                              2 * Q_STAGES * VECTOR_BYTES;
-// The preprocess and the dQ conversion: 8 elements (16 bytes of elem_t) per thread.
-constexpr int PREPROCESS_THREADS = 256;
-constexpr int ROWS_PER_PREPROCESS_BLOCK = PREPROCESS_THREADS / (HEAD_DIM / 8);
-constexpr int CONVERT_THREADS = 256;
 static_assert(sizeof(elem_t) == 2, "ldmatrix and the chunk arithmetic assume 16-bit elements");
 static_assert(NUM_WARPS % M_STEPS == 0 && DQ_COLS % 16 == 0, "dQ's tiles divide among the warps");
 static_assert(NUM_WARPS / 2 * STAGING_BYTES <= Q_TILE_BYTES, "half the warps stage dQ in a Q buffer, half in a dO one");
@@ -192,27 +189,7 @@ __device__ __forceinline__ void warp_accumulate(float (&acc)[D_FRAGS][4], const 
     }
 }
 
-// Pᵀ = exp(scale·Sᵀ − LSE), in place: s holds the warp's keys (rows g, g+8 of fragment n: c[0..1],
-// c[2..3]) against the tile's queries (columns 8n + 2t, +1). lse_log2 is the LSE in log2 units,
-// +inf for the padding rows past seq_q, whose p is then 0. The exponent is capped at 0 (p <= 1, as
-// the exact p is): the zero-filled keys past seq_kv score 0, not -inf, and exp(0 - LSE) would reach
-// inf where a row's true scores are all very negative (x10 inputs: LSE = -100), then inf × 0 = NaN
-// in dQ += dS K; capped, their p is finite and meets K's zero rows (their dK and dV are not written).
-// When `mask`, keys after the query are 0: key0 + g + 8(c/2) > m0 + 8n + 2t + c%2, i.e.
-// `ahead` + 8(c/2) - c%2 > 8n, with one per-thread term and compile-time constants (registers are scarce).
-__device__ __forceinline__ void probabilities(float (&s)[M_FRAGS][4], const float* lse_log2, float scale_log2,
-                                              bool mask, int key0, int m0, int lane) {
-    const int ahead = key0 + lane / 4 - m0 - 2 * (lane % 4);
-#pragma unroll
-    for (int n = 0; n < M_FRAGS; ++n) {
-        const float2 lse = *reinterpret_cast<const float2*>(lse_log2 + 8 * n + 2 * (lane % 4));
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const float p = fast_exp2(fminf(s[n][c] * scale_log2 - (c % 2 ? lse.y : lse.x), 0.0f));
-            s[n][c] = mask && ahead + 8 * (c / 2) - c % 2 > 8 * n ? 0.0f : p;
-        }
-    }
-}
+// Pᵀ = exp(scale·Sᵀ − LSE): probabilities(), in attention_backward.cuh (shared with stage 9).
 
 // dSᵀ = Pᵀ ∘ (dPᵀ − Δ), in place in dp (same layout as probabilities' s).
 __device__ __forceinline__ void score_gradients(float (&dp)[M_FRAGS][4], const float (&p)[M_FRAGS][4],
@@ -410,54 +387,4 @@ attention_bwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 
     write_rows(dk + head * seq_kv * HEAD_DIM, dk_acc, scale, n0 + row0, seq_kv, lane);
     write_rows(dv + head * seq_kv * HEAD_DIM, dv_acc, 1.0f, n0 + row0, seq_kv, lane);
-}
-
-// Per query row: Δ = rowsum(dO ∘ O) in fp32 (the softmax's term of dS), the LSE times log2(e) (the
-// main kernel's exponentials are exp2), and a zeroed row of the fp32 dQ accumulator. Rows from
-// seq_q to seq_q_padded, the padding of the last query tile, get Δ = 0 and LSE = +inf (p = 0).
-// HEAD_DIM / 8 threads per row, 8 elements each; a row's threads are consecutive lanes of one warp.
-extern "C" __global__ void __launch_bounds__(PREPROCESS_THREADS)
-attention_bwd_preprocess(const elem_t* __restrict__ o, const elem_t* __restrict__ d_o, const float* __restrict__ lse,
-                         float* __restrict__ lse_log2, float* __restrict__ delta, float* __restrict__ dq_accum,
-                         int seq_q, int seq_q_padded, int pairs) {
-    constexpr int THREADS_PER_ROW = HEAD_DIM / 8;
-    const size_t padded_row = (size_t)blockIdx.x * ROWS_PER_PREPROCESS_BLOCK + threadIdx.x / THREADS_PER_ROW;
-    const int part = threadIdx.x % THREADS_PER_ROW;
-    const size_t head = padded_row / seq_q_padded;
-    const int row = (int)(padded_row % seq_q_padded);
-    const bool valid = head < (size_t)pairs && row < seq_q;
-    const size_t element = (head * seq_q + row) * HEAD_DIM + 8 * part;
-    float sum = 0.0f;
-    if (valid) {
-        const uint4 o8 = *reinterpret_cast<const uint4*>(o + element);
-        const uint4 do8 = *reinterpret_cast<const uint4*>(d_o + element);
-        const elem_t* os = reinterpret_cast<const elem_t*>(&o8);
-        const elem_t* dos = reinterpret_cast<const elem_t*>(&do8);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) sum += to_float(os[i]) * to_float(dos[i]);
-        float4* dq8 = reinterpret_cast<float4*>(dq_accum + element);
-        dq8[0] = dq8[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
-#pragma unroll
-    for (int offset = THREADS_PER_ROW / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    if (part == 0 && head < (size_t)pairs) {
-        delta[padded_row] = sum;
-        lse_log2[padded_row] = row < seq_q ? lse[head * seq_q + row] * LOG2E : INFINITY;
-    }
-}
-
-// dQ = scale · the fp32 accumulator, rounded to elem_t: 8 elements per thread.
-extern "C" __global__ void __launch_bounds__(CONVERT_THREADS)
-attention_bwd_dq(const float* __restrict__ dq_accum, elem_t* __restrict__ dq, float scale, int groups) {
-    const int group = blockIdx.x * CONVERT_THREADS + threadIdx.x;  // of 8 elements
-    if (group >= groups) return;
-    const size_t first = (size_t)group * 8;
-    const float4* from = reinterpret_cast<const float4*>(dq_accum + first);
-    const float4 a = from[0], b = from[1];
-    uint4 packed;
-    packed.x = pack_pair<elem_t>(a.x * scale, a.y * scale);
-    packed.y = pack_pair<elem_t>(a.z * scale, a.w * scale);
-    packed.z = pack_pair<elem_t>(b.x * scale, b.y * scale);
-    packed.w = pack_pair<elem_t>(b.z * scale, b.w * scale);
-    *reinterpret_cast<uint4*>(dq + first) = packed;
 }

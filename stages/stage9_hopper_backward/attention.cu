@@ -1,0 +1,366 @@
+// Stage 9 — Hopper attention backward: wgmma, TMA and warp specialization (FlashAttention-3 style).
+// sm_90a only.
+//
+// Stage 8's algorithm (a block per tile of keys keeps dK and dV while it walks the query tiles,
+// recomputing P; five products per tile; dQ summed over key tiles with fp32 atomics), on stage 4's
+// machinery:
+//   TMA      a producer thread copies K and V once, then per query tile Q and dO (boxes of the
+//            tensor maps built by the launch) and the tile's LSE and Δ (plain bulk copies), into
+//            128-byte-swizzled shared memory; every copy counts its bytes on an mbarrier.
+//   ring     Q_STAGES buffers of (Q, dO, LSE, Δ), each with a full and an empty mbarrier.
+//   wgmma    the five products, accumulators in registers:
+//              Sᵀ  = K Qᵀ     [64 keys × 64 queries]   A = K  (smem, K-major),  B = Q  (smem, K-major)
+//              dPᵀ = V dOᵀ    [64 keys × 64 queries]   A = V  (smem, K-major),  B = dO (smem, K-major)
+//              dV += Pᵀ dO    [64 keys × D]            A = Pᵀ (registers),      B = dO (smem, MN-major)
+//              dK += dSᵀ Q    [64 keys × D]            A = dSᵀ (registers),     B = Q  (smem, MN-major)
+//              dQ  = dS K     [64 queries × 64 of D]   A = dSᵀ (smem, MN-major: dS transposed), B = K (MN-major)
+//            Pᵀ and dSᵀ come out of the first two products in the accumulator layout, which is the A
+//            operand's register layout (p_as_a_operand): no shuffle, as in stage 8. dQ needs dS with
+//            queries as rows: dSᵀ goes through shared memory once, and wgmma reads it transposed
+//            (imm-trans-a), where stage 8 used ldmatrix.trans.
+//   warp specialization  a producer warpgroup (24 registers: setmaxnreg) and two consumer warpgroups
+//            (240), consumer c owning keys 64c .. 64c+63 of the block's 128 and their dK and dV.
+//
+// Per query tile, the schedule of a consumer warpgroup (both run it side by side):
+//
+//   wait Q_FULL | Sᵀ, dPᵀ (wgmma) | P, dS (CUDA cores) | dSᵀ -> smem | dV, dK (wgmma, async) ...
+//     ... | bar DS_READY (both consumers' dSᵀ are in) | dQ (wgmma) | wait all | arrive Q_EMPTY | red dQ
+//   producer: | K V | Q0 dO0 | Q1 dO1 | (wait Q_EMPTY of slot 0) Q2 dO2 | ...
+//
+// dQ: at D = 128 each consumer computes 64 of the 128 columns of the tile's dQ over all 128 keys (so
+// both consumers' dSᵀ must be in shared memory: the named barrier DS_READY); at D = 64 each computes
+// all 64 columns over its own 64 keys (two partial sums, both added to global memory). Either way a
+// consumer's dQ accumulator is 64 × 64 (32 registers) and one wgmma shape serves. The fp32 dQ is
+// accumulated in global memory with red.global.add.v2.f32 straight from the accumulators (the
+// simplest; stage 8 measured whole-row v4 adds through shared memory a little faster, and
+// FlashAttention-3 uses TMA reduce-adds from a separate warp: see the lesson).
+//
+// Registers per consumer thread: dK and dV D/2 each (128 at D = 128), Sᵀ and dPᵀ 32 each, Pᵀ and dSᵀ
+// as A operands 16 each, dQ 32.
+// Shared memory: K, V 128·D·2 each; Q, dO Q_STAGES·64·D·2 each; dSᵀ 2 × 128·64·2 (double-buffered,
+// so that one named barrier per tile suffices: see consume()); LSE, Δ Q_STAGES·256 bytes each;
+// barriers; 1 KB to align to 1024. D = 128: 161 KB; D = 64: 98 KB. One block per SM.
+//
+// Tensors are [B, H, S, D] contiguous; tensor maps over [B·H, S, D], so boxes never cross into the
+// next head (rows past S read as zeros). Causal masking is top-left aligned: query i sees keys j <= i.
+#include "mma.cuh"
+#include "tma.cuh"
+#include "wgmma.cuh"
+#include "attention_backward.cuh"  // the preprocess, the dQ conversion, probabilities()
+
+constexpr int BLOCK_N = 128;                          // keys per block
+constexpr int BLOCK_M = 64;                           // queries per tile of the loop
+constexpr int CONSUMERS = 2;                          // consumer warpgroups, 64 keys each
+constexpr int CONSUMER_KEYS = BLOCK_N / CONSUMERS;    // = wgmma's M
+constexpr int Q_STAGES = 2;                           // buffers of the query-side ring
+constexpr int DS_STAGES = 2;                          // buffers of dSᵀ
+constexpr int NUM_THREADS = (1 + CONSUMERS) * 128;    // + the producer warpgroup
+constexpr int CONSUMER_THREADS = CONSUMERS * 128;
+constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+constexpr int ATOM_COLS = 64;                         // elements in a 128-byte swizzle row
+constexpr int COL_BLOCKS = HEAD_DIM / ATOM_COLS;      // 128-byte column blocks of a D-wide row
+constexpr int KV_TILE_BYTES = BLOCK_N * HEAD_DIM * 2;
+constexpr int Q_TILE_BYTES = BLOCK_M * HEAD_DIM * 2;
+constexpr int DS_TILE_BYTES = BLOCK_N * BLOCK_M * 2;  // dSᵀ [key][query]: 128-byte rows, one column block
+constexpr int VECTOR_BYTES = BLOCK_M * 4;             // the LSE or Δ of a query tile, fp32
+constexpr int M_FRAGS = BLOCK_M / 8;                  // n8 fragments of a warp's 16 keys × BLOCK_M queries
+constexpr int M_STEPS = BLOCK_M / 16;                 // k-steps of dV and dK (16 queries each)
+constexpr int D_FRAGS = HEAD_DIM / 8;                 // n8 fragments of a warp's 16 keys × D
+constexpr int DQ_COLS = 64;                           // columns of dQ per consumer
+constexpr int DQ_FRAGS = DQ_COLS / 8;
+constexpr int DQ_KEYS = HEAD_DIM == 128 ? BLOCK_N : CONSUMER_KEYS;  // keys summed by a consumer's dQ
+constexpr int DS_READY = 1;                           // named barrier: both consumers' dSᵀ are stored
+// Layout of the dynamic shared memory, from a 1024-byte-aligned base.
+constexpr int K_TILE = 0;
+constexpr int V_TILE = K_TILE + KV_TILE_BYTES;
+constexpr int Q_RING = V_TILE + KV_TILE_BYTES;
+constexpr int DO_RING = Q_RING + Q_STAGES * Q_TILE_BYTES;
+constexpr int DS_RING = DO_RING + Q_STAGES * Q_TILE_BYTES;
+constexpr int LSE_RING = DS_RING + DS_STAGES * DS_TILE_BYTES;
+constexpr int DELTA_RING = LSE_RING + Q_STAGES * VECTOR_BYTES;
+constexpr int BARRIERS = DELTA_RING + Q_STAGES * VECTOR_BYTES;  // then 8-byte mbarriers:
+constexpr int KV_FULL = 0, Q_FULL = 1, Q_EMPTY = 1 + Q_STAGES, NUM_BARRIERS = 1 + 2 * Q_STAGES;
+constexpr int SHARED_BYTES = BARRIERS + 8 * NUM_BARRIERS + 1024;  // + 1 KB to align the base to 1024 bytes
+static_assert(SHARED_BYTES <= 227 * 1024, "an H100 block has at most 227 KB of shared memory");
+static_assert(sizeof(elem_t) == 2, "16-bit elements");
+static_assert(HEAD_DIM % ATOM_COLS == 0, "D is a whole number of 128-byte column blocks");
+static_assert(CONSUMERS * DQ_COLS * DQ_KEYS == HEAD_DIM * BLOCK_N, "the consumers' dQ parts cover D × the block's keys");
+static_assert(BLOCK_M * 2 == 128 && Q_TILE_BYTES % 1024 == 0 && DS_TILE_BYTES % 1024 == 0,
+              "a dSᵀ row is one 128-byte swizzle row; every tile starts on a 1024-byte boundary");
+
+// The block's dynamic shared memory from its 1024-byte-aligned base, as shared addresses, and the
+// same base as a generic pointer (for the LSE and Δ, read as floats).
+struct SharedMemory {
+    unsigned base;
+    const unsigned char* generic;
+    __device__ unsigned k_tile() const { return base + K_TILE; }
+    __device__ unsigned v_tile() const { return base + V_TILE; }
+    __device__ unsigned q_slot(int slot) const { return base + Q_RING + slot * Q_TILE_BYTES; }
+    __device__ unsigned do_slot(int slot) const { return base + DO_RING + slot * Q_TILE_BYTES; }
+    __device__ unsigned ds_slot(int slot) const { return base + DS_RING + slot * DS_TILE_BYTES; }
+    __device__ unsigned lse_slot(int slot) const { return base + LSE_RING + slot * VECTOR_BYTES; }
+    __device__ unsigned delta_slot(int slot) const { return base + DELTA_RING + slot * VECTOR_BYTES; }
+    __device__ const float* floats(unsigned address) const {
+        return reinterpret_cast<const float*>(generic + (address - base));
+    }
+    __device__ unsigned barrier(int index) const { return base + BARRIERS + 8 * index; }
+};
+
+// Rows [row0, row0 + ROWS) of head `head` into a tile at `tile`, as COL_BLOCKS boxes of ROWS × 64
+// elements, column block b at tile + b·ROWS·128 (stage 4's load_tile).
+template <int ROWS>
+__device__ __forceinline__ void load_tile(unsigned tile, const TmaMap& map, unsigned full_barrier, int row0, int head) {
+#pragma unroll
+    for (int b = 0; b < COL_BLOCKS; ++b) tma_load_3d(tile + b * ROWS * 128, map, full_barrier, b * ATOM_COLS, row0, head);
+}
+
+__device__ __forceinline__ void init_barriers(const SharedMemory& shared) {
+    mbarrier_init(shared.barrier(KV_FULL), 1);
+    for (int s = 0; s < Q_STAGES; ++s) {
+        mbarrier_init(shared.barrier(Q_FULL + s), 1);                  // the producer's arrive.expect_tx
+        mbarrier_init(shared.barrier(Q_EMPTY + s), CONSUMER_THREADS);  // every consumer thread releases
+    }
+    mbarrier_init_fence();
+}
+
+// --8<-- [start:producer]
+// The producer: one thread issues every copy -- K and V once, then each query tile's Q, dO, LSE and
+// Δ into ring slot i % Q_STAGES, once the consumers have released it.
+__device__ __forceinline__ void produce(const SharedMemory& shared, const TmaMap& q_map, const TmaMap& k_map,
+                                        const TmaMap& v_map, const TmaMap& do_map, const float* lse_head,
+                                        const float* delta_head, int head, int n0, int first_tile, int end_tile) {
+    tma_prefetch_map(q_map);
+    tma_prefetch_map(k_map);
+    tma_prefetch_map(v_map);
+    tma_prefetch_map(do_map);
+    mbarrier_arrive_expect_tx(shared.barrier(KV_FULL), 2 * KV_TILE_BYTES);
+    load_tile<BLOCK_N>(shared.k_tile(), k_map, shared.barrier(KV_FULL), n0, head);
+    load_tile<BLOCK_N>(shared.v_tile(), v_map, shared.barrier(KV_FULL), n0, head);
+    for (int tile = first_tile, i = 0; tile < end_tile; ++tile, ++i) {
+        const int slot = i % Q_STAGES, m0 = tile * BLOCK_M;
+        const unsigned parity = (i / Q_STAGES) & 1;  // which use of this slot
+        const unsigned full = shared.barrier(Q_FULL + slot);
+        mbarrier_wait(shared.barrier(Q_EMPTY + slot), parity ^ 1);  // slot free (a fresh barrier: at once)
+        // Rows past seq_q are zero-filled and counted; the LSE and Δ are padded to whole tiles.
+        mbarrier_arrive_expect_tx(full, 2 * Q_TILE_BYTES + 2 * VECTOR_BYTES);
+        load_tile<BLOCK_M>(shared.q_slot(slot), q_map, full, m0, head);
+        load_tile<BLOCK_M>(shared.do_slot(slot), do_map, full, m0, head);
+        bulk_load(shared.lse_slot(slot), lse_head + m0, VECTOR_BYTES, full);
+        bulk_load(shared.delta_slot(slot), delta_head + m0, VECTOR_BYTES, full);
+    }
+}
+// --8<-- [end:producer]
+
+// --8<-- [start:wgmma]
+// acc[64 keys × BLOCK_M queries] = rows · queryᵀ: Sᵀ = K Qᵀ (rows = the consumer's 64 keys of K) or
+// dPᵀ = V dOᵀ. Both operands K-major (d contiguous): step kk covers d = 16kk .. 16kk+15, column block
+// kk / 4, 32 bytes further into the swizzled row per step inside it (stage 4's issue_scores).
+__device__ __forceinline__ void issue_rows_times_queries(float (&acc)[M_FRAGS][4], unsigned rows, unsigned queries) {
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        const unsigned column = kk / 4, offset = (kk % 4) * 32;
+        const u64 a = make_smem_desc(rows + column * BLOCK_N * 128 + offset, 16, 1024);
+        const u64 b = make_smem_desc(queries + column * BLOCK_M * 128 + offset, 16, 1024);
+        wgmma_ss<elem_t, BLOCK_M, K_MAJOR>(acc, a, b, kk > 0);
+    }
+}
+
+// acc[64 keys × D] += x · (a query tile of Q or dO): dV += Pᵀ dO, dK += dSᵀ Q. x from registers (the A
+// fragments of M_STEPS k-steps of 16 queries); the query tile is [query][d] = [k][n], MN-major: step
+// ks covers queries 16ks .. 16ks+15, 16·128 bytes further down; the 64-column blocks of d are LBO =
+// BLOCK_M·128 bytes apart (stage 4's issue_pv).
+__device__ __forceinline__ void issue_accumulate(float (&acc)[D_FRAGS][4], const unsigned (&x)[M_STEPS][4],
+                                                 unsigned queries) {
+#pragma unroll
+    for (int ks = 0; ks < M_STEPS; ++ks)
+        wgmma_rs<elem_t, HEAD_DIM, MN_MAJOR>(acc, x[ks], make_smem_desc(queries + ks * 16 * 128, BLOCK_M * 128, 1024), 1);
+}
+
+// dq[64 queries × 64 columns] = dS K for consumer `consumer`'s share (see the header: at D = 128 the
+// columns 64·consumer.. over all 128 keys, at D = 64 all columns over its own 64 keys).
+__device__ __forceinline__ void issue_dq(float (&dq)[DQ_FRAGS][4], unsigned ds_tile, unsigned k_tile, int consumer) {
+    const int key0 = HEAD_DIM == 128 ? 0 : consumer * CONSUMER_KEYS;
+    const unsigned k_columns = k_tile + (HEAD_DIM == 128 ? consumer : 0) * BLOCK_N * 128;
+    // EXERCISE: issue dQ = dS K, DQ_KEYS / 16 wgmmas of 16 keys each, from key0 on. Shared memory
+    // holds dSᵀ -- [key][query], a 128-byte row of 64 queries per key -- so the A operand dS [query][key]
+    // is MN-major: wgmma_ss_a_mn reads it transposed. B is K [key][d] = [k][n], MN-major too, its
+    // column block at k_columns. For both, 16 keys are two 8-row groups of the swizzle (SBO = 1024
+    // bytes) starting 16·128 bytes further down per step; the LBO (the next 64 columns) is never used
+    // with 64 columns: BLOCK_N·128, as for V in stage 4. The first step overwrites dq (accumulate = 0).
+    // STUB: for (auto& f : dq) f[0] = f[1] = f[2] = f[3] = 0.0f;  // dQ comes out 0; dK and dV stay right
+#pragma unroll
+    for (int ks = 0; ks < DQ_KEYS / 16; ++ks) {
+        const int row = (key0 + 16 * ks) * 128;
+        wgmma_ss_a_mn<elem_t, DQ_COLS, MN_MAJOR>(dq, make_smem_desc(ds_tile + row, BLOCK_N * 128, 1024),
+                                                 make_smem_desc(k_columns + row, BLOCK_N * 128, 1024), ks > 0);
+    }
+    // END EXERCISE
+}
+// --8<-- [end:wgmma]
+
+// dSᵀ = Pᵀ ∘ (dPᵀ − Δ) in place in dp (stage 8's score_gradients: its exercise there).
+__device__ __forceinline__ void score_gradients(float (&dp)[M_FRAGS][4], const float (&p)[M_FRAGS][4],
+                                                const float* delta, int lane) {
+#pragma unroll
+    for (int n = 0; n < M_FRAGS; ++n) {
+        const float2 d = *reinterpret_cast<const float2*>(delta + 8 * n + 2 * (lane % 4));
+        dp[n][0] = p[n][0] * (dp[n][0] - d.x);
+        dp[n][1] = p[n][1] * (dp[n][1] - d.y);
+        dp[n][2] = p[n][2] * (dp[n][2] - d.x);
+        dp[n][3] = p[n][3] * (dp[n][3] - d.y);
+    }
+}
+
+// The warp's 16 rows of dSᵀ (keys row0 .. row0+15 of the block) into the dSᵀ tile, rounded to elem_t:
+// row = key, 128 bytes of 64 queries, 16-byte chunk c at c ^ (row % 8) -- the 128-byte swizzle that
+// TMA writes and the wgmma descriptor describes (the tile is 1024-byte aligned).
+__device__ __forceinline__ void store_score_gradients(unsigned ds_tile, const float (&ds)[M_FRAGS][4], int row0,
+                                                      int lane) {
+#pragma unroll
+    for (int n = 0; n < M_FRAGS; ++n)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = row0 + lane / 4 + 8 * r;
+            const unsigned pair = pack_pair<elem_t>(ds[n][2 * r], ds[n][2 * r + 1]);
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_tile + row * 128 + ((n ^ (row % 8)) * 16) + 4 * (lane % 4)),
+                         "r"(pair)
+                         : "memory");
+        }
+}
+
+// The warp's 16 query rows (row0 .. of the tile at m0) × DQ_COLS columns from col0 of dQ, added to the
+// fp32 accumulator in global memory (every key tile's block adds its part): a thread holds column
+// pairs 8n + 2t, +1 of rows g and g+8, one red.global.add.v2.f32 each. Rows >= seq_q are not written.
+__device__ __forceinline__ void add_to_dq(float* dq_head, const float (&acc)[DQ_FRAGS][4], int row0, int col0, int seq_q,
+                                          int lane) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row0 + lane / 4 + 8 * r;
+        if (row >= seq_q) continue;
+        float* to = dq_head + (size_t)row * HEAD_DIM + col0 + 2 * (lane % 4);
+#pragma unroll
+        for (int n = 0; n < DQ_FRAGS; ++n)
+            asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(to + 8 * n), "f"(acc[n][2 * r]),
+                         "f"(acc[n][2 * r + 1])
+                         : "memory");
+    }
+}
+
+// The warp's 16 rows of dK or dV (times `factor`), rounded to elem_t; rows >= seq_kv are not written.
+__device__ __forceinline__ void write_rows(elem_t* head, const float (&acc)[D_FRAGS][4], float factor, int key0,
+                                           int seq_kv, int lane) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = key0 + lane / 4 + 8 * r;
+        if (key >= seq_kv) continue;
+        elem_t* row = head + (size_t)key * HEAD_DIM + 2 * (lane % 4);
+#pragma unroll
+        for (int n = 0; n < D_FRAGS; ++n)
+            *reinterpret_cast<unsigned*>(row + 8 * n) = pack_pair<elem_t>(acc[n][2 * r] * factor, acc[n][2 * r + 1] * factor);
+    }
+}
+
+// --8<-- [start:consumer]
+// Consumer `consumer` (0 or 1): keys 64·consumer .. of the block, their dK and dV in registers for
+// the whole loop. dSᵀ is double-buffered: a consumer writes buffer i % 2 at tile i only after passing
+// DS_READY of tile i - 1, which the other consumer reached only after its dQ of tile i - 2 -- the last
+// reader of that buffer -- had completed (wgmma_wait<0> before it). So one barrier per tile suffices.
+__device__ __forceinline__ void consume(const SharedMemory& shared, int consumer, float* dq_head, elem_t* dk_head,
+                                        elem_t* dv_head, int n0, int first_tile, int end_tile, int seq_q, int seq_kv,
+                                        float scale, int causal) {
+    const int lane = threadIdx.x % 32, warp_in_group = threadIdx.x / 32 % 4;
+    const int row0 = consumer * CONSUMER_KEYS + warp_in_group * 16;  // the warp's first key in the block
+    const int key0 = n0 + row0;
+    const unsigned k_rows = shared.k_tile() + consumer * CONSUMER_KEYS * 128;  // this consumer's keys
+    const unsigned v_rows = shared.v_tile() + consumer * CONSUMER_KEYS * 128;
+    const float scale_log2 = scale * LOG2E;
+    float dk[D_FRAGS][4], dv[D_FRAGS][4];
+#pragma unroll
+    for (int n = 0; n < D_FRAGS; ++n) dk[n][0] = dk[n][1] = dk[n][2] = dk[n][3] = dv[n][0] = dv[n][1] = dv[n][2] = dv[n][3] = 0.0f;
+
+    mbarrier_wait(shared.barrier(KV_FULL), 0);  // also when there is no query tile: no copy outlives the block
+    for (int tile = first_tile, i = 0; tile < end_tile; ++tile, ++i) {
+        const int slot = i % Q_STAGES, m0 = tile * BLOCK_M;
+        const unsigned q = shared.q_slot(slot), d_o = shared.do_slot(slot), ds = shared.ds_slot(i % DS_STAGES);
+        mbarrier_wait(shared.barrier(Q_FULL + slot), (i / Q_STAGES) & 1);
+
+        float s[M_FRAGS][4], dp[M_FRAGS][4];
+        wgmma_fence();
+        issue_rows_times_queries(s, k_rows, q);     // Sᵀ = K Qᵀ
+        issue_rows_times_queries(dp, v_rows, d_o);  // dPᵀ = V dOᵀ
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(s);
+        fence_registers(dp);
+
+        const bool on_diagonal = causal && m0 < key0 + 15;  // some key of the warp after some query
+        probabilities(s, shared.floats(shared.lse_slot(slot)), scale_log2, on_diagonal, key0, m0, lane);  // Pᵀ
+        score_gradients(dp, s, shared.floats(shared.delta_slot(slot)), lane);                            // dSᵀ
+        unsigned p_a[M_STEPS][4], ds_a[M_STEPS][4];
+#pragma unroll
+        for (int ks = 0; ks < M_STEPS; ++ks) {
+            p_as_a_operand(s, ks, p_a[ks]);
+            p_as_a_operand(dp, ks, ds_a[ks]);
+        }
+        store_score_gradients(ds, dp, row0, lane);
+        fence_async_shared();  // the stores, visible to wgmma (the async proxy)
+
+        wgmma_fence();
+        issue_accumulate(dv, p_a, d_o);  // dV += Pᵀ dO
+        issue_accumulate(dk, ds_a, q);   // dK += dSᵀ Q
+        wgmma_commit();
+        named_barrier_sync(DS_READY, CONSUMER_THREADS);  // both consumers' dSᵀ are stored
+        float dq[DQ_FRAGS][4];
+        wgmma_fence();
+        issue_dq(dq, ds, shared.k_tile(), consumer);  // dQ (a part) = dS K
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(dv);
+        fence_registers(dk);
+        fence_registers(dq);
+        fence_registers(p_a);
+        fence_registers(ds_a);
+        mbarrier_arrive(shared.barrier(Q_EMPTY + slot));  // Q, dO, LSE and Δ of this slot: read
+        add_to_dq(dq_head, dq, m0 + warp_in_group * 16, HEAD_DIM == 128 ? consumer * DQ_COLS : 0, seq_q, lane);
+    }
+
+    write_rows(dk_head, dk, scale, key0, seq_kv, lane);
+    write_rows(dv_head, dv, 1.0f, key0, seq_kv, lane);
+}
+// --8<-- [end:consumer]
+
+// --8<-- [start:kernel]
+// A block per (tile of 128 keys, batch·head pair head0 + blockIdx.y): a producer warpgroup that gives
+// its registers away and copies, two consumer warpgroups that take them and compute.
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
+attention_bwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
+              const __grid_constant__ TmaMap v_map, const __grid_constant__ TmaMap do_map,
+              const float* __restrict__ lse_log2, const float* __restrict__ delta, float* __restrict__ dq_accum,
+              elem_t* __restrict__ dk, elem_t* __restrict__ dv, int seq_q, int seq_kv, int seq_q_padded, float scale,
+              int causal, int head0) {
+    extern __shared__ __align__(1024) unsigned char shared_raw[];
+    // TMA's 128-byte swizzle and the descriptors' base offset 0 assume 1024-byte-aligned tiles.
+    const unsigned raw = shared_address(shared_raw), base = (raw + 1023) & ~1023u;
+    const SharedMemory shared{base, shared_raw + (base - raw)};
+    const int head = head0 + blockIdx.y;
+    const int n0 = blockIdx.x * BLOCK_N;  // the block's first key
+    // Causal: queries before n0 see none of the block's keys; their tiles are skipped.
+    const int first_tile = causal ? n0 / BLOCK_M : 0;
+    const int end_tile = (seq_q + BLOCK_M - 1) / BLOCK_M;
+    if (threadIdx.x == 0) init_barriers(shared);
+    __syncthreads();
+
+    const int warpgroup = threadIdx.x / 128;
+    if (warpgroup == 0) {
+        setmaxnreg_dec<PRODUCER_REGS>();
+        if (threadIdx.x == 0)
+            produce(shared, q_map, k_map, v_map, do_map, lse_log2 + (size_t)head * seq_q_padded,
+                    delta + (size_t)head * seq_q_padded, head, n0, first_tile, end_tile);
+    } else {
+        setmaxnreg_inc<CONSUMER_REGS>();
+        consume(shared, warpgroup - 1, dq_accum + (size_t)head * seq_q * HEAD_DIM,
+                dk + (size_t)head * seq_kv * HEAD_DIM, dv + (size_t)head * seq_kv * HEAD_DIM, n0, first_tile,
+                end_tile, seq_q, seq_kv, scale, causal);
+    }
+}
+// --8<-- [end:kernel]
