@@ -332,10 +332,10 @@ def moe_block(m: torch.Tensor, wr, w1, w2, top_k: int, impl: str) -> torch.Tenso
 
 
 def forward(x: torch.Tensor, weights: dict, config: dict, *, exact: bool = False, attention: str = "sdpa",
-            moe_impl: str = "loop") -> torch.Tensor:
+            moe_impl: str = "loop", final_norm: bool = True) -> torch.Tensor:
     """The model (module docstring) on x [B, S, hidden]: in x's dtype as Hugging Face computes it, or (exact)
     in float64, each layer's weights widened when its turn comes. Returns [B, S, hidden] in x's dtype, or
-    float64 if exact."""
+    float64 if exact; without final_norm, the residual stream before the final RMSNorm."""
     L, H, KV, I = (config[k] for k in ("layers", "heads", "kv_heads", "inter"))
     B, S, hidden = x.shape
     D = hidden // H
@@ -365,7 +365,7 @@ def forward(x: torch.Tensor, weights: dict, config: dict, *, exact: bool = False
         else:
             g = m @ w("w1", l)
             h = h + (F.silu(g[..., :I]) * g[..., I:]) @ w("w2", l)
-    return rms_norm(h, w("norm"), config["eps"])
+    return rms_norm(h, w("norm"), config["eps"]) if final_norm else h
 
 
 class TorchModel(torch.nn.Module):
