@@ -301,3 +301,44 @@ def test_transformers_output_is_none_without_transformers():
         assert M.transformers_output(inputs_of(TINY, "bfloat16")) is None
     else:
         pytest.skip("transformers is installed")
+
+
+# ---------------------------------------------------------------- stage 10's launch, its kernels faked
+
+class FakeKernels:
+    """stage10_model's kernels in PyTorch, with the rounding model.cu does."""
+
+    def add_rmsnorm(self, grid, block, h, delta, weight, normed, hidden, eps):
+        assert grid == (h.numel() // hidden,) and hidden == h.shape[-1]
+        if isinstance(delta, torch.Tensor):
+            h.copy_(h + delta)
+        normed.copy_(M.rms_norm(h, weight, eps))
+
+
+@pytest.mark.parametrize("shape", [TINY, TINY_MOE], ids=["dense", "moe"])
+def test_stage10_v0_launch_composes_the_model(shape, monkeypatch):
+    """The launch's Python (GQA expanded for the course's attention, the norms, the MoE layer) on CPU, with
+    the kernels and ops replaced by PyTorch: it passes the problem's check and equals the library model."""
+    import stages
+    from reference import moe
+    from stages import ops
+
+    def attention(q, k, v, causal=False, scale=None):
+        assert q.shape == k.shape == v.shape and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+    def moe_layer(x, wr, w1, w2, top_k):
+        assert x.is_contiguous() and wr.is_contiguous()
+        return moe.layer_loop(dict(x=x, wr=wr, w1=w1, w2=w2), top_k)
+
+    monkeypatch.setattr(ops, "attention", attention)
+    monkeypatch.setattr(ops, "moe_layer", moe_layer)
+    stage = stages.load("stage10")
+    inputs = inputs_of(shape, "bfloat16", seed=11)
+    saved = {n: t.clone() for n, t in inputs.items() if isinstance(t, torch.Tensor)}
+    outputs = P.allocate_outputs(inputs)
+    P.run_stage(stage, FakeKernels(), inputs, outputs)
+    assert all(torch.equal(saved[n], inputs[n]) for n in saved)  # x and the weights untouched
+    library = P.library_output(inputs)
+    assert all(c.passed for c in P.check(outputs, P.reference(inputs), library))
+    torch.testing.assert_close(outputs["hidden"], library["hidden"], rtol=2**-7, atol=2**-6)
