@@ -39,7 +39,11 @@ add_rmsnorm(elem_t* h, const elem_t* delta, const elem_t* weight, elem_t* normed
         const float v = to_float(value);
         squares += v * v;
     }
+    // EXERCISE: the row's inverse RMS, 1/sqrt(mean(h²) + eps): add up every thread's `squares` over the
+    // block (block_sum), divide by hidden, add eps (rsqrtf gives the inverse square root).
+    // STUB: const float inv_rms = 1.0f;
     const float inv_rms = rsqrtf(block_sum(squares) / hidden + eps);
+    // END EXERCISE
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {  // pass 2: this thread's own elements, from L1/L2
         const elem_t scaled = from_float<elem_t>(to_float(h[row + i]) * inv_rms);
         normed[row + i] = from_float<elem_t>(to_float(weight[i]) * to_float(scaled));
