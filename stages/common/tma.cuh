@@ -94,9 +94,11 @@ __device__ __forceinline__ void tma_store_3d(const TmaMap& map, unsigned src, in
 
 __device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 
-// Waits until this thread's committed stores have read their shared memory (the buffer is free).
+// Waits until at most PENDING of this thread's committed bulk groups have still to read their shared
+// memory (the buffers of the others are free).
+template <int PENDING = 0>
 __device__ __forceinline__ void tma_store_wait_read() {
-    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" :: "n"(PENDING) : "memory");
 }
 // --8<-- [end:tma_store]
 
@@ -127,4 +129,12 @@ __device__ __forceinline__ void bulk_load(unsigned destination, const void* sour
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                  :: "r"(destination), "l"(reinterpret_cast<unsigned long long>(source)), "r"(bytes), "r"(bar)
                  : "memory");
+}
+
+// Adds `bytes` (a multiple of 16) of fp32 values at shared `source` to those at global `destination`
+// (both 16-byte aligned), element by element, atomically: a whole tile of red.add in one instruction.
+// It belongs to the bulk group of tma_store_commit(), and tma_store_wait_read() frees its buffer.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* destination, unsigned source, unsigned bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 :: "l"(reinterpret_cast<unsigned long long>(destination)), "r"(source), "r"(bytes) : "memory");
 }
