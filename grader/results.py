@@ -114,6 +114,13 @@ def write(path: Path, gpu_name: str, prov: dict, stage_results: dict) -> None:
     path.write_text(json.dumps(data, indent=1, default=float) + "\n")
 
 
+def recorded_entries(path: Path, gpu_name: str) -> dict:
+    """The stages' entries a results file holds for this GPU ({} if none)."""
+    path = Path(path)
+    data = json.loads(path.read_text()) if path.exists() else {}
+    return data.get("stages", {}) if data.get("gpu") == gpu_name else {}
+
+
 def add_profile(path: Path, gpu_name: str, stage_key: str, profile: dict) -> None:
     """Put a stage's profile (grader/profile.py) into its entry of a results file, under "profile",
     leaving the rest as it was; ValueError (one line) where the file has no entry for it on this GPU."""

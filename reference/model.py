@@ -187,6 +187,10 @@ class ModelProblem(Problem):
         scores in memory, as Llama's reference code and Hugging Face's "eager" attention), "compile"
         (torch.compile, default mode) and "compile reduce-overhead" (its CUDA graphs). Compiled on their
         first call (the worker makes it outside the timed loop)."""
+        # A fresh start for torch.compile at each shape: its compiled code for earlier shapes is dead, and
+        # every new model counts as a recompile of the same forward: past dynamo's limit (8) it would run
+        # eagerly without a word. Each shape is thus compiled for itself (static shapes: its best code).
+        torch._dynamo.reset()
         moe_impl = "grouped_mm" if inputs["config"]["experts"] and grouped_mm_runs(inputs) else "loop"
         model = TorchModel(inputs, attention="sdpa", moe_impl=moe_impl)
         naive = TorchModel(inputs, attention="naive", moe_impl=moe_impl)

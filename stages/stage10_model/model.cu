@@ -1,20 +1,35 @@
-// Stage 10 — the whole model, v0: the one kernel of its own so far, the residual add fused with RMSNorm.
+// Stage 10 — the whole model: the small kernels that stand between the course's big ones.
 //
-// A pre-norm decoder layer ends each branch with h = h + delta and starts the next with
-// a = RMSNorm(h) · weight: two memory-bound passes over [T, hidden] (three in PyTorch: the add, the
-// fp32 mean of squares, the scaling), fused here into one block per row that reads h and delta once and
-// writes h and a once. The rounding is Hugging Face's, which the library model (reference/model.py) follows:
-// h + delta rounded to elem_t, then its RMS and the normalization in fp32, rounded to elem_t, times the
-// weight (rounded again).
+// A decoder layer is mostly matrix products (cuBLAS here: stage 6 is a grouped GEMM, not a dense one),
+// attention (stage 4 / 3) and, in the MoE model, stage 7's layer. Between them PyTorch would launch
+// a chain of small memory-bound kernels, each reading and writing whole [tokens, width] tensors:
+// the residual add, RMSNorm's mean of squares and scaling, the split of the fused QKV projection into
+// heads, RoPE's multiplies, rotate-half and add, SwiGLU's SiLU and product. Each kernel below does
+// one of those chains in a single pass: read once, write once.
 //
-// Tensors: h, delta, normed [rows, hidden], weight [hidden], contiguous; delta may be null (no add: the
-// first layer's norm, or the final one). HEAD_DIM is compiled in for the model's attention (the stage's
-// later kernels); this kernel does not use it.
+// Rounding: each kernel computes in fp32 and rounds its results once, where PyTorch (and the library
+// model, reference/model.py) rounds after every operation; the exceptions, kept to follow Hugging
+// Face's RMSNorm exactly, are said in add_rmsnorm.
+//
+// Tensors are contiguous, token t = b·S + s the row of every [tokens, width] tensor. HEAD_DIM is
+// compiled in (the grader passes the model's head dimension).
 #include "attention.cuh"
 
 #define NORM_THREADS 256  // one block per row; block_sum takes any multiple of 32 up to 1024
+#define ROPE_THREADS 256  // one block per token
+#define SWIGLU_THREADS 256
+
+// Two neighbouring elements, moved as one 32-bit access.
+struct __align__(4) Pair {
+    elem_t low, high;
+};
 
 // --8<-- [start:add_rmsnorm]
+// A pre-norm layer ends each branch with h = h + delta and starts the next with a = RMSNorm(h) · weight:
+// one block per row reads h and delta once and writes h and a once (PyTorch: the add, the fp32 mean of
+// squares, the scaling, the weight: four passes). Rounded as Hugging Face's RMSNorm, which the library
+// model follows: h + delta rounded to elem_t, its RMS and the normalization in fp32, rounded to elem_t,
+// times the weight, rounded again. delta may be null (no add: the first layer's norm).
 __device__ float block_sum(float value) {
     __shared__ float partial[32];  // one slot per warp
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -50,3 +65,64 @@ add_rmsnorm(elem_t* h, const elem_t* delta, const elem_t* weight, elem_t* normed
     }
 }
 // --8<-- [end:add_rmsnorm]
+
+// --8<-- [start:rope_split]
+// qkv [tokens, (H + 2·KV)·D], the fused projection's output (H query heads, then KV key heads, then KV
+// value heads) -> q [B, H, S, D], k and v [B, KV, S, D], the attention's layout, with RoPE on q and k.
+// RoPE, Hugging Face's rotate-half form: for i < D/2, the pair (x_i, x_{i+D/2}) turns by the angle of
+// position s and frequency i, so a thread handles element i and its partner i + D/2 together:
+//     out_i       = x_i · cos − x_{i+D/2} · sin        out_{i+D/2} = x_{i+D/2} · cos + x_i · sin
+// cos and sin [S, D] are the library's tables (rounded to elem_t; both halves equal). A thread takes two
+// neighbouring i (32-bit loads and stores); one block per token.
+extern "C" __global__ void __launch_bounds__(ROPE_THREADS)
+rope_split(const elem_t* __restrict__ qkv, const elem_t* __restrict__ cos, const elem_t* __restrict__ sin,
+           elem_t* __restrict__ q, elem_t* __restrict__ k, elem_t* __restrict__ v, int seq, int heads, int kv_heads) {
+    constexpr int HALF = HEAD_DIM / 2, PAIRS = HALF / 2;  // thread work items per head
+    const int token = blockIdx.x, b = token / seq, s = token % seq;
+    const int all_heads = heads + 2 * kv_heads;
+    const elem_t* row = qkv + (long long)token * all_heads * HEAD_DIM;
+    for (int item = threadIdx.x; item < all_heads * PAIRS; item += blockDim.x) {
+        const int head = item / PAIRS, i = 2 * (item % PAIRS);
+        const Pair x1 = *reinterpret_cast<const Pair*>(row + head * HEAD_DIM + i);
+        const Pair x2 = *reinterpret_cast<const Pair*>(row + head * HEAD_DIM + i + HALF);
+        elem_t* to;
+        if (head < heads) {
+            to = q + (((long long)b * heads + head) * seq + s) * HEAD_DIM;
+        } else if (head < heads + kv_heads) {
+            to = k + (((long long)b * kv_heads + head - heads) * seq + s) * HEAD_DIM;
+        } else {  // values: moved, not turned
+            to = v + (((long long)b * kv_heads + head - heads - kv_heads) * seq + s) * HEAD_DIM;
+            *reinterpret_cast<Pair*>(to + i) = x1;
+            *reinterpret_cast<Pair*>(to + i + HALF) = x2;
+            continue;
+        }
+        const Pair c = *reinterpret_cast<const Pair*>(cos + s * HEAD_DIM + i);
+        const Pair n = *reinterpret_cast<const Pair*>(sin + s * HEAD_DIM + i);
+        const float c0 = to_float(c.low), c1 = to_float(c.high), n0 = to_float(n.low), n1 = to_float(n.high);
+        const float a0 = to_float(x1.low), a1 = to_float(x1.high), b0 = to_float(x2.low), b1 = to_float(x2.high);
+        *reinterpret_cast<Pair*>(to + i) = Pair{from_float<elem_t>(a0 * c0 - b0 * n0), from_float<elem_t>(a1 * c1 - b1 * n1)};
+        *reinterpret_cast<Pair*>(to + i + HALF) =
+            Pair{from_float<elem_t>(b0 * c0 + a0 * n0), from_float<elem_t>(b1 * c1 + a1 * n1)};
+    }
+}
+// --8<-- [end:rope_split]
+
+// --8<-- [start:swiglu]
+// act [tokens, I] = SiLU(gate) · up, from the MLP's first projection g [tokens, 2·I] (gate columns, then
+// up columns): SiLU(x) = x / (1 + e^-x). A thread per two neighbouring columns.
+extern "C" __global__ void __launch_bounds__(SWIGLU_THREADS)
+swiglu(const elem_t* __restrict__ g, elem_t* __restrict__ act, int inter, long long pairs) {
+    const long long p = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (p >= pairs) return;
+    const int pairs_per_row = inter / 2;
+    const long long token = p / pairs_per_row;
+    const int column = 2 * (int)(p % pairs_per_row);
+    const elem_t* row = g + token * 2 * inter;
+    const Pair gate = *reinterpret_cast<const Pair*>(row + column);
+    const Pair up = *reinterpret_cast<const Pair*>(row + inter + column);
+    const float g0 = to_float(gate.low), g1 = to_float(gate.high);
+    *reinterpret_cast<Pair*>(act + token * inter + column) =
+        Pair{from_float<elem_t>(g0 / (1.0f + __expf(-g0)) * to_float(up.low)),
+             from_float<elem_t>(g1 / (1.0f + __expf(-g1)) * to_float(up.high))};
+}
+// --8<-- [end:swiglu]
