@@ -87,6 +87,11 @@ def launch(kernels, x, weights, config, out):
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             forward(kernels, x, weights, config, out)
+        # cuBLAS keeps a workspace per stream. Made during the warm-up, it would live outside the graph's
+        # memory, and whoever frees it (torch.compile's CUDA graphs do, before each capture of theirs) would
+        # leave our graph's matmuls writing into memory that others then get: dropped here, it is made again
+        # during the capture, in the graph's own memory pool, which nothing else allocates from.
+        torch._C._cuda_clearCublasWorkspaces()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             forward(kernels, x, weights, config, out)
