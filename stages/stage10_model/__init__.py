@@ -80,17 +80,17 @@ def launch(kernels, x, weights, config, out):
     key = (id(kernels), x.data_ptr(), out.data_ptr(), tuple(x.shape), x.dtype, tuple(sorted(config.items())),
            tuple((n, w.data_ptr()) for n, w in sorted(weights.items())))
     if _captured.get("key") != key:
+        # cuBLAS keeps a workspace per stream, which a capture uses as it finds it. Made outside the capture,
+        # it would live outside the graph's memory, and whoever frees it (torch.compile's CUDA graphs do,
+        # before each capture of theirs) would leave our graph's matmuls writing into memory that others
+        # then get. So the workspaces are dropped before the capture, which makes its own in the graph's
+        # private pool, and dropped again before that graph (and its pool) is, as the next one replaces it.
+        torch._C._cuda_clearCublasWorkspaces()
         _captured.clear()
-        # The warm-up on the stream that captures: cuBLAS sets up its workspace per stream, and nothing
-        # may be allocated outside PyTorch's allocator during a capture.
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream):  # the warm-up: compiles and loads every kernel outside the capture
             forward(kernels, x, weights, config, out)
-        # cuBLAS keeps a workspace per stream. Made during the warm-up, it would live outside the graph's
-        # memory, and whoever frees it (torch.compile's CUDA graphs do, before each capture of theirs) would
-        # leave our graph's matmuls writing into memory that others then get: dropped here, it is made again
-        # during the capture, in the graph's own memory pool, which nothing else allocates from.
         torch._C._cuda_clearCublasWorkspaces()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
