@@ -68,8 +68,9 @@ def forward(kernels, x, weights, config, out):
     add_rmsnorm(kernels, h, delta, weights["norm"], out.view(T, hidden), eps)
 
 
-# The one captured forward: its key (what it was captured for) and the graph. One at a time, so that a
-# graph's buffers (its private memory pool) are given back before the next shape's are taken.
+# The one captured forward: its key (what it was captured for), the graph, and the memory pool every capture
+# allocates from. One graph at a time, so that a graph's buffers go back to the pool before the next shape's
+# are taken; one pool for the process, so that no block made in it (cuBLAS's workspace is one) can outlive it.
 _captured = {}
 
 
@@ -84,8 +85,9 @@ def launch(kernels, x, weights, config, out):
         # it would live outside the graph's memory, and whoever frees it (torch.compile's CUDA graphs do,
         # before each capture of theirs) would leave our graph's matmuls writing into memory that others
         # then get. So the workspaces are dropped before the capture, which makes its own in the graph's
-        # private pool, and dropped again before that graph (and its pool) is, as the next one replaces it.
+        # pool, and dropped again before that graph is, as the next one replaces it.
         torch._C._cuda_clearCublasWorkspaces()
+        pool = _captured.get("pool") or torch.cuda.graph_pool_handle()
         _captured.clear()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -93,10 +95,10 @@ def launch(kernels, x, weights, config, out):
             forward(kernels, x, weights, config, out)
         torch._C._cuda_clearCublasWorkspaces()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
             forward(kernels, x, weights, config, out)
         torch.cuda.current_stream().wait_stream(stream)
-        _captured.update(key=key, graph=graph)
+        _captured.update(key=key, graph=graph, pool=pool)
     _captured["graph"].replay()
 
 
