@@ -87,7 +87,7 @@ def launch(kernels, x, weights, config, out):
         # then get. So the workspaces are dropped before the capture, which makes its own in the graph's
         # pool, and dropped again before that graph is, as the next one replaces it.
         torch._C._cuda_clearCublasWorkspaces()
-        pool = _captured.get("pool") or torch.cuda.graph_pool_handle()
+        pool = _captured.get("pool") or torch.cuda.MemPool()  # lives as long as this module holds it
         _captured.clear()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -95,7 +95,7 @@ def launch(kernels, x, weights, config, out):
             forward(kernels, x, weights, config, out)
         torch._C._cuda_clearCublasWorkspaces()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
+        with torch.cuda.graph(graph, pool=pool.id, stream=stream):
             forward(kernels, x, weights, config, out)
         torch.cuda.current_stream().wait_stream(stream)
         _captured.update(key=key, graph=graph, pool=pool)
