@@ -1,10 +1,11 @@
 // Swizzled shared-memory tiles, stage 3's layout: rows of 16-byte chunks, unpadded, chunk c of row r
 // stored at position c ^ (r % 8). Here are the swizzle itself and the cp.async copies of a global tile
 // into such a tile, the one home of both: stage 3 teaches them, stage 8 copies its Q, dO, K and V tiles
-// with them, and stage 6's mma_sync rung lays out its operands with the swizzle. (Hopper's TMA and
-// wgmma apply the same XOR in hardware: the 128-byte swizzle of stages 4, 6 and 9.) A kernel's own
-// tile shapes come in as template parameters: the bytes of a row, the rows of a tile, the threads
-// that share the copies.
+// with them, and stage 6's mma_sync rung lays out its operands with the swizzle. Hopper's TMA and
+// wgmma apply the same XOR in hardware, the 128-byte swizzle of stages 4, 6 and 9; where stages 6 and
+// 9 store into such a tile themselves, they address it with swizzle<128>. A kernel's own tile shapes
+// come in as template parameters: the bytes of a row, the rows of a tile, the threads that share the
+// copies.
 #pragma once
 #include "cp_async.cuh"
 
