@@ -46,6 +46,7 @@
 #include "mma.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
+#include "swizzle.cuh"  // swizzle<128>: TMA's 128-byte swizzle, for the dSᵀ stores
 #include "attention_backward.cuh"  // the preprocess, the dQ conversion, probabilities()
 
 constexpr int BLOCK_N = 128;                          // keys per block
@@ -213,7 +214,7 @@ __device__ __forceinline__ void score_gradients(float (&dp)[M_FRAGS][4], const f
 
 // The warp's 16 rows of dSᵀ (keys row0 .. row0+15 of the block) into the dSᵀ tile, rounded to elem_t:
 // row = key, 128 bytes of 64 queries, 16-byte chunk c at c ^ (row % 8) -- the 128-byte swizzle that
-// TMA writes and the wgmma descriptor describes (the tile is 1024-byte aligned).
+// TMA writes and the wgmma descriptor describes (the tile is 1024-byte aligned), stage 3's swizzle<128>.
 __device__ __forceinline__ void store_score_gradients(unsigned ds_tile, const float (&ds)[M_FRAGS][4], int row0,
                                                       int lane) {
 #pragma unroll
@@ -222,7 +223,7 @@ __device__ __forceinline__ void store_score_gradients(unsigned ds_tile, const fl
         for (int r = 0; r < 2; ++r) {
             const int row = row0 + lane / 4 + 8 * r;
             const unsigned pair = pack_pair<elem_t>(ds[n][2 * r], ds[n][2 * r + 1]);
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_tile + row * 128 + ((n ^ (row % 8)) * 16) + 4 * (lane % 4)),
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_tile + swizzle<128>(row, n) + 4 * (lane % 4)),
                          "r"(pair)
                          : "memory");
         }
