@@ -3,7 +3,9 @@
 //
 // Stage 8's algorithm (a block per tile of keys keeps dK and dV while it walks the query tiles,
 // recomputing P; five products per tile; dQ summed over key tiles with fp32 atomics), on stage 4's
-// machinery:
+// machinery, with grouped-query attention in the kernel: a block owns 128 keys of one KV head and walks
+// the query tiles of every query head of its group, so dK and dV -- sums over the group -- never leave
+// its registers (no K, V repeated per query head, no sum afterwards):
 //   TMA      a producer thread copies K and V once, then per query tile Q and dO (boxes of the
 //            tensor maps built by the launch) and the tile's LSE and Δ (plain bulk copies), into
 //            128-byte-swizzled shared memory; every copy counts its bytes on an mbarrier.
@@ -41,8 +43,9 @@
 // so that one named barrier per tile suffices: see consume()); LSE, Δ Q_STAGES·256 bytes each;
 // barriers; 1 KB to align to 1024. D = 128: 161 KB; D = 64: 98 KB. One block per SM.
 //
-// Tensors are [B, H, S, D] contiguous; tensor maps over [B·H, S, D], so boxes never cross into the
-// next head (rows past S read as zeros). Causal masking is top-left aligned: query i sees keys j <= i.
+// Tensors are [B, H, S, D] contiguous (K, V, dK, dV: [B, H_kv, S, D]); tensor maps over [B·H, S, D] and
+// [B·H_kv, S, D], so boxes never cross into the next head (rows past S read as zeros). Causal masking is
+// top-left aligned: query i sees keys j <= i.
 #include "mma.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
@@ -106,6 +109,15 @@ struct SharedMemory {
     __device__ unsigned barrier(int index) const { return base + BARRIERS + 8 * index; }
 };
 
+// What a block computes: the BLOCK_N keys from n0 of KV pair kv_pair (b·H_kv + h_kv) against the query
+// tiles [first_tile, end_tile) of each query head of its group: query pairs kv_pair·group + g, g = 0 ..
+// group - 1 (= b·H + h_kv·group + g, the heads that share KV head h_kv). Producer and consumers walk
+// them in the same order, head by head, counting the tiles (i) for the ring's slots and phases.
+struct BlockWork {
+    int kv_pair, n0, group, first_tile, end_tile;
+    __device__ int query_pair(int g) const { return kv_pair * group + g; }
+};
+
 // Rows [row0, row0 + ROWS) of head `head` into a tile at `tile`, as COL_BLOCKS boxes of ROWS × 64
 // elements, column block b at tile + b·ROWS·128 (stage 4's load_tile).
 template <int ROWS>
@@ -126,27 +138,33 @@ __device__ __forceinline__ void init_barriers(const SharedMemory& shared) {
 // --8<-- [start:producer]
 // The producer: one thread issues every copy -- K and V once, then each query tile's Q, dO, LSE and
 // Δ into ring slot i % Q_STAGES, once the consumers have released it.
-__device__ __forceinline__ void produce(const SharedMemory& shared, const TmaMap& q_map, const TmaMap& k_map,
-                                        const TmaMap& v_map, const TmaMap& do_map, const float* lse_head,
-                                        const float* delta_head, int head, int n0, int first_tile, int end_tile) {
+__device__ __forceinline__ void produce(const SharedMemory& shared, const BlockWork& work, const TmaMap& q_map,
+                                        const TmaMap& k_map, const TmaMap& v_map, const TmaMap& do_map,
+                                        const float* lse_log2, const float* delta, int seq_q_padded) {
     tma_prefetch_map(q_map);
     tma_prefetch_map(k_map);
     tma_prefetch_map(v_map);
     tma_prefetch_map(do_map);
     mbarrier_arrive_expect_tx(shared.barrier(KV_FULL), 2 * KV_TILE_BYTES);
-    load_tile<BLOCK_N>(shared.k_tile(), k_map, shared.barrier(KV_FULL), n0, head);
-    load_tile<BLOCK_N>(shared.v_tile(), v_map, shared.barrier(KV_FULL), n0, head);
-    for (int tile = first_tile, i = 0; tile < end_tile; ++tile, ++i) {
-        const int slot = i % Q_STAGES, m0 = tile * BLOCK_M;
-        const unsigned parity = (i / Q_STAGES) & 1;  // which use of this slot
-        const unsigned full = shared.barrier(Q_FULL + slot);
-        mbarrier_wait(shared.barrier(Q_EMPTY + slot), parity ^ 1);  // slot free (a fresh barrier: at once)
-        // Rows past seq_q are zero-filled and counted; the LSE and Δ are padded to whole tiles.
-        mbarrier_arrive_expect_tx(full, 2 * Q_TILE_BYTES + 2 * VECTOR_BYTES);
-        load_tile<BLOCK_M>(shared.q_slot(slot), q_map, full, m0, head);
-        load_tile<BLOCK_M>(shared.do_slot(slot), do_map, full, m0, head);
-        bulk_load(shared.lse_slot(slot), lse_head + m0, VECTOR_BYTES, full);
-        bulk_load(shared.delta_slot(slot), delta_head + m0, VECTOR_BYTES, full);
+    load_tile<BLOCK_N>(shared.k_tile(), k_map, shared.barrier(KV_FULL), work.n0, work.kv_pair);
+    load_tile<BLOCK_N>(shared.v_tile(), v_map, shared.barrier(KV_FULL), work.n0, work.kv_pair);
+    int i = 0;  // query tiles issued so far
+    for (int g = 0; g < work.group; ++g) {
+        const int pair = work.query_pair(g);
+        const float* lse_head = lse_log2 + (size_t)pair * seq_q_padded;
+        const float* delta_head = delta + (size_t)pair * seq_q_padded;
+        for (int tile = work.first_tile; tile < work.end_tile; ++tile, ++i) {
+            const int slot = i % Q_STAGES, m0 = tile * BLOCK_M;
+            const unsigned parity = (i / Q_STAGES) & 1;  // which use of this slot
+            const unsigned full = shared.barrier(Q_FULL + slot);
+            mbarrier_wait(shared.barrier(Q_EMPTY + slot), parity ^ 1);  // slot free (a fresh barrier: at once)
+            // Rows past seq_q are zero-filled and counted; the LSE and Δ are padded to whole tiles.
+            mbarrier_arrive_expect_tx(full, 2 * Q_TILE_BYTES + 2 * VECTOR_BYTES);
+            load_tile<BLOCK_M>(shared.q_slot(slot), q_map, full, m0, pair);
+            load_tile<BLOCK_M>(shared.do_slot(slot), do_map, full, m0, pair);
+            bulk_load(shared.lse_slot(slot), lse_head + m0, VECTOR_BYTES, full);
+            bulk_load(shared.delta_slot(slot), delta_head + m0, VECTOR_BYTES, full);
+        }
     }
 }
 // --8<-- [end:producer]
@@ -262,15 +280,16 @@ __device__ __forceinline__ void write_rows(elem_t* head, const float (&acc)[D_FR
 
 // --8<-- [start:consumer]
 // Consumer `consumer` (0 or 1): keys 64·consumer .. of the block, their dK and dV in registers for
-// the whole loop. dSᵀ is double-buffered: a consumer writes buffer i % 2 at tile i only after passing
-// DS_READY of tile i - 1, which the other consumer reached only after its dQ of tile i - 2 -- the last
-// reader of that buffer -- had completed (wgmma_wait<0> before it). So one barrier per tile suffices.
-__device__ __forceinline__ void consume(const SharedMemory& shared, int consumer, float* dq_head, elem_t* dk_head,
-                                        elem_t* dv_head, int n0, int first_tile, int end_tile, int seq_q, int seq_kv,
+// the whole walk (every query tile of every query head of the group). dSᵀ is double-buffered: a
+// consumer writes buffer i % 2 at tile i only after passing DS_READY of tile i - 1, which the other
+// consumer reached only after its dQ of tile i - 2 -- the last reader of that buffer -- had completed
+// (wgmma_wait<0> before it). So one barrier per tile suffices.
+__device__ __forceinline__ void consume(const SharedMemory& shared, const BlockWork& work, int consumer,
+                                        float* dq_accum, elem_t* dk_head, elem_t* dv_head, int seq_q, int seq_kv,
                                         float scale, int causal) {
     const int lane = threadIdx.x % 32, warp_in_group = threadIdx.x / 32 % 4;
     const int row0 = consumer * CONSUMER_KEYS + warp_in_group * 16;  // the warp's first key in the block
-    const int key0 = n0 + row0;
+    const int key0 = work.n0 + row0;
     const unsigned k_rows = shared.k_tile() + consumer * CONSUMER_KEYS * 128;  // this consumer's keys
     const unsigned v_rows = shared.v_tile() + consumer * CONSUMER_KEYS * 128;
     const float scale_log2 = scale * LOG2E;
@@ -279,49 +298,53 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, int consumer
     for (int n = 0; n < D_FRAGS; ++n) dk[n][0] = dk[n][1] = dk[n][2] = dk[n][3] = dv[n][0] = dv[n][1] = dv[n][2] = dv[n][3] = 0.0f;
 
     mbarrier_wait(shared.barrier(KV_FULL), 0);  // also when there is no query tile: no copy outlives the block
-    for (int tile = first_tile, i = 0; tile < end_tile; ++tile, ++i) {
-        const int slot = i % Q_STAGES, m0 = tile * BLOCK_M;
-        const unsigned q = shared.q_slot(slot), d_o = shared.do_slot(slot), ds = shared.ds_slot(i % DS_STAGES);
-        mbarrier_wait(shared.barrier(Q_FULL + slot), (i / Q_STAGES) & 1);
+    int i = 0;  // query tiles consumed so far
+    for (int g = 0; g < work.group; ++g) {
+        float* dq_head = dq_accum + (size_t)work.query_pair(g) * seq_q * HEAD_DIM;
+        for (int tile = work.first_tile; tile < work.end_tile; ++tile, ++i) {
+            const int slot = i % Q_STAGES, m0 = tile * BLOCK_M;
+            const unsigned q = shared.q_slot(slot), d_o = shared.do_slot(slot), ds = shared.ds_slot(i % DS_STAGES);
+            mbarrier_wait(shared.barrier(Q_FULL + slot), (i / Q_STAGES) & 1);
 
-        float s[M_FRAGS][4], dp[M_FRAGS][4];
-        wgmma_fence();
-        issue_rows_times_queries(s, k_rows, q);     // Sᵀ = K Qᵀ
-        issue_rows_times_queries(dp, v_rows, d_o);  // dPᵀ = V dOᵀ
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_registers(s);
-        fence_registers(dp);
+            float s[M_FRAGS][4], dp[M_FRAGS][4];
+            wgmma_fence();
+            issue_rows_times_queries(s, k_rows, q);     // Sᵀ = K Qᵀ
+            issue_rows_times_queries(dp, v_rows, d_o);  // dPᵀ = V dOᵀ
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_registers(s);
+            fence_registers(dp);
 
-        const bool on_diagonal = causal && m0 < key0 + 15;  // some key of the warp after some query
-        probabilities(s, shared.floats(shared.lse_slot(slot)), scale_log2, on_diagonal, key0, m0, lane);  // Pᵀ
-        score_gradients(dp, s, shared.floats(shared.delta_slot(slot)), lane);                            // dSᵀ
-        unsigned p_a[M_STEPS][4], ds_a[M_STEPS][4];
+            const bool on_diagonal = causal && m0 < key0 + 15;  // some key of the warp after some query
+            probabilities(s, shared.floats(shared.lse_slot(slot)), scale_log2, on_diagonal, key0, m0, lane);  // Pᵀ
+            score_gradients(dp, s, shared.floats(shared.delta_slot(slot)), lane);                            // dSᵀ
+            unsigned p_a[M_STEPS][4], ds_a[M_STEPS][4];
 #pragma unroll
-        for (int ks = 0; ks < M_STEPS; ++ks) {
-            p_as_a_operand(s, ks, p_a[ks]);
-            p_as_a_operand(dp, ks, ds_a[ks]);
-        }
-        store_score_gradients(ds, dp, row0, lane);
-        fence_async_shared();  // the stores, visible to wgmma (the async proxy)
+            for (int ks = 0; ks < M_STEPS; ++ks) {
+                p_as_a_operand(s, ks, p_a[ks]);
+                p_as_a_operand(dp, ks, ds_a[ks]);
+            }
+            store_score_gradients(ds, dp, row0, lane);
+            fence_async_shared();  // the stores, visible to wgmma (the async proxy)
 
-        wgmma_fence();
-        issue_accumulate(dv, p_a, d_o);  // dV += Pᵀ dO
-        issue_accumulate(dk, ds_a, q);   // dK += dSᵀ Q
-        wgmma_commit();
-        named_barrier_sync(DS_READY, CONSUMER_THREADS);  // both consumers' dSᵀ are stored
-        float dq[DQ_FRAGS][4];
-        wgmma_fence();
-        issue_dq(dq, ds, shared.k_tile(), consumer);  // dQ (a part) = dS K
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_registers(dv);
-        fence_registers(dk);
-        fence_registers(dq);
-        fence_registers(p_a);
-        fence_registers(ds_a);
-        mbarrier_arrive(shared.barrier(Q_EMPTY + slot));  // Q, dO, LSE and Δ of this slot: read
-        add_to_dq(dq_head, dq, m0 + warp_in_group * 16, HEAD_DIM == 128 ? consumer * DQ_COLS : 0, seq_q, lane);
+            wgmma_fence();
+            issue_accumulate(dv, p_a, d_o);  // dV += Pᵀ dO
+            issue_accumulate(dk, ds_a, q);   // dK += dSᵀ Q
+            wgmma_commit();
+            named_barrier_sync(DS_READY, CONSUMER_THREADS);  // both consumers' dSᵀ are stored
+            float dq[DQ_FRAGS][4];
+            wgmma_fence();
+            issue_dq(dq, ds, shared.k_tile(), consumer);  // dQ (a part) = dS K
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_registers(dv);
+            fence_registers(dk);
+            fence_registers(dq);
+            fence_registers(p_a);
+            fence_registers(ds_a);
+            mbarrier_arrive(shared.barrier(Q_EMPTY + slot));  // Q, dO, LSE and Δ of this slot: read
+            add_to_dq(dq_head, dq, m0 + warp_in_group * 16, HEAD_DIM == 128 ? consumer * DQ_COLS : 0, seq_q, lane);
+        }
     }
 
     write_rows(dk_head, dk, scale, key0, seq_kv, lane);
@@ -330,37 +353,34 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, int consumer
 // --8<-- [end:consumer]
 
 // --8<-- [start:kernel]
-// A block per (tile of 128 keys, batch·head pair head0 + blockIdx.y): a producer warpgroup that gives
-// its registers away and copies, two consumer warpgroups that take them and compute.
+// A block per (tile of 128 keys, KV pair kv_pair0 + blockIdx.y): a producer warpgroup that gives its
+// registers away and copies, two consumer warpgroups that take them and compute. `group` query heads
+// share each KV head (1 without GQA); a launch covers at most 65,535 KV pairs (grid.y), from kv_pair0.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 attention_bwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
               const __grid_constant__ TmaMap v_map, const __grid_constant__ TmaMap do_map,
               const float* __restrict__ lse_log2, const float* __restrict__ delta, float* __restrict__ dq_accum,
               elem_t* __restrict__ dk, elem_t* __restrict__ dv, int seq_q, int seq_kv, int seq_q_padded, float scale,
-              int causal, int head0) {
+              int causal, int group, int kv_pair0) {
     extern __shared__ __align__(1024) unsigned char shared_raw[];
     // TMA's 128-byte swizzle and the descriptors' base offset 0 assume 1024-byte-aligned tiles.
     const unsigned raw = shared_address(shared_raw), base = (raw + 1023) & ~1023u;
     const SharedMemory shared{base, shared_raw + (base - raw)};
-    const int head = head0 + blockIdx.y;
     const int n0 = blockIdx.x * BLOCK_N;  // the block's first key
-    // Causal: queries before n0 see none of the block's keys; their tiles are skipped.
-    const int first_tile = causal ? n0 / BLOCK_M : 0;
-    const int end_tile = (seq_q + BLOCK_M - 1) / BLOCK_M;
+    // Causal: queries before n0 see none of the block's keys; their tiles are skipped (in every head).
+    const BlockWork work{kv_pair0 + (int)blockIdx.y, n0, group, causal ? n0 / BLOCK_M : 0,
+                         (seq_q + BLOCK_M - 1) / BLOCK_M};
     if (threadIdx.x == 0) init_barriers(shared);
     __syncthreads();
 
     const int warpgroup = threadIdx.x / 128;
     if (warpgroup == 0) {
         setmaxnreg_dec<PRODUCER_REGS>();
-        if (threadIdx.x == 0)
-            produce(shared, q_map, k_map, v_map, do_map, lse_log2 + (size_t)head * seq_q_padded,
-                    delta + (size_t)head * seq_q_padded, head, n0, first_tile, end_tile);
+        if (threadIdx.x == 0) produce(shared, work, q_map, k_map, v_map, do_map, lse_log2, delta, seq_q_padded);
     } else {
         setmaxnreg_inc<CONSUMER_REGS>();
-        consume(shared, warpgroup - 1, dq_accum + (size_t)head * seq_q * HEAD_DIM,
-                dk + (size_t)head * seq_kv * HEAD_DIM, dv + (size_t)head * seq_kv * HEAD_DIM, n0, first_tile,
-                end_tile, seq_q, seq_kv, scale, causal);
+        const size_t kv_head = (size_t)work.kv_pair * seq_kv * HEAD_DIM;
+        consume(shared, work, warpgroup - 1, dq_accum, dk + kv_head, dv + kv_head, seq_q, seq_kv, scale, causal);
     }
 }
 // --8<-- [end:kernel]
