@@ -63,6 +63,13 @@
 #ifndef DQ_BY_BULK_REDUCE
 #define DQ_BY_BULK_REDUCE 1
 #endif
+// The consumer's schedule: 0 (the default), the one drawn below -- the softmax (P, then dS) between
+// the products, while the tensor cores wait; 1, the softmax under the products, as FlashAttention-3
+// overlaps it: Sᵀ and dPᵀ in two commit groups, P computed while dPᵀ still runs, dV += Pᵀ dO issued
+// at once, behind dPᵀ, and dS computed while dV runs. Also only for the A/B measurement, to go after it.
+#ifndef OVERLAP_SOFTMAX
+#define OVERLAP_SOFTMAX 0
+#endif
 
 constexpr int BLOCK_N = 128;                          // keys per block
 constexpr int BLOCK_M = 64;                           // queries per tile of the loop
@@ -432,27 +439,33 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const BlockW
             float s[M_FRAGS][4], dp[M_FRAGS][4];
             wgmma_fence();
             issue_rows_times_queries(s, k_rows, q);     // Sᵀ = K Qᵀ
+            if constexpr (OVERLAP_SOFTMAX) wgmma_commit();
             issue_rows_times_queries(dp, v_rows, d_o);  // dPᵀ = V dOᵀ
             wgmma_commit();
-            wgmma_wait<0>();
+            wgmma_wait<OVERLAP_SOFTMAX>();  // overlapped: Sᵀ done, dPᵀ may still run
             fence_registers(s);
-            fence_registers(dp);
 
             const bool on_diagonal = causal && m0 < key0 + 15;  // some key of the warp after some query
             probabilities(s, shared.floats(shared.lse_slot(slot)), scale_log2, on_diagonal, key0, m0, lane);  // Pᵀ
-            score_gradients(dp, s, shared.floats(shared.delta_slot(slot)), lane);                            // dSᵀ
             unsigned p_a[M_STEPS][4], ds_a[M_STEPS][4];
 #pragma unroll
-            for (int ks = 0; ks < M_STEPS; ++ks) {
-                p_as_a_operand(s, ks, p_a[ks]);
-                p_as_a_operand(dp, ks, ds_a[ks]);
+            for (int ks = 0; ks < M_STEPS; ++ks) p_as_a_operand(s, ks, p_a[ks]);
+            if constexpr (OVERLAP_SOFTMAX) {
+                wgmma_fence();
+                issue_accumulate(dv, p_a, d_o);  // dV += Pᵀ dO, queued behind dPᵀ
+                wgmma_commit();
+                wgmma_wait<1>();  // dPᵀ done; dV runs on while dS is computed
             }
+            fence_registers(dp);
+            score_gradients(dp, s, shared.floats(shared.delta_slot(slot)), lane);  // dSᵀ
+#pragma unroll
+            for (int ks = 0; ks < M_STEPS; ++ks) p_as_a_operand(dp, ks, ds_a[ks]);
             store_score_gradients(ds, dp, row0, lane);
             fence_async_shared();  // the stores, visible to wgmma (the async proxy)
 
             wgmma_fence();
-            issue_accumulate(dv, p_a, d_o);  // dV += Pᵀ dO
-            issue_accumulate(dk, ds_a, q);   // dK += dSᵀ Q
+            if constexpr (!OVERLAP_SOFTMAX) issue_accumulate(dv, p_a, d_o);  // dV += Pᵀ dO
+            issue_accumulate(dk, ds_a, q);                                 // dK += dSᵀ Q
             wgmma_commit();
             named_barrier_sync(DS_READY, CONSUMER_THREADS);  // both consumers' dSᵀ are stored
             float dq[DQ_FRAGS][4];
