@@ -309,7 +309,7 @@ class FakeKernels:
     """stage10_model's kernels in PyTorch, in fp32 and rounded once, as model.cu does."""
 
     def add_rmsnorm(self, grid, block, h, delta, weight, normed, hidden, eps):
-        assert grid == (h.numel() // hidden,) and hidden == h.shape[-1]
+        assert grid == (h.numel() // hidden,) and hidden == h.shape[-1] and block[0] % 32 == 0 and block[0] * 8 >= hidden
         if isinstance(delta, torch.Tensor):
             h.copy_(h + delta)
         normed.copy_(M.rms_norm(h, weight, eps))
@@ -322,8 +322,8 @@ class FakeKernels:
         k.copy_(M.apply_rope(split[1], cos.float(), sin.float()))
         v.copy_(split[2])
 
-    def swiglu(self, grid, block, g, act, inter, pairs):
-        assert pairs == act.numel() // 2 and g.shape[-1] == 2 * inter
+    def swiglu(self, grid, block, g, act, inter, vectors):
+        assert vectors == act.numel() // 8 and g.shape[-1] == 2 * inter
         gate, up = g.float().split(inter, dim=-1)
         act.copy_(torch.nn.functional.silu(gate) * up)
 

@@ -15,16 +15,18 @@ import torch
 from reference.model import rope_cos_sin
 from stages import Goal, Stage
 
-NORM_THREADS = 256    # model.cu's add_rmsnorm: one block per row
+VECTOR = 8            # model.cu: the elements a thread of add_rmsnorm or swiglu moves at once (16 bytes)
 ROPE_THREADS = 256    # rope_split: one block per token
-SWIGLU_THREADS = 256  # swiglu: a thread per two columns
+SWIGLU_THREADS = 256  # swiglu: a thread per VECTOR columns
 
 
 def add_rmsnorm(kernels, h, delta, weight, normed, eps):
-    """h += delta (if delta is not None), normed = RMSNorm(h) · weight: [tokens, hidden] rows, in one launch."""
+    """h += delta (if delta is not None), normed = RMSNorm(h) · weight: [tokens, hidden] rows, in one launch: a
+    block per row, a thread per VECTOR elements, whole warps."""
     hidden = h.shape[-1]
+    threads = 32 * -(-hidden // (32 * VECTOR))
     null = np.uint64(0)  # a null pointer: no add
-    kernels.add_rmsnorm((h.numel() // hidden,), (NORM_THREADS,), h, null if delta is None else delta, weight, normed,
+    kernels.add_rmsnorm((h.numel() // hidden,), (threads,), h, null if delta is None else delta, weight, normed,
                         hidden, float(eps))
 
 
@@ -39,9 +41,17 @@ def rope_split(kernels, qkv, cos, sin, batch, seq, heads, kv_heads, head_dim):
 def swiglu(kernels, g, inter):
     """SiLU(g[:, :I]) · g[:, I:] for the MLP's first projection g [tokens, 2·I]."""
     act = g.new_empty(g.shape[0], inter)
-    pairs = act.numel() // 2
-    kernels.swiglu((-(-pairs // SWIGLU_THREADS),), (SWIGLU_THREADS,), g, act, inter, np.int64(pairs))
+    vectors = act.numel() // VECTOR
+    kernels.swiglu((-(-vectors // SWIGLU_THREADS),), (SWIGLU_THREADS,), g, act, inter, np.int64(vectors))
     return act
+
+
+def check_widths(config) -> None:
+    """The kernels' vectors tile every row: one line otherwise, before any launch."""
+    hidden, inter = config["hidden"], config["inter"]
+    if hidden % VECTOR or inter % VECTOR or hidden > 1024 * VECTOR:
+        raise ValueError(f"stage 10 needs hidden and inter multiples of {VECTOR} and hidden <= {1024 * VECTOR}; "
+                         f"got hidden {hidden}, inter {inter}")
 
 
 def forward(kernels, x, weights, config, out):
@@ -78,6 +88,7 @@ def launch(kernels, x, weights, config, out):
     """The forward as one CUDA graph: captured on the first call for these tensors (after one ordinary run,
     which compiles and loads every kernel outside the capture), replayed on every call after it. The graph
     reads x and the weights and writes out at the addresses it was captured with: the key holds them."""
+    check_widths(config)
     key = (id(kernels), x.data_ptr(), out.data_ptr(), tuple(x.shape), x.dtype, tuple(sorted(config.items())),
            tuple((n, w.data_ptr()) for n, w in sorted(weights.items())))
     if _captured.get("key") != key:
@@ -111,7 +122,6 @@ STAGE = Stage(
              "swiglu": "const elem_t*, elem_t*, int, long long"},
     launch=launch,
     specializations={"HEAD_DIM": "D"},
-    geometry=lambda defines: {"NORM_THREADS": NORM_THREADS, "ROPE_THREADS": ROPE_THREADS,
-                              "SWIGLU_THREADS": SWIGLU_THREADS},
+    geometry=lambda defines: {"VECTOR": VECTOR, "ROPE_THREADS": ROPE_THREADS, "SWIGLU_THREADS": SWIGLU_THREADS},
     goal=Goal("reference", 1.0),  # the fastest library baseline: torch.compile's, with or without CUDA graphs
 )

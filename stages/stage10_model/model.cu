@@ -15,21 +15,26 @@
 // compiled in (the grader passes the model's head dimension).
 #include "attention.cuh"
 
-#define NORM_THREADS 256  // one block per row; block_sum takes any multiple of 32 up to 1024
 #define ROPE_THREADS 256  // one block per token
 #define SWIGLU_THREADS 256
+#define VECTOR 8          // elements a thread of add_rmsnorm or swiglu moves at once: 16 bytes
 
-// Two neighbouring elements, moved as one 32-bit access.
-struct __align__(4) Pair {
-    elem_t low, high;
+// N neighbouring elements, moved as one access of 2·N bytes (VECTOR of them: one 16-byte load or store).
+template <int N>
+struct __align__(2 * N) Elements {
+    elem_t e[N];
 };
+typedef Elements<2> Pair;
+typedef Elements<VECTOR> Vector;
 
 // --8<-- [start:add_rmsnorm]
 // A pre-norm layer ends each branch with h = h + delta and starts the next with a = RMSNorm(h) · weight:
 // one block per row reads h and delta once and writes h and a once (PyTorch: the add, the fp32 mean of
-// squares, the scaling, the weight: four passes). Rounded as Hugging Face's RMSNorm, which the library
-// model follows: h + delta rounded to elem_t, its RMS and the normalization in fp32, rounded to elem_t,
-// times the weight, rounded again. delta may be null (no add: the first layer's norm).
+// squares, the scaling, the weight: four passes), each thread VECTOR neighbouring elements of the row,
+// kept in registers between the two halves. Rounded as Hugging Face's RMSNorm, which the library model
+// follows: h + delta rounded to elem_t, its RMS and the normalization in fp32, rounded to elem_t, times
+// the weight, rounded again. delta may be null (no add: the first layer's norm). The launch gives a block
+// hidden / VECTOR threads rounded up to whole warps.
 __device__ float block_sum(float value) {
     __shared__ float partial[32];  // one slot per warp
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -41,27 +46,39 @@ __device__ float block_sum(float value) {
     return value;  // every thread holds the block's sum
 }
 
-extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+extern "C" __global__ void __launch_bounds__(1024)
 add_rmsnorm(elem_t* h, const elem_t* delta, const elem_t* weight, elem_t* normed, int hidden, float eps) {
-    const long long row = (long long)blockIdx.x * hidden;
+    const int i = threadIdx.x * VECTOR;  // this thread's first element of the row
+    const bool mine = i < hidden;        // (the last warp may reach past the row)
+    const long long at = (long long)blockIdx.x * hidden + i;
+    float x[VECTOR];
     float squares = 0.0f;
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {  // pass 1: the add, rounded as PyTorch's
-        elem_t value = h[row + i];
-        if (delta != nullptr) {
-            value = from_float<elem_t>(to_float(value) + to_float(delta[row + i]));
-            h[row + i] = value;
+    if (mine) {
+        Vector value = *reinterpret_cast<const Vector*>(h + at);
+        if (delta != nullptr) {  // the add, rounded as PyTorch's
+            const Vector d = *reinterpret_cast<const Vector*>(delta + at);
+#pragma unroll
+            for (int j = 0; j < VECTOR; ++j) value.e[j] = from_float<elem_t>(to_float(value.e[j]) + to_float(d.e[j]));
+            *reinterpret_cast<Vector*>(h + at) = value;
         }
-        const float v = to_float(value);
-        squares += v * v;
+#pragma unroll
+        for (int j = 0; j < VECTOR; ++j) {
+            x[j] = to_float(value.e[j]);
+            squares += x[j] * x[j];
+        }
     }
     // EXERCISE: the row's inverse RMS, 1/sqrt(mean(h²) + eps): add up every thread's `squares` over the
     // block (block_sum), divide by hidden, add eps (rsqrtf gives the inverse square root).
     // STUB: const float inv_rms = 1.0f;
     const float inv_rms = rsqrtf(block_sum(squares) / hidden + eps);
     // END EXERCISE
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {  // pass 2: this thread's own elements, from L1/L2
-        const elem_t scaled = from_float<elem_t>(to_float(h[row + i]) * inv_rms);
-        normed[row + i] = from_float<elem_t>(to_float(weight[i]) * to_float(scaled));
+    if (mine) {
+        const Vector w = *reinterpret_cast<const Vector*>(weight + i);
+        Vector out;
+#pragma unroll
+        for (int j = 0; j < VECTOR; ++j)
+            out.e[j] = from_float<elem_t>(to_float(w.e[j]) * to_float(from_float<elem_t>(x[j] * inv_rms)));
+        *reinterpret_cast<Vector*>(normed + at) = out;
     }
 }
 // --8<-- [end:add_rmsnorm]
@@ -98,31 +115,34 @@ rope_split(const elem_t* __restrict__ qkv, const elem_t* __restrict__ cos, const
         }
         const Pair c = *reinterpret_cast<const Pair*>(cos + s * HEAD_DIM + i);
         const Pair n = *reinterpret_cast<const Pair*>(sin + s * HEAD_DIM + i);
-        const float c0 = to_float(c.low), c1 = to_float(c.high), n0 = to_float(n.low), n1 = to_float(n.high);
-        const float a0 = to_float(x1.low), a1 = to_float(x1.high), b0 = to_float(x2.low), b1 = to_float(x2.high);
-        *reinterpret_cast<Pair*>(to + i) = Pair{from_float<elem_t>(a0 * c0 - b0 * n0), from_float<elem_t>(a1 * c1 - b1 * n1)};
+        const float c0 = to_float(c.e[0]), c1 = to_float(c.e[1]), n0 = to_float(n.e[0]), n1 = to_float(n.e[1]);
+        const float a0 = to_float(x1.e[0]), a1 = to_float(x1.e[1]), b0 = to_float(x2.e[0]), b1 = to_float(x2.e[1]);
+        *reinterpret_cast<Pair*>(to + i) = Pair{{from_float<elem_t>(a0 * c0 - b0 * n0), from_float<elem_t>(a1 * c1 - b1 * n1)}};
         *reinterpret_cast<Pair*>(to + i + HALF) =
-            Pair{from_float<elem_t>(b0 * c0 + a0 * n0), from_float<elem_t>(b1 * c1 + a1 * n1)};
+            Pair{{from_float<elem_t>(b0 * c0 + a0 * n0), from_float<elem_t>(b1 * c1 + a1 * n1)}};
     }
 }
 // --8<-- [end:rope_split]
 
 // --8<-- [start:swiglu]
 // act [tokens, I] = SiLU(gate) · up, from the MLP's first projection g [tokens, 2·I] (gate columns, then
-// up columns): SiLU(x) = x / (1 + e^-x). A thread per two neighbouring columns.
+// up columns): SiLU(x) = x / (1 + e^-x). A thread per VECTOR neighbouring columns.
 extern "C" __global__ void __launch_bounds__(SWIGLU_THREADS)
-swiglu(const elem_t* __restrict__ g, elem_t* __restrict__ act, int inter, long long pairs) {
-    const long long p = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (p >= pairs) return;
-    const int pairs_per_row = inter / 2;
-    const long long token = p / pairs_per_row;
-    const int column = 2 * (int)(p % pairs_per_row);
+swiglu(const elem_t* __restrict__ g, elem_t* __restrict__ act, int inter, long long vectors) {
+    const long long v = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (v >= vectors) return;
+    const int vectors_per_row = inter / VECTOR;
+    const long long token = v / vectors_per_row;
+    const int column = VECTOR * (int)(v % vectors_per_row);
     const elem_t* row = g + token * 2 * inter;
-    const Pair gate = *reinterpret_cast<const Pair*>(row + column);
-    const Pair up = *reinterpret_cast<const Pair*>(row + inter + column);
-    const float g0 = to_float(gate.low), g1 = to_float(gate.high);
-    *reinterpret_cast<Pair*>(act + token * inter + column) =
-        Pair{from_float<elem_t>(g0 / (1.0f + __expf(-g0)) * to_float(up.low)),
-             from_float<elem_t>(g1 / (1.0f + __expf(-g1)) * to_float(up.high))};
+    const Vector gate = *reinterpret_cast<const Vector*>(row + column);
+    const Vector up = *reinterpret_cast<const Vector*>(row + inter + column);
+    Vector out;
+#pragma unroll
+    for (int j = 0; j < VECTOR; ++j) {
+        const float x = to_float(gate.e[j]);
+        out.e[j] = from_float<elem_t>(x / (1.0f + __expf(-x)) * to_float(up.e[j]));
+    }
+    *reinterpret_cast<Vector*>(act + token * inter + column) = out;
 }
 // --8<-- [end:swiglu]
