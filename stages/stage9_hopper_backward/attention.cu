@@ -44,8 +44,8 @@
 // whole tile to global memory with one bulk reduce-add (cp.reduce.async.bulk .add.f32), the copy
 // engine's, while the consumers go on with the next tile in the other of DQ_STAGES buffers. It replaced
 // red.global.add.v2.f32 straight from the accumulators (the consumers' own LSU instructions, 1,024
-// sector-sized atomics into L2 per query tile, the two consumers together): on the H100 that took the backward from
-// 0.70× to 0.91× cuDNN's speed at D = 128 (docs/stages/stage9.md).
+// sector-sized atomics into L2 per query tile, the two consumers together): on the H100 that took
+// the backward from 0.70× to 0.91× cuDNN's speed at D = 128 (docs/stages/stage9.md).
 //
 // Registers per consumer thread: dK and dV D/2 each (128 at D = 128), Sᵀ and dPᵀ 32 each, Pᵀ and dSᵀ
 // as A operands 16 each, dQ 32.
