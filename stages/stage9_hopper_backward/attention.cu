@@ -24,11 +24,14 @@
 //            (240), consumer c owning keys 64c .. 64c+63 of the block's 128 and their dK and dV. In the
 //            producer warpgroup, thread 0 issues the loads and thread 32 (the next warp) dQ's bulk adds.
 //
-// Per query tile, the schedule of a consumer warpgroup (both run it side by side):
+// Per query tile, the schedule of a consumer warpgroup (both run it side by side), the softmax under
+// the products as FlashAttention-3 overlaps it: what the threads do, and beneath, what the tensor
+// cores run meanwhile:
 //
-//   wait Q_FULL | Sᵀ, dPᵀ (wgmma) | P, dS (CUDA cores) | dSᵀ -> smem | dV, dK (wgmma, async) ...
-//     ... | bar DS_READY (both consumers' dSᵀ are in) | dQ (wgmma) | wait all | arrive Q_EMPTY ...
-//     ... | wait DQ_EMPTY | dQ -> smem | arrive DQ_FULL
+//   threads:      wait Q_FULL | issue Sᵀ, dPᵀ | wait Sᵀ | P | issue dV | wait dPᵀ | dS, dSᵀ -> smem | issue dK ...
+//   tensor cores:               Sᵀ ........... dPᵀ ................... dV ....................... dK ...
+//   threads:      ... bar DS_READY (both consumers' dSᵀ are in) | issue dQ | wait all | arrive Q_EMPTY ...
+//                 ... wait DQ_EMPTY | dQ -> smem | arrive DQ_FULL
 //   producer, thread 0:  | K V | Q0 dO0 | Q1 dO1 | (wait Q_EMPTY of slot 0) Q2 dO2 | ...
 //   producer, thread 32: (wait DQ_FULL) bulk reduce-add of dQ0 | wait until read | arrive DQ_EMPTY | ...
 //
@@ -39,7 +42,10 @@
 // memory, FlashAttention-3's way: the consumers store the tile's dQ in shared memory (at D = 64
 // consumer 1 adds its partial sum to consumer 0's there: see hand_over_dq), and one thread adds the
 // whole tile to global memory with one bulk reduce-add (cp.reduce.async.bulk .add.f32), the copy
-// engine's, while the consumers go on with the next tile in the other of DQ_STAGES buffers.
+// engine's, while the consumers go on with the next tile in the other of DQ_STAGES buffers. It replaced
+// red.global.add.v2.f32 straight from the accumulators (the consumers' own LSU instructions, 1,024
+// sector-sized atomics into L2 per query tile, the two consumers together): on the H100 that took
+// the backward from 0.70× to 0.91× cuDNN's speed at D = 128 (docs/stages/stage9.md).
 //
 // Registers per consumer thread: dK and dV D/2 each (128 at D = 128), Sᵀ and dPᵀ 32 each, Pᵀ and dSᵀ
 // as A operands 16 each, dQ 32.
@@ -56,21 +62,6 @@
 #include "wgmma.cuh"
 #include "swizzle.cuh"  // swizzle<128>: TMA's 128-byte swizzle, for the dSᵀ stores
 #include "attention_backward.cuh"  // the preprocess, the dQ conversion, probabilities()
-
-// How dQ reaches global memory: 1 (the default), through shared memory and a bulk reduce-add; 0,
-// red.global.add.v2.f32 straight from the accumulators, the first version's way. The switch is there
-// only for the A/B measurement on the H100 (the shared-memory layout is the same either way) and goes
-// once that is done.
-#ifndef DQ_BY_BULK_REDUCE
-#define DQ_BY_BULK_REDUCE 1
-#endif
-// The consumer's schedule: 0 (the default), the one drawn below -- the softmax (P, then dS) between
-// the products, while the tensor cores wait; 1, the softmax under the products, as FlashAttention-3
-// overlaps it: Sᵀ and dPᵀ in two commit groups, P computed while dPᵀ still runs, dV += Pᵀ dO issued
-// at once, behind dPᵀ, and dS computed while dV runs. Also only for the A/B measurement, to go after it.
-#ifndef OVERLAP_SOFTMAX
-#define OVERLAP_SOFTMAX 0
-#endif
 
 constexpr int BLOCK_N = 128;                          // keys per block
 constexpr int BLOCK_M = 64;                           // queries per tile of the loop
@@ -302,24 +293,6 @@ __device__ __forceinline__ void store_score_gradients(unsigned ds_tile, const fl
         }
 }
 
-// The warp's 16 query rows (row0 .. of the tile at m0) × DQ_COLS columns from col0 of dQ, added to the
-// fp32 accumulator in global memory (every key tile's block adds its part): a thread holds column
-// pairs 8n + 2t, +1 of rows g and g+8, one red.global.add.v2.f32 each. Rows >= seq_q are not written.
-__device__ __forceinline__ void add_to_dq(float* dq_head, const float (&acc)[DQ_FRAGS][4], int row0, int col0, int seq_q,
-                                          int lane) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = row0 + lane / 4 + 8 * r;
-        if (row >= seq_q) continue;
-        float* to = dq_head + (size_t)row * HEAD_DIM + col0 + 2 * (lane % 4);
-#pragma unroll
-        for (int n = 0; n < DQ_FRAGS; ++n)
-            asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(to + 8 * n), "f"(acc[n][2 * r]),
-                         "f"(acc[n][2 * r + 1])
-                         : "memory");
-    }
-}
-
 // acc[n] <- acc[n ^ x] for every fragment n, x = 0 .. 3 per thread: two rounds of conditional swaps
 // with selects, since registers cannot be indexed at run time.
 __device__ __forceinline__ void swap_fragments(float (&acc)[DQ_FRAGS][4], int x) {
@@ -416,8 +389,7 @@ __device__ __forceinline__ void write_rows(elem_t* head, const float (&acc)[D_FR
 // consumer reached only after its dQ of tile i - 2 -- the last reader of that buffer -- had completed
 // (wgmma_wait<0> before it). So one barrier per tile suffices.
 __device__ __forceinline__ void consume(const SharedMemory& shared, const BlockWork& work, int consumer,
-                                        float* dq_accum, elem_t* dk_head, elem_t* dv_head, int seq_q, int seq_kv,
-                                        float scale, int causal) {
+                                        elem_t* dk_head, elem_t* dv_head, int seq_kv, float scale, int causal) {
     const int lane = threadIdx.x % 32, warp_in_group = threadIdx.x / 32 % 4;
     const int row0 = consumer * CONSUMER_KEYS + warp_in_group * 16;  // the warp's first key in the block
     const int key0 = work.n0 + row0;
@@ -431,19 +403,23 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const BlockW
     mbarrier_wait(shared.barrier(KV_FULL), 0);  // also when there is no query tile: no copy outlives the block
     int i = 0;  // query tiles consumed so far
     for (int g = 0; g < work.group; ++g) {
-        float* dq_head = dq_accum + (size_t)work.query_pair(g) * seq_q * HEAD_DIM;
         for (int tile = work.first_tile; tile < work.end_tile; ++tile, ++i) {
             const int slot = i % Q_STAGES, m0 = tile * BLOCK_M;
             const unsigned q = shared.q_slot(slot), d_o = shared.do_slot(slot), ds = shared.ds_slot(i % DS_STAGES);
             mbarrier_wait(shared.barrier(Q_FULL + slot), (i / Q_STAGES) & 1);
 
+            // The softmax runs under the products (FlashAttention-3 overlaps P with dPᵀ; issuing dV before
+            // dS is one step further): Sᵀ and dPᵀ in two commit groups, so that P is computed while dPᵀ
+            // still runs; dV += Pᵀ dO is queued behind dPᵀ at once, and dS is computed while dV runs.
+            // Measured against the softmax between the products: +1.5 to 2.5 % at D = 128, about −1 %
+            // at D = 64 (docs/stages/stage9.md).
             float s[M_FRAGS][4], dp[M_FRAGS][4];
             wgmma_fence();
             issue_rows_times_queries(s, k_rows, q);     // Sᵀ = K Qᵀ
-            if constexpr (OVERLAP_SOFTMAX) wgmma_commit();
+            wgmma_commit();
             issue_rows_times_queries(dp, v_rows, d_o);  // dPᵀ = V dOᵀ
             wgmma_commit();
-            wgmma_wait<OVERLAP_SOFTMAX>();  // overlapped: Sᵀ done, dPᵀ may still run
+            wgmma_wait<1>();  // Sᵀ done; dPᵀ may still run
             fence_registers(s);
 
             const bool on_diagonal = causal && m0 < key0 + 15;  // some key of the warp after some query
@@ -451,12 +427,10 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const BlockW
             unsigned p_a[M_STEPS][4], ds_a[M_STEPS][4];
 #pragma unroll
             for (int ks = 0; ks < M_STEPS; ++ks) p_as_a_operand(s, ks, p_a[ks]);
-            if constexpr (OVERLAP_SOFTMAX) {
-                wgmma_fence();
-                issue_accumulate(dv, p_a, d_o);  // dV += Pᵀ dO, queued behind dPᵀ
-                wgmma_commit();
-                wgmma_wait<1>();  // dPᵀ done; dV runs on while dS is computed
-            }
+            wgmma_fence();
+            issue_accumulate(dv, p_a, d_o);  // dV += Pᵀ dO, queued behind dPᵀ
+            wgmma_commit();
+            wgmma_wait<1>();  // dPᵀ done; dV runs on while dS is computed
             fence_registers(dp);
             score_gradients(dp, s, shared.floats(shared.delta_slot(slot)), lane);  // dSᵀ
 #pragma unroll
@@ -465,8 +439,7 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const BlockW
             fence_async_shared();  // the stores, visible to wgmma (the async proxy)
 
             wgmma_fence();
-            if constexpr (!OVERLAP_SOFTMAX) issue_accumulate(dv, p_a, d_o);  // dV += Pᵀ dO
-            issue_accumulate(dk, ds_a, q);                                 // dK += dSᵀ Q
+            issue_accumulate(dk, ds_a, q);  // dK += dSᵀ Q
             wgmma_commit();
             named_barrier_sync(DS_READY, CONSUMER_THREADS);  // both consumers' dSᵀ are stored
             float dq[DQ_FRAGS][4];
@@ -480,10 +453,7 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const BlockW
             fence_registers(p_a);
             fence_registers(ds_a);
             mbarrier_arrive(shared.barrier(Q_EMPTY + slot));  // Q, dO, LSE and Δ of this slot: read
-            if constexpr (DQ_BY_BULK_REDUCE)
-                hand_over_dq(shared, dq, i, consumer, warp_in_group, lane);
-            else
-                add_to_dq(dq_head, dq, m0 + warp_in_group * 16, HEAD_DIM == 128 ? consumer * DQ_COLS : 0, seq_q, lane);
+            hand_over_dq(shared, dq, i, consumer, warp_in_group, lane);  // added to dQ by the producer's thread 32
         }
     }
 
@@ -517,11 +487,11 @@ attention_bwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaM
     if (warpgroup == 0) {
         setmaxnreg_dec<PRODUCER_REGS>();
         if (threadIdx.x == 0) produce(shared, work, q_map, k_map, v_map, do_map, lse_log2, delta, seq_q_padded);
-        if (DQ_BY_BULK_REDUCE && threadIdx.x == 32) add_dq_tiles(shared, work, dq_accum, seq_q);
+        if (threadIdx.x == 32) add_dq_tiles(shared, work, dq_accum, seq_q);
     } else {
         setmaxnreg_inc<CONSUMER_REGS>();
         const size_t kv_head = (size_t)work.kv_pair * seq_kv * HEAD_DIM;
-        consume(shared, work, warpgroup - 1, dq_accum, dk + kv_head, dv + kv_head, seq_q, seq_kv, scale, causal);
+        consume(shared, work, warpgroup - 1, dk + kv_head, dv + kv_head, seq_kv, scale, causal);
     }
 }
 // --8<-- [end:kernel]
