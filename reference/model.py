@@ -475,6 +475,9 @@ def _hf_state_dict(inputs: dict, wanted: dict) -> dict:
         if key == "norm.weight":
             state[key] = inputs["norm"]
             continue
+        if key == "embed_tokens.weight":  # never read: the model is given inputs_embeds
+            state[key] = torch.zeros(meta.shape, dtype=inputs["x"].dtype, device=inputs["x"].device)
+            continue
         if parts[0] != "layers":
             raise ValueError(f"no weight of ours for transformers' {key}")
         l, rest = int(parts[1]), ".".join(parts[2:])
