@@ -497,12 +497,12 @@ def _hf_state_dict(inputs: dict, wanted: dict) -> dict:
         }
         if rest in simple:
             state[key] = simple[rest]()
-        elif rest.endswith("experts.gate_up_proj"):  # fused: [E, 2I, hidden] or [E, hidden, 2I]
-            w1 = inputs["w1"][l]
-            state[key] = w1 if tuple(meta.shape) == tuple(w1.shape) else w1.transpose(1, 2).contiguous()
-        elif rest.endswith("experts.down_proj"):     # fused: [E, hidden, I] or [E, I, hidden]
-            w2 = inputs["w2"][l]
-            state[key] = w2 if tuple(meta.shape) == tuple(w2.shape) else w2.transpose(1, 2).contiguous()
+        elif rest.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            # fused, [E, out, in] as nn.Linear (transformers 5.17: gate_up_proj [E, 2I, hidden], down_proj
+            # [E, hidden, I]) or [E, in, out] as ours; [E, out, in] first, where a square shape allows both
+            ours = inputs["w1" if rest.endswith("gate_up_proj") else "w2"][l]
+            transposed = ours.transpose(1, 2)
+            state[key] = transposed.contiguous() if tuple(meta.shape) == tuple(transposed.shape) else ours
         elif ".experts." in rest:                    # a list of experts: w1 (gate), w3 (up), w2 (down)
             e, which = int(parts[-3]), parts[-2]
             w1 = inputs["w1"][l, e]
