@@ -18,6 +18,7 @@ from stages import Goal, Stage
 VECTOR = 8            # model.cu: the elements a thread of add_rmsnorm or swiglu moves at once (16 bytes)
 ROPE_THREADS = 256    # rope_split: one block per token
 SWIGLU_THREADS = 256  # swiglu: a thread per VECTOR columns
+RESIDUAL_IN_GEMM = True  # A/B (scratch): h += o·Wo by cuBLAS (beta = 1) instead of in add_rmsnorm
 
 
 def add_rmsnorm(kernels, h, delta, weight, normed, eps):
@@ -68,11 +69,19 @@ def forward(kernels, x, weights, config, out):
     for l in range(L):
         add_rmsnorm(kernels, h, delta, weights["attn_norm"][l], normed, eps)
         q, k, v = rope_split(kernels, normed @ weights["wqkv"][l], cos, sin, B, S, H, KV, D)
-        o = ops.attention(q, k, v, causal=True, scale=1.0 / math.sqrt(D))
-        delta = o.transpose(1, 2).reshape(T, H * D) @ weights["wo"][l]
+        o = ops.attention(q, k, v, causal=True, scale=1.0 / math.sqrt(D))  # o's memory: [B, S, H, D]
+        attended = o.transpose(1, 2).reshape(T, H * D)  # a view: no copy
+        if RESIDUAL_IN_GEMM:
+            h.addmm_(attended, weights["wo"][l])
+            delta = None
+        else:
+            delta = attended @ weights["wo"][l]
         add_rmsnorm(kernels, h, delta, weights["mlp_norm"][l], normed, eps)
         if E:
             delta = ops.moe_layer(normed, weights["wr"][l], weights["w1"][l], weights["w2"][l], config["top_k"])
+        elif RESIDUAL_IN_GEMM:
+            h.addmm_(swiglu(kernels, normed @ weights["w1"][l], I), weights["w2"][l])
+            delta = None
         else:
             delta = swiglu(kernels, normed @ weights["w1"][l], I) @ weights["w2"][l]
     add_rmsnorm(kernels, h, delta, weights["norm"], out.view(T, hidden), eps)
@@ -124,4 +133,6 @@ STAGE = Stage(
     specializations={"HEAD_DIM": "D"},
     geometry=lambda defines: {"VECTOR": VECTOR, "ROPE_THREADS": ROPE_THREADS, "SWIGLU_THREADS": SWIGLU_THREADS},
     goal=Goal("reference", 1.0),  # the fastest library baseline: torch.compile's, with or without CUDA graphs
+    # What ops.attention and ops.moe_layer run (stages.fastest_stage), on Hopper and elsewhere.
+    uses=("stage4_hopper", "stage3_pipeline", "stage7_moe_layer", "stage7_moe_layer:mma_sync"),
 )
