@@ -299,4 +299,4 @@ def kernels_for(stage_key: str, arch: str, defines: tuple, device_index: int) ->
     stage = stages.load(stage_key)
     cubin = compile_cubin(stage.source_path, arch, dict(defines))
     Device(device_index).set_current()  # as the grader's worker does: PyTorch's own (primary) context
-    return KernelSet(cubin.path, list(stage.kernels))
+    return KernelSet(cubin.path, stage.kernels)

@@ -44,8 +44,8 @@ def launch(kernels, q, k, v, o, lse, scale, causal):
             units = (m_blocks + 1) // 2 * batch * heads
         grid = min(units, sm_count(q.device))
     o_batch_stride, o_head_stride, o_row_stride, _ = o.stride()  # any [B, H, S, D] view with d contiguous
-    kernels.attention_fwd((grid,), (launched["NUM_THREADS"],), q_map, k_map, v_map, o, o_batch_stride, o_head_stride,
-                          o_row_stride, heads, lse, seq_q, seq_kv, scale, int(causal), batch * heads, PERSISTENT,
+    kernels.attention_fwd((grid,), (launched["NUM_THREADS"],), q_map, k_map, v_map, o, o_batch_stride,
+                          o_head_stride, o_row_stride, heads, lse, seq_q, seq_kv, scale, int(causal), batch * heads, PERSISTENT,
                           group, smem=launched["SHARED_BYTES"])
 
 
