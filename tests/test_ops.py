@@ -555,3 +555,17 @@ def test_the_moe_layer_passes_its_problems_rule(case):
     checks = MOE_LAYER.check(dict(out=out, topk_ids=topk_ids), MOE_LAYER.reference(inputs), {})
     assert all(check.passed for check in checks), "; ".join(f"{check.output}: {check.quality}" for check in checks
                                                             if not check.passed)
+
+
+@pytest.mark.gpu
+def test_inputs_changed_in_place_are_read_again():
+    """A short K or V (fewer rows than a TMA box) is read through a padded copy that is cached with its
+    descriptor: a tensor changed in place (a KV cache) must still be read as it is now, not as it was."""
+    inputs = inputs_of(1, 4, 100, 100, 64, True, "float16")
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    ops.attention(q, k, v, causal=True)
+    k.mul_(-1.5)
+    v.add_(1.0)
+    o = ops.attention(q, k, v, causal=True)
+    check = relative_to_library("o", o, ATTENTION.reference(inputs)["o"], sdpa(inputs))
+    assert check.passed, failures([check])
