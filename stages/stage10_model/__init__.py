@@ -3,7 +3,9 @@
 reference/model.py's model (prefill, token embeddings to the last hidden state) with the course's attention
 (stages.ops: stage 4 on sm_90a, stage 3 elsewhere; GQA in the kernel) and MoE layer (stage 7), cuBLAS for the
 dense projections, and this stage's own kernels (model.cu) for every chain of small operations between them:
-the residual add fused with the next RMSNorm, the QKV split with RoPE into the attention's layout, SwiGLU.
+the residual add fused with the next RMSNorm (where cuBLAS does not add it: the dense projections into the
+residual stream add in their epilogue), the QKV split with RoPE into the attention's layout, SwiGLU. The
+attention writes its output in the [B, S, H, D] layout the output projection reads.
 The whole forward is captured once in a CUDA graph and replayed: one launch from Python per forward
 instead of ~10 per layer, its intermediate buffers reused on every replay, no host synchronization.
 """
@@ -18,7 +20,6 @@ from stages import Goal, Stage
 VECTOR = 8            # model.cu: the elements a thread of add_rmsnorm or swiglu moves at once (16 bytes)
 ROPE_THREADS = 256    # rope_split: one block per token
 SWIGLU_THREADS = 256  # swiglu: a thread per VECTOR columns
-RESIDUAL_IN_GEMM = True  # A/B (scratch): h += o·Wo by cuBLAS (beta = 1) instead of in add_rmsnorm
 
 
 def add_rmsnorm(kernels, h, delta, weight, normed, eps):
@@ -70,20 +71,14 @@ def forward(kernels, x, weights, config, out):
         add_rmsnorm(kernels, h, delta, weights["attn_norm"][l], normed, eps)
         q, k, v = rope_split(kernels, normed @ weights["wqkv"][l], cos, sin, B, S, H, KV, D)
         o = ops.attention(q, k, v, causal=True, scale=1.0 / math.sqrt(D))  # o's memory: [B, S, H, D]
-        attended = o.transpose(1, 2).reshape(T, H * D)  # a view: no copy
-        if RESIDUAL_IN_GEMM:
-            h.addmm_(attended, weights["wo"][l])
-            delta = None
-        else:
-            delta = attended @ weights["wo"][l]
-        add_rmsnorm(kernels, h, delta, weights["mlp_norm"][l], normed, eps)
+        # h += o·Wo in cuBLAS's epilogue (beta = 1): the product never goes to memory on its own
+        h.addmm_(o.transpose(1, 2).reshape(T, H * D), weights["wo"][l])  # the reshape is a view: no copy
+        add_rmsnorm(kernels, h, None, weights["mlp_norm"][l], normed, eps)
         if E:
             delta = ops.moe_layer(normed, weights["wr"][l], weights["w1"][l], weights["w2"][l], config["top_k"])
-        elif RESIDUAL_IN_GEMM:
+        else:
             h.addmm_(swiglu(kernels, normed @ weights["w1"][l], I), weights["w2"][l])
             delta = None
-        else:
-            delta = swiglu(kernels, normed @ weights["w1"][l], I) @ weights["w2"][l]
     add_rmsnorm(kernels, h, delta, weights["norm"], out.view(T, hidden), eps)
 
 
