@@ -65,6 +65,7 @@ constexpr int CONSUMER_THREADS = CONSUMERS * 128;
 constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
 constexpr int ATOM_COLS = 64;                         // elements in a 128-byte swizzle row
 constexpr int COL_BLOCKS = HEAD_DIM / ATOM_COLS;      // 128-byte column blocks of a D-wide row
+constexpr int BOX_ROWS = 64;                          // rows of a TMA box (see load_tile)
 constexpr int Q_TILE_BYTES = BLOCK_M * HEAD_DIM * 2;
 constexpr int KV_TILE_BYTES = BLOCK_N * HEAD_DIM * 2;
 constexpr int S_FRAGS = BLOCK_N / 8;                  // n8 fragments of a warp's 16 × BLOCK_N scores
@@ -84,13 +85,21 @@ static_assert(HEAD_DIM % ATOM_COLS == 0, "D is a whole number of 128-byte swizzl
 
 // --8<-- [start:tma]
 // Issues the TMA copy of rows [row0, row0 + ROWS) of head `head` into a tile at shared address
-// `tile`, as COL_BLOCKS boxes of ROWS × 64 elements (a 128-byte-swizzled box is at most 128 bytes
-// wide): column block b lands at tile + b·ROWS·128, so every block is an array of swizzle atoms
-// (8 rows × 128 bytes, 1024-byte aligned) -- the layout wgmma's descriptors describe.
+// `tile`, as boxes of BOX_ROWS × 64 elements (a 128-byte-swizzled box is at most 128 bytes wide):
+// column block b lands at tile + b·ROWS·128, so every block is an array of swizzle atoms (8 rows ×
+// 128 bytes, 1024-byte aligned) -- the layout wgmma's descriptors describe; the boxes of a block
+// follow each other BOX_ROWS·128 bytes apart (the swizzle depends on the address only, so they
+// compose into the same layout as one box would). Boxes of 64 rows, not of the whole tile, because
+// a tensor map's box may not be longer than the tensor: a head of 128 keys is then copied as it is,
+// where a box of BLOCK_N = 192 rows needed a padded copy of K and V first (stage 10, 128 tokens).
 template <int ROWS>
 __device__ __forceinline__ void load_tile(unsigned tile, const TmaMap& map, unsigned full_barrier, int row0, int head) {
+    static_assert(ROWS % BOX_ROWS == 0, "a tile is whole boxes");
 #pragma unroll
-    for (int b = 0; b < COL_BLOCKS; ++b) tma_load_3d(tile + b * ROWS * 128, map, full_barrier, b * ATOM_COLS, row0, head);
+    for (int b = 0; b < COL_BLOCKS; ++b)
+#pragma unroll
+        for (int r = 0; r < ROWS / BOX_ROWS; ++r)
+            tma_load_3d(tile + (b * ROWS + r * BOX_ROWS) * 128, map, full_barrier, b * ATOM_COLS, row0 + r * BOX_ROWS, head);
 }
 // --8<-- [end:tma]
 
