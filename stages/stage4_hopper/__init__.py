@@ -15,10 +15,12 @@ from stages.common.hopper import sm_count, tensor_map
 # What the launch uses, per head dimension, as attention.cu computes it (the grader checks each value
 # against the kernel): query rows per tile (2 consumer warpgroups × 64), keys per K/V tile, threads
 # (a producer warpgroup + 2 consumer warpgroups), the width of a TMA box (64 16-bit elements, the
-# 128-byte swizzle's), and dynamic shared memory: the Q tile, the K and V rings, the mbarriers and
+# 128-byte swizzle's) and its rows (tiles are copied as boxes of 64 rows: tma.cuh's load_tile), and dynamic shared memory: the Q tile, the K and V rings, the mbarriers and
 # 1 KB to align the tiles to 1024 bytes.
-GEOMETRY = {64: {"BLOCK_M": 128, "BLOCK_N": 192, "NUM_THREADS": 384, "ATOM_COLS": 64, "SHARED_BYTES": 164976},
-            128: {"BLOCK_M": 128, "BLOCK_N": 128, "NUM_THREADS": 384, "ATOM_COLS": 64, "SHARED_BYTES": 164944}}
+GEOMETRY = {64: {"BLOCK_M": 128, "BLOCK_N": 192, "NUM_THREADS": 384, "ATOM_COLS": 64, "TILE_BOX_ROWS": 64,
+                 "SHARED_BYTES": 164976},
+            128: {"BLOCK_M": 128, "BLOCK_N": 128, "NUM_THREADS": 384, "ATOM_COLS": 64, "TILE_BOX_ROWS": 64,
+                  "SHARED_BYTES": 164944}}
 PERSISTENT = 1  # one block per SM looping over query tiles (attention.cu's Schedule; 0: a block per tile)
 
 
@@ -33,9 +35,8 @@ def launch(kernels, q, k, v, o, lse, scale, causal):
     batch, heads, seq_q, head_dim = q.shape
     seq_kv, group = k.shape[2], kv_group(q, k)  # query heads per KV head: the kernel loads KV pair head / group
     launched = GEOMETRY[head_dim]
-    block_m, block_n, box_cols = launched["BLOCK_M"], launched["BLOCK_N"], launched["ATOM_COLS"]
-    q_map, k_map, v_map = (_tensor_map(q, block_m, box_cols), _tensor_map(k, block_n, box_cols),
-                           _tensor_map(v, block_n, box_cols))
+    block_m, box_rows, box_cols = launched["BLOCK_M"], launched["TILE_BOX_ROWS"], launched["ATOM_COLS"]
+    q_map, k_map, v_map = (_tensor_map(x, box_rows, box_cols) for x in (q, k, v))
     m_blocks = (seq_q + block_m - 1) // block_m
     units = m_blocks * batch * heads  # query tiles (the kernel pairs them when persistent and causal)
     grid = units

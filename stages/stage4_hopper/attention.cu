@@ -82,17 +82,6 @@ static_assert(SHARED_BYTES <= 227 * 1024, "an H100 block has at most 227 KB of s
 static_assert(sizeof(elem_t) == 2, "16-bit elements");
 static_assert(HEAD_DIM % ATOM_COLS == 0, "D is a whole number of 128-byte swizzle rows");
 
-// --8<-- [start:tma]
-// Issues the TMA copy of rows [row0, row0 + ROWS) of head `head` into a tile at shared address
-// `tile`, as COL_BLOCKS boxes of ROWS × 64 elements (a 128-byte-swizzled box is at most 128 bytes
-// wide): column block b lands at tile + b·ROWS·128, so every block is an array of swizzle atoms
-// (8 rows × 128 bytes, 1024-byte aligned) -- the layout wgmma's descriptors describe.
-template <int ROWS>
-__device__ __forceinline__ void load_tile(unsigned tile, const TmaMap& map, unsigned full_barrier, int row0, int head) {
-#pragma unroll
-    for (int b = 0; b < COL_BLOCKS; ++b) tma_load_3d(tile + b * ROWS * 128, map, full_barrier, b * ATOM_COLS, row0, head);
-}
-// --8<-- [end:tma]
 
 // --8<-- [start:wgmma]
 // S[64 × BLOCK_N] = Q[64 × D] · Kᵀ for consumer `consumer`'s 64 rows of the Q tile: D/16 wgmmas,
@@ -264,7 +253,7 @@ __device__ __forceinline__ void produce(const SharedMemory& shared, const Schedu
             // One Q buffer: wait until both consumers' last Q·Kᵀ of the previous query tile is done.
             mbarrier_wait(shared.barrier(Q_EMPTY), (q_loads & 1) ^ 1);
             mbarrier_arrive_expect_tx(shared.barrier(Q_FULL), Q_TILE_BYTES);
-            load_tile<BLOCK_M>(shared.q_tile(), q_map, shared.barrier(Q_FULL), m0, head);
+            load_tile<BLOCK_M, HEAD_DIM>(shared.q_tile(), q_map, shared.barrier(Q_FULL), m0, head);
             const int num_tiles = kv_tiles(m0, seq_kv, causal);
             for (int tile = 0; tile < num_tiles; ++tile, ++ring) {
                 const int stage = ring % KV_STAGES;
@@ -273,16 +262,16 @@ __device__ __forceinline__ void produce(const SharedMemory& shared, const Schedu
                 // EXERCISE: fill ring slot `stage` with K, then V, of `tile`. K: tell its full barrier how
                 // many bytes are coming (mbarrier_arrive_expect_tx -- the producer's one arrival, and
                 // KV_TILE_BYTES: rows past seq_kv are zero-filled and counted too), then issue the TMA copy
-                // (load_tile<BLOCK_N>) of rows tile·BLOCK_N onwards of KV head `kv_head`, completing on that same
+                // (load_tile<BLOCK_N, HEAD_DIM>) of rows tile·BLOCK_N onwards of KV head `kv_head`, completing on that same
                 // barrier. V: wait for its own empty barrier as K's was waited for above, then the same.
                 // STUB: mbarrier_arrive_expect_tx(shared.barrier(K_FULL + stage), 0);  // arrives but loads nothing:
                 // STUB: mbarrier_wait(shared.barrier(V_EMPTY + stage), parity ^ 1);   // wrong results, no hang
                 // STUB: mbarrier_arrive_expect_tx(shared.barrier(V_FULL + stage), 0);
                 mbarrier_arrive_expect_tx(shared.barrier(K_FULL + stage), KV_TILE_BYTES);
-                load_tile<BLOCK_N>(shared.k_slot(stage), k_map, shared.barrier(K_FULL + stage), tile * BLOCK_N, kv_head);
+                load_tile<BLOCK_N, HEAD_DIM>(shared.k_slot(stage), k_map, shared.barrier(K_FULL + stage), tile * BLOCK_N, kv_head);
                 mbarrier_wait(shared.barrier(V_EMPTY + stage), parity ^ 1);
                 mbarrier_arrive_expect_tx(shared.barrier(V_FULL + stage), KV_TILE_BYTES);
-                load_tile<BLOCK_N>(shared.v_slot(stage), v_map, shared.barrier(V_FULL + stage), tile * BLOCK_N, kv_head);
+                load_tile<BLOCK_N, HEAD_DIM>(shared.v_slot(stage), v_map, shared.barrier(V_FULL + stage), tile * BLOCK_N, kv_head);
                 // END EXERCISE
             }
         }

@@ -13,6 +13,7 @@ import torch
 
 from stages import Goal, Stage
 from stages.common.attention import by_head_dim, head_slices, kv_group
+from stages.common.attention_backward import backward_workspace, blocks, convert_dq, preprocess
 
 # What the launch uses, per head dimension, as attention.cu computes it (the grader checks each value
 # against the kernel): 8 warps × 16 keys per block, query tiles of 64 rows; dynamic shared memory, the
@@ -32,9 +33,6 @@ KERNELS = {
 }
 
 
-def _blocks(n: int, per_block: int) -> int:
-    return -(-n // per_block)
-
 
 def launch(kernels, q, k, v, o, lse, d_o, dq, dk, dv, scale, causal) -> None:
     group = kv_group(q, k)  # query heads per KV head
@@ -45,26 +43,16 @@ def launch(kernels, q, k, v, o, lse, d_o, dq, dk, dv, scale, causal) -> None:
         for summed, per_head in ((dk, dk_heads), (dv, dv_heads)):
             summed.copy_(per_head.unflatten(1, (k.shape[1], group)).sum(dim=2, dtype=torch.float32))
         return
-    batch, heads, seq_q, head_dim = q.shape
-    seq_kv = k.shape[2]
-    launched = GEOMETRY[head_dim]
-    # Workspace: the LSE in log2 units and Δ per query row, padded to whole query tiles; dQ in fp32.
-    seq_q_padded = _blocks(seq_q, launched["BLOCK_M"]) * launched["BLOCK_M"]
-    lse_log2 = torch.empty(batch, heads, seq_q_padded, dtype=torch.float32, device=q.device)
-    delta = torch.empty_like(lse_log2)
-    dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-
-    rows = batch * heads * seq_q_padded
-    kernels.attention_bwd_preprocess((_blocks(rows, launched["ROWS_PER_PREPROCESS_BLOCK"]),),
-                                     (launched["PREPROCESS_THREADS"],), o, d_o, lse, lse_log2, delta, dq_accum,
-                                     seq_q, seq_q_padded, batch * heads)
-    for q_, k_, v_, do_, lse_, delta_, dqa_, dk_, dv_ in head_slices(q, k, v, d_o, lse_log2, delta, dq_accum, dk, dv):
-        kernels.attention_bwd((_blocks(seq_kv, launched["BLOCK_N"]), q_.shape[0]), (launched["NUM_THREADS"],),
-                              q_, k_, v_, do_, lse_, delta_, dqa_, dk_, dv_, seq_q, seq_kv, seq_q_padded, scale,
+    seq_q, seq_kv = q.shape[2], k.shape[2]
+    launched = GEOMETRY[q.shape[-1]]
+    ws = backward_workspace(q, launched["BLOCK_M"])
+    preprocess(kernels, launched, o, d_o, lse, ws)
+    for q_, k_, v_, do_, lse_, delta_, dqa_, dk_, dv_ in head_slices(q, k, v, d_o, ws.lse_log2, ws.delta, ws.dq_accum,
+                                                                     dk, dv):
+        kernels.attention_bwd((blocks(seq_kv, launched["BLOCK_N"]), q_.shape[0]), (launched["NUM_THREADS"],),
+                              q_, k_, v_, do_, lse_, delta_, dqa_, dk_, dv_, seq_q, seq_kv, ws.seq_q_padded, scale,
                               int(causal), smem=launched["SHARED_BYTES"])
-    groups = dq.numel() // 8
-    kernels.attention_bwd_dq((_blocks(groups, launched["CONVERT_THREADS"]),), (launched["CONVERT_THREADS"],),
-                             dq_accum, dq, scale, groups)
+    convert_dq(kernels, launched, ws.dq_accum, dq, scale)
 
 
 STAGE = Stage(

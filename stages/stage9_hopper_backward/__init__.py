@@ -10,22 +10,24 @@ the producer warpgroup issues. Stage 8's preprocess and dQ conversion, unchanged
 Grouped-query attention in the kernel: a block owns 128 keys of one KV head and walks the query tiles of
 every query head of its group, dK and dV summed in its registers.
 """
-import torch
-
 from stages import Goal, Stage
 from stages.common.attention import MAX_GRID_YZ, by_head_dim, kv_group
+from stages.common.attention_backward import backward_workspace, blocks, convert_dq, preprocess
 from stages.common.hopper import tensor_map
 
 # What the launch uses, per head dimension, as attention.cu computes it (the grader checks each value
 # against the kernel): keys per block (2 consumer warpgroups × 64), query rows per tile, threads (a
 # producer warpgroup + 2 consumers), the width of a TMA box (64 16-bit elements, the 128-byte
-# swizzle's), dynamic shared memory (K, V, 2 buffers of Q and dO, 2 of dSᵀ, 2 of the fp32 dQ, 2 of the
-# LSE and Δ, the mbarriers, 1 KB to align the tiles to 1024 bytes: at D = 128 all but 952 bytes of the
-# 227 KB an H100 block may have); the preprocess's rows per block and threads, the
+# swizzle's) and its rows (tma.cuh's load_tile), dynamic shared memory (K, V, 2 buffers of Q and dO, 2
+# of dSᵀ, the fp32 dQ buffers (2 of 64 queries at D = 128, 1 of 128 at D = 64), 2 of the LSE and Δ, the
+# mbarriers, 1 KB to align the tiles to 1024 bytes: at D = 128 all but 952 bytes of the 227 KB an H100
+# block may have); the preprocess's rows per block and threads, the
 # dQ conversion's threads (stages/common/attention_backward.cuh).
-GEOMETRY = {64: {"BLOCK_N": 128, "BLOCK_M": 128, "NUM_THREADS": 384, "ATOM_COLS": 64, "SHARED_BYTES": 199736,
+GEOMETRY = {64: {"BLOCK_N": 128, "BLOCK_M": 128, "NUM_THREADS": 384, "ATOM_COLS": 64, "TILE_BOX_ROWS": 64,
+                 "SHARED_BYTES": 199736,
                  "ROWS_PER_PREPROCESS_BLOCK": 32, "PREPROCESS_THREADS": 256, "CONVERT_THREADS": 256},
-            128: {"BLOCK_N": 128, "BLOCK_M": 64, "NUM_THREADS": 384, "ATOM_COLS": 64, "SHARED_BYTES": 231496,
+            128: {"BLOCK_N": 128, "BLOCK_M": 64, "NUM_THREADS": 384, "ATOM_COLS": 64, "TILE_BOX_ROWS": 64,
+                  "SHARED_BYTES": 231496,
                   "ROWS_PER_PREPROCESS_BLOCK": 16, "PREPROCESS_THREADS": 256, "CONVERT_THREADS": 256}}
 
 KERNELS = {
@@ -36,9 +38,6 @@ KERNELS = {
 }
 
 
-def _blocks(n: int, per_block: int) -> int:
-    return -(-n // per_block)
-
 
 def _tensor_map(x, box_rows: int, box_cols: int):
     """A TMA descriptor over x [B, H, S, D] (K and V: [B, H_kv, S, D]) viewed as 3-D [B·H, S, D]: boxes of
@@ -48,35 +47,24 @@ def _tensor_map(x, box_rows: int, box_cols: int):
 
 
 def launch(kernels, q, k, v, o, lse, d_o, dq, dk, dv, scale, causal) -> None:
-    batch, heads, seq_q, head_dim = q.shape
+    batch, _, seq_q, head_dim = q.shape
     seq_kv, group = k.shape[2], kv_group(q, k)  # query heads per KV head
     launched = GEOMETRY[head_dim]
     block_m, block_n, box_cols = launched["BLOCK_M"], launched["BLOCK_N"], launched["ATOM_COLS"]
-    # Workspace, as stage 8: the LSE in log2 units and Δ per query row, padded to whole query tiles
-    # (the producer copies a tile's 64 values whole); dQ in fp32.
-    seq_q_padded = _blocks(seq_q, block_m) * block_m
-    lse_log2 = torch.empty(batch, heads, seq_q_padded, dtype=torch.float32, device=q.device)
-    delta = torch.empty_like(lse_log2)
-    dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-
-    pairs = batch * heads
-    rows = pairs * seq_q_padded
-    kernels.attention_bwd_preprocess((_blocks(rows, launched["ROWS_PER_PREPROCESS_BLOCK"]),),
-                                     (launched["PREPROCESS_THREADS"],), o, d_o, lse, lse_log2, delta, dq_accum,
-                                     seq_q, seq_q_padded, pairs)
-    q_map, do_map = _tensor_map(q, block_m, box_cols), _tensor_map(d_o, block_m, box_cols)
-    k_map, v_map = _tensor_map(k, block_n, box_cols), _tensor_map(v, block_n, box_cols)
+    # Workspace, as stage 8's (the producer copies a tile's LSE and Δ whole: padded to whole tiles).
+    ws = backward_workspace(q, block_m)
+    preprocess(kernels, launched, o, d_o, lse, ws)
+    # TMA boxes of 64 rows (tma.cuh's load_tile copies a tile as several): heads of 64 rows or more need no pad
+    q_map, do_map, k_map, v_map = (_tensor_map(x, launched["TILE_BOX_ROWS"], box_cols) for x in (q, d_o, k, v))
     # A block per (128 keys, KV pair), walking the group's query heads. The tensor maps cover every pair:
     # launches of at most MAX_GRID_YZ KV pairs in grid.y, each told its first KV pair.
     kv_pairs = batch * k.shape[1]
     for kv_pair0 in range(0, kv_pairs, MAX_GRID_YZ):
-        kernels.attention_bwd((_blocks(seq_kv, block_n), min(MAX_GRID_YZ, kv_pairs - kv_pair0)),
-                              (launched["NUM_THREADS"],), q_map, k_map, v_map, do_map, lse_log2, delta, dq_accum, dk,
-                              dv, seq_q, seq_kv, seq_q_padded, scale, int(causal), group, kv_pair0,
-                              smem=launched["SHARED_BYTES"])
-    groups = dq.numel() // 8
-    kernels.attention_bwd_dq((_blocks(groups, launched["CONVERT_THREADS"]),), (launched["CONVERT_THREADS"],),
-                             dq_accum, dq, scale, groups)
+        kernels.attention_bwd((blocks(seq_kv, block_n), min(MAX_GRID_YZ, kv_pairs - kv_pair0)),
+                              (launched["NUM_THREADS"],), q_map, k_map, v_map, do_map, ws.lse_log2, ws.delta,
+                              ws.dq_accum, dk, dv, seq_q, seq_kv, ws.seq_q_padded, scale, int(causal), group,
+                              kv_pair0, smem=launched["SHARED_BYTES"])
+    convert_dq(kernels, launched, ws.dq_accum, dq, scale)
 
 
 STAGE = Stage(

@@ -141,14 +141,6 @@ struct BlockWork {
     __device__ int query_pair(int g) const { return kv_pair * group + g; }
 };
 
-// Rows [row0, row0 + ROWS) of head `head` into a tile at `tile`, as COL_BLOCKS boxes of ROWS × 64
-// elements, column block b at tile + b·ROWS·128 (stage 4's load_tile).
-template <int ROWS>
-__device__ __forceinline__ void load_tile(unsigned tile, const TmaMap& map, unsigned full_barrier, int row0, int head) {
-#pragma unroll
-    for (int b = 0; b < COL_BLOCKS; ++b) tma_load_3d(tile + b * ROWS * 128, map, full_barrier, b * ATOM_COLS, row0, head);
-}
-
 __device__ __forceinline__ void init_barriers(const SharedMemory& shared) {
     mbarrier_init(shared.barrier(KV_FULL), 1);
     for (int s = 0; s < Q_STAGES; ++s) {
@@ -173,8 +165,8 @@ __device__ __forceinline__ void produce(const SharedMemory& shared, const BlockW
     tma_prefetch_map(v_map);
     tma_prefetch_map(do_map);
     mbarrier_arrive_expect_tx(shared.barrier(KV_FULL), 2 * KV_TILE_BYTES);
-    load_tile<BLOCK_N>(shared.k_tile(), k_map, shared.barrier(KV_FULL), work.n0, work.kv_pair);
-    load_tile<BLOCK_N>(shared.v_tile(), v_map, shared.barrier(KV_FULL), work.n0, work.kv_pair);
+    load_tile<BLOCK_N, HEAD_DIM>(shared.k_tile(), k_map, shared.barrier(KV_FULL), work.n0, work.kv_pair);
+    load_tile<BLOCK_N, HEAD_DIM>(shared.v_tile(), v_map, shared.barrier(KV_FULL), work.n0, work.kv_pair);
     int i = 0;  // query tiles issued so far
     for (int g = 0; g < work.group; ++g) {
         const int pair = work.query_pair(g);
@@ -187,8 +179,8 @@ __device__ __forceinline__ void produce(const SharedMemory& shared, const BlockW
             mbarrier_wait(shared.barrier(Q_EMPTY + slot), parity ^ 1);  // slot free (a fresh barrier: at once)
             // Rows past seq_q are zero-filled and counted; the LSE and Δ are padded to whole tiles.
             mbarrier_arrive_expect_tx(full, 2 * Q_TILE_BYTES + 2 * VECTOR_BYTES);
-            load_tile<BLOCK_M>(shared.q_slot(slot), q_map, full, m0, pair);
-            load_tile<BLOCK_M>(shared.do_slot(slot), do_map, full, m0, pair);
+            load_tile<BLOCK_M, HEAD_DIM>(shared.q_slot(slot), q_map, full, m0, pair);
+            load_tile<BLOCK_M, HEAD_DIM>(shared.do_slot(slot), do_map, full, m0, pair);
             bulk_load(shared.lse_slot(slot), lse_head + m0, VECTOR_BYTES, full);
             bulk_load(shared.delta_slot(slot), delta_head + m0, VECTOR_BYTES, full);
         }
