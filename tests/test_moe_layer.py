@@ -203,3 +203,31 @@ def test_check_topk_on_known_logits():
     assert verdict([0, 0]) == (False, "1 tokens wrong: 1 repeated")
     assert verdict([0, 4]) == (False, "1 tokens wrong: 1 out of range, 1 not a top-k")
     assert verdict([INT_POISON, INT_POISON])[0] is False
+
+
+@pytest.mark.parametrize("tokens,hidden", [(128, 4096), (1, 64), (100, 200), (333, 4096), (8192, 4096), (5, 7168)])
+def test_the_router_splits_hidden_into_whole_chunks_covering_it_when_tokens_are_few(tokens, hidden):
+    """router_logits' grid: token tiles × splits of hidden, each split whole 32-element chunks, every
+    split non-empty and together exactly [0, hidden); one split (and no router_sum) once the token tiles
+    alone fill ROUTER_BLOCKS."""
+    import stages.stage7_moe_layer as stage7
+    calls = []
+
+    class Kernels:
+        def __getattr__(self, name):
+            return lambda grid, block, *args, smem=0: calls.append((name, tuple(grid), args))
+
+    x = torch.empty(tokens, hidden, dtype=torch.bfloat16, device="meta")
+    wr = torch.empty(hidden, 8, dtype=torch.bfloat16, device="meta")
+    bias, logits = torch.empty(8, device="meta"), torch.empty(tokens, 8, device="meta")
+    stage7.router_logits(Kernels(), x, wr, bias, logits)
+    (name, grid, args), *rest = calls
+    tiles, splits = grid
+    per_split = args[-1]
+    assert name == "router_logits" and tiles == -(-tokens // stage7.ROUTER_TOKENS)
+    assert per_split % stage7.ROUTER_K == 0
+    starts = [s * per_split for s in range(splits)]
+    assert all(start < hidden for start in starts) and splits * per_split >= hidden
+    assert [n for n, _, _ in rest] == (["router_sum"] if splits > 1 else [])
+    if tiles >= stage7.ROUTER_BLOCKS:
+        assert splits == 1

@@ -22,6 +22,10 @@ ALPHA = 0.01          # the load-balancing loss's coefficient (stage 5 computes 
 # layer.cu's router tiles, which the grader checks the launch against (with stages 5 and 6's geometry).
 ROUTER_THREADS = 256
 ROUTER_TOKENS = 64    # tokens per block
+ROUTER_K = 32         # hidden elements per shared-memory chunk: a split of hidden is whole chunks
+ROUTER_BLOCKS = 128   # router blocks aimed at: with fewer token tiles than that, hidden is split,
+MIN_SPLIT = 8 * ROUTER_K  # into parts of at least this many elements (8 chunks)
+SUM_THREADS = 256     # router_sum: a thread per logit
 GATHER_THREADS = 128  # gather_rows: a block per row, any block size
 
 
@@ -29,7 +33,27 @@ def geometry(experts):
     """layer.cu holds stage 5's kernels, the grouped GEMMs of `experts` (stage 6 or a rung) and the
     router: their constants, and its own."""
     return lambda defines: {**ROUTING.geometry(defines), **experts.geometry(defines),
-                            "ROUTER_THREADS": ROUTER_THREADS, "ROUTER_TOKENS": ROUTER_TOKENS}
+                            "ROUTER_THREADS": ROUTER_THREADS, "ROUTER_TOKENS": ROUTER_TOKENS, "ROUTER_K": ROUTER_K}
+
+
+def router_logits(kernels, x, wr, bias, logits) -> None:
+    """logits = x · wr + bias in fp32. Few tokens fill few blocks of 64: then hidden is split too, the
+    splits' partial sums written apart and added in order by router_sum (the same logits on every run)."""
+    tokens, hidden = x.shape
+    experts = wr.shape[1]
+    token_tiles = -(-tokens // ROUTER_TOKENS)
+    splits = max(1, min(ROUTER_BLOCKS // token_tiles, hidden // MIN_SPLIT))
+    per_split = -(-hidden // (splits * ROUTER_K)) * ROUTER_K
+    splits = -(-hidden // per_split)
+    if splits == 1:
+        kernels.router_logits((token_tiles, 1), (ROUTER_THREADS,), x, wr, bias, logits, tokens, hidden, experts,
+                              per_split)
+        return
+    partials = torch.empty(splits, tokens, experts, dtype=torch.float32, device=x.device)
+    kernels.router_logits((token_tiles, splits), (ROUTER_THREADS,), x, wr, bias, partials, tokens, hidden, experts,
+                          per_split)
+    kernels.router_sum((-(-tokens * experts // SUM_THREADS),), (SUM_THREADS,), partials, bias, logits, tokens,
+                       experts, splits)
 
 
 def layer_launch(run_experts):
@@ -52,8 +76,7 @@ def layer_launch(run_experts):
         h = torch.empty(rows, inter, dtype=x.dtype, device=device)
         y_perm = torch.empty(rows, hidden, dtype=x.dtype, device=device)
 
-        kernels.router_logits((-(-tokens // ROUTER_TOKENS),), (ROUTER_THREADS,), x, wr, bias, logits, tokens,
-                              hidden, experts)
+        router_logits(kernels, x, wr, bias, logits)
         route(kernels, logits, top_k, BLOCK_M, ALPHA, topk_ids, topk_weights, counts, offsets, dest, source_token,
               balance[:1], balance[1:])
         kernels.gather_rows((rows,), (GATHER_THREADS,), x, source_token, offsets, experts, x_perm, hidden)
@@ -63,7 +86,8 @@ def layer_launch(run_experts):
 
 
 OWN_KERNELS = {
-    "router_logits": "const elem_t*, const elem_t*, const float*, float*, int, int, int",
+    "router_logits": "const elem_t*, const elem_t*, const float*, float*, int, int, int, int",
+    "router_sum": "const float*, const float*, float*, int, int, int",
     **ROUTING.kernels,
     "gather_rows": "const elem_t*, const int*, const int*, int, elem_t*, int",
 }

@@ -1,7 +1,8 @@
 // Stage 7 — the whole MoE layer from the course's kernels. sm_90a (stage 6's GEMMs).
 //
 // out = Σ_j w[t, j] · SwiGLU-FFN_{ids[t, j]}(x[t]), in eight launches and no host synchronization:
-//   router_logits      logits = x · Wr + bias in fp32                         (here)
+//   router_logits      logits = x · Wr + bias in fp32                         (here; with few tokens,
+//   router_sum         split over hidden into partial sums, then their sum)
 //   moe_topk, moe_align, moe_scatter   top-k, padded offsets, permutation     (stage 5)
 //   gather_rows        x_perm[r] = x[source_token[r]] (padding: a copy)       (here)
 //   expert_up_swiglu, expert_down      the grouped GEMMs                      (stage 6)
@@ -27,10 +28,15 @@ constexpr int ROUTER_TOKENS = 64;                       // tokens per block: 4 p
 constexpr int ROUTER_K = 32;                            // hidden elements per shared-memory chunk
 
 // --8<-- [start:router]
-// Router logits, fp32: block b computes tokens 64b .. 64b+63 × all E experts. Thread (token group
-// tg, expert group eg) accumulates tokens 4tg .. 4tg+3 × experts eg, eg + 16, ... (EPT of them) --
-// a 4 × EPT register tile, as stage 1's -- over chunks of 32 hidden elements staged in shared
-// memory in fp32 (x transposed, so that a thread's 4 tokens are one float4).
+// Router logits, fp32: block (b, s) computes tokens 64b .. 64b+63 × all E experts over the hidden
+// elements [s·per_split, (s+1)·per_split). Thread (token group tg, expert group eg) accumulates tokens
+// 4tg .. 4tg+3 × experts eg, eg + 16, ... (EPT of them) -- a 4 × EPT register tile, as stage 1's -- over
+// chunks of 32 hidden elements staged in shared memory in fp32 (x transposed, so that a thread's 4
+// tokens are one float4). With one split (gridDim.y = 1) it writes logits + bias; with several, each
+// writes its partial sums to its own [tokens, E] slice of `out`, and router_sum adds them in order: a
+// few tokens (a 128-token prefill: 2 blocks of 64) would otherwise leave all but two SMs idle while
+// two blocks walk all of hidden, chunk after chunk. The order of the sum is fixed, so the logits, and
+// the routing, are the same on every run.
 struct RouterShared {
     float xs[ROUTER_K][ROUTER_TOKENS];  // x chunk, transposed
     float ws[ROUTER_K][MAX_EXPERTS];    // Wr chunk
@@ -38,12 +44,15 @@ struct RouterShared {
 
 template <int EPT>
 __device__ void router_tile(const elem_t* __restrict__ x, const elem_t* __restrict__ wr, const float* __restrict__ bias,
-                            float* __restrict__ logits, int tokens, int hidden, int experts, RouterShared& sh) {
+                            float* __restrict__ out, int tokens, int hidden, int experts, int per_split,
+                            RouterShared& sh) {
     auto& xs = sh.xs;
     auto& ws = sh.ws;
     const int tg = threadIdx.x / 16, eg = threadIdx.x % 16, token0 = blockIdx.x * ROUTER_TOKENS;
+    const int k_begin = blockIdx.y * per_split, k_end = min(hidden, k_begin + per_split);
+    float* logits = out + (size_t)blockIdx.y * tokens * experts;  // this split's slice
     float acc[4][EPT] = {};
-    for (int k0 = 0; k0 < hidden; k0 += ROUTER_K) {
+    for (int k0 = k_begin; k0 < k_end; k0 += ROUTER_K) {
         {   // x: 64 tokens × 32 elements = 256 vectors of 8, one per thread (hidden % 8 == 0)
             const int t = threadIdx.x / 4, k = 8 * (threadIdx.x % 4);
             float v[8] = {};
@@ -75,23 +84,34 @@ __device__ void router_tile(const elem_t* __restrict__ x, const elem_t* __restri
 #pragma unroll
         for (int j = 0; j < EPT; ++j) {
             const int e = eg + 16 * j;
-            if (t < tokens && e < experts) logits[(size_t)t * experts + e] = acc[i][j] + bias[e];
+            if (t < tokens && e < experts) logits[(size_t)t * experts + e] = acc[i][j] + (gridDim.y == 1 ? bias[e] : 0.0f);
         }
     }
 }
 
 // EPT = experts per thread, rounded up to a power of two so that few variants are compiled and no
 // thread runs idle multiply-adds for experts that do not exist (E = 32: EPT = 2, not 16).
+// per_split: hidden elements per split, a multiple of ROUTER_K (the launch rounds it).
 extern "C" __global__ void __launch_bounds__(ROUTER_THREADS)
 router_logits(const elem_t* __restrict__ x, const elem_t* __restrict__ wr, const float* __restrict__ bias,
-              float* __restrict__ logits, int tokens, int hidden, int experts) {
+              float* __restrict__ out, int tokens, int hidden, int experts, int per_split) {
     __shared__ __align__(16) RouterShared sh;  // 40 KB
     const int per_thread = (experts + 15) / 16;
-    if (per_thread <= 1) router_tile<1>(x, wr, bias, logits, tokens, hidden, experts, sh);
-    else if (per_thread <= 2) router_tile<2>(x, wr, bias, logits, tokens, hidden, experts, sh);
-    else if (per_thread <= 4) router_tile<4>(x, wr, bias, logits, tokens, hidden, experts, sh);
-    else if (per_thread <= 8) router_tile<8>(x, wr, bias, logits, tokens, hidden, experts, sh);
-    else router_tile<16>(x, wr, bias, logits, tokens, hidden, experts, sh);
+    if (per_thread <= 1) router_tile<1>(x, wr, bias, out, tokens, hidden, experts, per_split, sh);
+    else if (per_thread <= 2) router_tile<2>(x, wr, bias, out, tokens, hidden, experts, per_split, sh);
+    else if (per_thread <= 4) router_tile<4>(x, wr, bias, out, tokens, hidden, experts, per_split, sh);
+    else if (per_thread <= 8) router_tile<8>(x, wr, bias, out, tokens, hidden, experts, per_split, sh);
+    else router_tile<16>(x, wr, bias, out, tokens, hidden, experts, per_split, sh);
+}
+
+// logits[t, e] = bias[e] + the splits' partial sums of (t, e), added in split order: a thread per logit.
+extern "C" __global__ void router_sum(const float* __restrict__ partials, const float* __restrict__ bias,
+                                      float* __restrict__ logits, int tokens, int experts, int splits) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= tokens * experts) return;
+    float sum = 0.0f;
+    for (int s = 0; s < splits; ++s) sum += partials[(size_t)s * tokens * experts + i];
+    logits[i] = sum + bias[i % experts];
 }
 // --8<-- [end:router]
 
