@@ -65,13 +65,14 @@ def expert_rows(experts: int, rank: int, world: int) -> slice:
     return slice(rank * local, (rank + 1) * local)
 
 
-def shard(inputs: dict, group) -> dict:
-    """This rank's part of the gathered inputs, with the group: its tokens, its experts (copies, so that
-    the gathered weights can be freed), the whole router."""
+def shard(inputs: dict, group, copy: bool = False) -> dict:
+    """This rank's part of the gathered inputs, with the group: its tokens, its experts (with `copy`, copies,
+    so that the gathered weights can be freed), the whole router."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     mine = expert_rows(inputs["w1"].shape[0], rank, world)
+    own = torch.clone if copy else (lambda t: t)
     return dict(inputs, x=inputs["x"][token_rows(inputs["x"].shape[0], rank, world)],
-                w1=inputs["w1"][mine].clone(), w2=inputs["w2"][mine].clone(), group=group)
+                w1=own(inputs["w1"][mine]), w2=own(inputs["w2"][mine]), group=group)
 
 
 def exchange_bytes(rows: int, hidden: int, element_bytes: int = 2) -> float:
