@@ -114,8 +114,8 @@ def run_scenario(name: str, group) -> dict:
                 received=received_rows(local, group))
 
 
-def torch_launch(kernels, x, wr, bias, w1, w2, top_k, out, topk_ids, group, **options):
-    """Stage 11's launch with TorchParts in place of the kernels."""
+def torch_launch(kernels, x, wr, bias, w1, w2, top_k, out, topk_ids, group, spare_sms=0, **options):
+    """Stage 11's launch with TorchParts in place of the kernels (no SMs to spare)."""
     dispatch.layer(x, TorchParts(dict(wr=wr, bias=bias, w1=w1, w2=w2), top_k, 4), group, out, topk_ids, **options)
 
 
@@ -220,7 +220,9 @@ def test_the_runner_measures_and_reports_every_variant(results):
     world, found = results
     text = "\n".join(found["runner"])
     assert text.startswith(f"seed: hidden {HIDDEN}, inter {INTER}, {EXPERTS} experts, top-{TOP_K}, {world} × 8 tokens")
-    for name in ("counts", "capacity", "pipeline 2", "pipeline 4", "pipeline 4, capacity"):
+    from stages.stage11_expert_parallel.__main__ import VARIANTS
+
+    for name in VARIANTS:
         assert f"    {name}: topk_ids equal, out: 0 of {world * 8 * HIDDEN} elements differ" in text
     assert "the problem's check: topk_ids passed (exact), out passed" in text
     assert "plain PyTorch (all_to_all_single + torch._grouped_mm)" in text and "all_to_all_single of the same bytes" in text
@@ -323,8 +325,9 @@ def test_the_regroup_kernel_writes_what_dispatch_regroup_index_computes(ranks, l
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("options", [{}, dict(capacity=True), dict(chunks=3), dict(chunks=2, capacity=True)],
-                         ids=["counts", "capacity", "pipeline", "pipeline, capacity"])
+@pytest.mark.parametrize("options", [{}, dict(capacity=True), dict(chunks=3), dict(chunks=2, capacity=True),
+                                     dict(chunks=2, spare_sms=16)],
+                         ids=["counts", "capacity", "pipeline", "pipeline, capacity", "pipeline, SMs spared"])
 def test_every_variant_on_one_gpu_is_stage_7_bit_for_bit(options):
     from reference.moe_expert_parallel import default_group
     from stages import ops

@@ -23,11 +23,14 @@ REGROUP_THREADS = 256  # expert_parallel.cu's regroup_index: a grid-stride loop 
 
 class KernelParts(Parts):
     """The course's kernels: stage 7's router with stage 5's routing (unpadded: the rows travel as they
-    are) and combine, this stage's regroup index, stage 6's grouped GEMMs on the local experts w1, w2."""
+    are) and combine, this stage's regroup index, stage 6's grouped GEMMs on the local experts w1, w2.
+    spare_sms: SMs the GEMMs leave to NCCL's kernels, so that a piece's transfer can run beside another's
+    GEMMs (a persistent GEMM holds every SM's shared memory and registers until it ends)."""
     align = BLOCK_M
 
-    def __init__(self, kernels, wr, bias, w1, w2, top_k):
+    def __init__(self, kernels, wr, bias, w1, w2, top_k, spare_sms=0):
         self.kernels, self.wr, self.bias, self.w1, self.w2, self.top_k = kernels, wr, bias, w1, w2, top_k
+        self.spare_sms = spare_sms
 
     def route(self, x, topk_ids):
         weights, counts, _, dest, source_token = route_tokens(self.kernels, x, self.wr, self.bias, self.top_k, 0,
@@ -47,16 +50,17 @@ class KernelParts(Parts):
     def experts(self, rows, offsets):
         h = rows.new_empty(rows.shape[0], self.w2.shape[1])
         y = torch.empty_like(rows)
-        run_experts(self.kernels, rows, offsets, self.w1, self.w2, h, y)
+        run_experts(self.kernels, rows, offsets, self.w1, self.w2, h, y, self.spare_sms)
         return y
 
     def weighted_sum(self, returned, row_of_slot, weights, out):
         combine(self.kernels, returned, row_of_slot, weights, out, self.top_k)
 
 
-def launch(kernels, x, wr, bias, w1, w2, top_k, out, topk_ids, group, *, chunks=1, capacity=False):
+def launch(kernels, x, wr, bias, w1, w2, top_k, out, topk_ids, group, *, chunks=1, capacity=False, spare_sms=0):
     """This rank's tokens x through the layer whose experts w1, w2 it holds (dispatch.layer)."""
-    layer(x, KernelParts(kernels, wr, bias, w1, w2, top_k), group, out, topk_ids, chunks=chunks, capacity=capacity)
+    layer(x, KernelParts(kernels, wr, bias, w1, w2, top_k, spare_sms), group, out, topk_ids, chunks=chunks,
+          capacity=capacity)
 
 
 STAGE = Stage(
