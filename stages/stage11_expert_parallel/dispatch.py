@@ -80,6 +80,7 @@ class Parts(abc.ABC):
 
 # ---------------------------------------------------------------- the plan: split sizes
 
+# --8<-- [start:plan]
 def exchange_counts(routings: list[Routing], group, align: int) -> list[Exchange]:
     """The exact plan. One all_to_all_single of the counts tells every rank how many rows each rank sends it,
     for each piece and each of its experts; the host then reads every piece's split sizes in one wait."""
@@ -108,6 +109,7 @@ def fixed_capacity(routings: list[Routing], group, align: int) -> list[Exchange]
     step = align // math.gcd(align, world)
     capacity = -(-int(largest) // step) * step
     return [capacity_exchange(r, capacity, world) for r in routings]
+# --8<-- [end:plan]
 
 
 def capacity_exchange(routing: Routing, capacity: int, world: int) -> Exchange:
@@ -187,6 +189,7 @@ def regroup_index(recv_counts: torch.Tensor, received_rows: int, grouped_rows: i
 
 # ---------------------------------------------------------------- the layer
 
+# --8<-- [start:layer]
 def layer(x: torch.Tensor, parts: Parts, group, out: torch.Tensor, topk_ids: torch.Tensor, *, chunks: int = 1,
           capacity: bool = False) -> None:
     """The expert-parallel layer on this rank's tokens x: out [T, hidden] and topk_ids [T, k] written. Every
@@ -201,3 +204,4 @@ def layer(x: torch.Tensor, parts: Parts, group, out: torch.Tensor, topk_ids: tor
     back = [send_back(compute(rows.wait(), exchange, parts), exchange, group) for rows, exchange in zip(sent, exchanges)]
     for rows, routing, exchange, piece in zip(back, routings, exchanges, outs):
         parts.weighted_sum(rows.wait(), exchange.row_of_slot, routing.weights, piece)
+# --8<-- [end:layer]
