@@ -22,7 +22,6 @@ from stages.stage11_expert_parallel import dispatch
 from stages.stage11_expert_parallel.dispatch import Parts, Routing
 
 P = load("moe_expert_parallel")
-pytestmark = pytest.mark.distributed
 
 EXPERTS, TOP_K, HIDDEN, INTER = 8, 2, 16, 24  # bf16 rows of 16-byte multiples: torch._grouped_mm wants them
 
@@ -194,6 +193,7 @@ def results(request, tmp_path_factory):
     return world, json.loads(path.read_text())
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_the_sharded_layer_is_the_layer(results, name):
     _, found = results
@@ -201,6 +201,7 @@ def test_the_sharded_layer_is_the_layer(results, name):
     assert found[name]["max_error"] < 1e-13, (name, found[name]["max_error"])
 
 
+@pytest.mark.distributed
 def test_uneven_load_reaches_the_first_rank_and_an_idle_rank_receives_nothing(results):
     world, found = results
     balanced, skewed, idle = (found[n]["received"] for n in ("counts", "uneven load", "idle rank"))
@@ -209,6 +210,7 @@ def test_uneven_load_reaches_the_first_rank_and_an_idle_rank_receives_nothing(re
     assert idle[-1] == 0 and all(idle[:-1])
 
 
+@pytest.mark.distributed
 def test_the_problem_checks_the_gathered_outputs_and_its_baseline_is_the_layer(results):
     _, found = results
     assert found["problem"]["checks"] == {"topk_ids": True, "out": True}
@@ -216,6 +218,7 @@ def test_the_problem_checks_the_gathered_outputs_and_its_baseline_is_the_layer(r
     assert found["problem"]["baselines"] == ["ep_grouped_mm"]  # the one-GPU layers only in a world of one
 
 
+@pytest.mark.distributed
 def test_the_runner_measures_and_reports_every_variant(results):
     world, found = results
     text = "\n".join(found["runner"])
