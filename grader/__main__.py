@@ -15,7 +15,7 @@ USAGE = """python -m grader STAGE [STAGE ...] [options]   grade stages in turn (
 
 ARCH = re.compile(r"sm_(\d+)(a?)")  # sm_80, sm_90a: a GPU generation, "a" for its arch-specific features
 LOWEST_ARCH = 80                    # the course's kernels use cp.async, ldmatrix and bf16 mma.sync
-GPU_ONLY = ("cases", "no_bench", "json", "seed", "trials", "budget", "timeout", "profile")  # options that only a GPU run uses
+GPU_ONLY = ("cases", "shapes", "no_bench", "json", "seed", "trials", "budget", "timeout", "profile")  # options that only a GPU run uses
 
 
 def parser() -> argparse.ArgumentParser:
@@ -30,6 +30,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--trials", type=int, default=2, help="fresh random inputs per case (default 2)")
     p.add_argument("--no-bench", action="store_true", help="check correctness only")
     p.add_argument("--cases", metavar="REGEX", help="only the correctness cases whose name matches (no benchmarks)")
+    p.add_argument("--shapes", metavar="REGEX", help="time only the benchmark shapes whose label matches; with "
+                   "--json, merged into the shapes recorded for the same source")
     p.add_argument("--budget", type=float, default=4.0, help="seconds of timing per benchmark shape (default 4)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds without progress before a kernel counts as hung")
     p.add_argument("--json", type=Path, help="write the results here (updates the stages it holds)")
@@ -63,11 +65,15 @@ def option_problem(args) -> str | None:
             return problem
         if args.cases is not None or args.no_bench:
             return "--profile runs no correctness cases and no timings: leave out --cases and --no-bench"
-    if args.cases is not None:
+    if args.cases is not None and args.shapes is not None:
+        return "--cases checks some cases and times nothing, --shapes times some shapes: give one of them"
+    for option, value in (("--cases", args.cases), ("--shapes", args.shapes)):
+        if value is None:
+            continue
         try:
-            re.compile(args.cases)
+            re.compile(value)
         except re.error as error:
-            return f"--cases {args.cases!r} is not a regular expression: {error}"
+            return f"{option} {value!r} is not a regular expression: {error}"
     return None
 
 
@@ -240,6 +246,11 @@ def grade(names: list[str] | None, args) -> int:
             report.console.print(f"Profile of {key} written to {args.json}")
     elif args.json and all_results and gpu is not None:
         latest = list(all_results.values())[-1]["measured"]  # the file's provenance: its newest stage's
+        if args.shapes is not None:
+            from grader.run import merge_benchmarks
+            recorded = results.recorded_entries(args.json, gpu.name)
+            all_results = {key: merge_benchmarks(stages.load(key), recorded.get(key), result)
+                           for key, result in all_results.items()}
         results.write(args.json, gpu.name, latest, all_results)
         report.console.print(f"Results written to {args.json}")
     return status
@@ -274,7 +285,7 @@ def grade_one(stage, args, gpu) -> tuple[dict | None, int]:
             else:
                 result = grade_stage(stage, kernel_path, gpu, arch, seed=args.seed, trials=args.trials,
                                      timeout_s=args.timeout, budget_s=args.budget, bench=not args.no_bench,
-                                     only=args.cases, progress=progress)
+                                     only=args.cases, shapes=args.shapes, progress=progress)
     except (GraderError, ProfileError, FileNotFoundError, ValueError) as error:
         return None, fail(f"{stage.key}: {error}")
     except CompileError as error:

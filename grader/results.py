@@ -108,10 +108,21 @@ def write(path: Path, gpu_name: str, prov: dict, stage_results: dict) -> None:
         old = json.loads(path.read_text())
         if old.get("gpu") == gpu_name:
             data["stages"] = old.get("stages", {})
+    for key, entry in stage_results.items():  # a profile of the same source stays valid: kept
+        old_entry = data["stages"].get(key) or {}
+        if "profile" not in entry and "profile" in old_entry and old_entry.get("source_sha256") == entry.get("source_sha256"):
+            entry["profile"] = old_entry["profile"]
     data["stages"].update(stage_results)
     data["stages"] = dict(sorted(data["stages"].items(), key=lambda kv: int(re.match(r"stage(\d+)", kv[0]).group(1))))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, default=float) + "\n")
+
+
+def recorded_entries(path: Path, gpu_name: str) -> dict:
+    """The stages' entries a results file holds for this GPU ({} if none)."""
+    path = Path(path)
+    data = json.loads(path.read_text()) if path.exists() else {}
+    return data.get("stages", {}) if data.get("gpu") == gpu_name else {}
 
 
 def add_profile(path: Path, gpu_name: str, stage_key: str, profile: dict) -> None:

@@ -188,11 +188,37 @@ def _previous_stage_figures(timings: dict, previous: dict | None, ms: float) -> 
     return {"stage": previous["stage"], "ms": before_ms, "speedup": before_ms / ms}
 
 
-def benchmark(stage, cubins, gpu, timeout_s: float, budget_s: float, progress) -> list[dict]:
+def benchmark_shapes(stage, only: str | None = None) -> list[dict]:
+    """The shapes a stage is timed at: its problem's and its own extra ones; with `only`, those whose label
+    matches that regular expression."""
+    problem = reference.load(stage.problem)
+    shapes = problem.benchmarks() + list(stage.extra_benchmarks)
+    return [s for s in shapes if only is None or re.search(only, problem.shape_label(s))]
+
+
+def merge_benchmarks(stage, recorded: dict | None, result: dict) -> dict:
+    """`result` of a run timed at some shapes (--shapes), with the other shapes of the `recorded` entry
+    where that was measured for the same source, in the stage's order of shapes, graded over all of them."""
+    if not recorded or recorded.get("source_sha256") != result["source_sha256"] or not result.get("benchmarks"):
+        return result
+    new = {b["label"]: b for b in result["benchmarks"]}
+    rows = {b["label"]: b for b in recorded.get("benchmarks", [])} | new
+    order = [reference.load(stage.problem).shape_label(s) for s in benchmark_shapes(stage)]
+    merged = dict(result, benchmarks=[rows[label] for label in order if label in rows])
+    timed = [b for b in merged["benchmarks"] if "ms" in b]
+    merged.update(grading.grade(stage.goal, timed) if timed else {"grade": "?"})
+    if len(timed) < len(merged["benchmarks"]):
+        merged["grade"] = "F"
+    return merged
+
+
+def benchmark(stage, cubins, gpu, timeout_s: float, budget_s: float, progress, only: str | None = None) -> list[dict]:
     problem = reference.load(stage.problem)
     previous = previous_stage_job(stage, gpu)
     forward = forward_stage_job(problem, gpu)
-    shapes = problem.benchmarks() + list(stage.extra_benchmarks)
+    shapes = benchmark_shapes(stage, only)
+    if not shapes:
+        raise GraderError(f"no benchmark shape of {stage.key} matches --shapes {only!r}")
     spec = spec_for(gpu.name)
     rows: dict[int, dict] = {}
 
@@ -243,9 +269,11 @@ def _job(stage, cubins, phase: str, **extra) -> dict:
 
 
 def grade_stage(stage, kernel_path: Path, gpu, arch: str, *, seed=0, trials=2, timeout_s=60.0,
-                budget_s=4.0, bench=True, only: str | None = None, progress=lambda *a: None) -> dict:
+                budget_s=4.0, bench=True, only: str | None = None, shapes: str | None = None,
+                progress=lambda *a: None) -> dict:
     """Everything the report shows; without a GPU, compile only. `only` keeps the cases whose
-    name matches that regular expression (and skips the benchmarks)."""
+    name matches that regular expression (and skips the benchmarks); `shapes`, the benchmark shapes
+    whose label matches."""
     cubins = compile_stage(stage, kernel_path, arch)
     progress("compiled", len(cubins), len(cubins), arch, True)
     result = _compiled(stage, kernel_path, arch, cubins)
@@ -256,7 +284,7 @@ def grade_stage(stage, kernel_path: Path, gpu, arch: str, *, seed=0, trials=2, t
         result["benchmarks"] = []
         return result
     result["benchmarks"] = benchmark(stage, cubins, gpu, timeout_s=max(timeout_s, 120.0), budget_s=budget_s,
-                                     progress=progress)
+                                     progress=progress, only=shapes)
     timed = [b for b in result["benchmarks"] if "ms" in b]
     result.update(grading.grade(stage.goal, timed) if timed else {"grade": "?"})
     if len(timed) < len(result["benchmarks"]):

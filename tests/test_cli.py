@@ -76,6 +76,34 @@ def test_cases_must_be_a_regular_expression():
     assert_one_line_error(grader("stage0", "--cases", "["), "--cases '[' is not a regular expression")
 
 
+def test_shapes_must_be_a_regular_expression_and_not_beside_cases():
+    assert_one_line_error(grader("stage0", "--shapes", "("), "--shapes '(' is not a regular expression")
+    assert_one_line_error(grader("stage0", "--shapes", "S2048", "--cases", "x10"), "give one of them")
+
+
+def test_shapes_keeps_the_matching_benchmark_shapes():
+    from grader.run import benchmark_shapes
+
+    every = benchmark_shapes(stages.load("stage8"))
+    causal = benchmark_shapes(stages.load("stage8"), "causal")
+    assert 0 < len(causal) < len(every) and all(s["causal"] for s in causal)
+
+
+def test_a_run_at_some_shapes_is_merged_into_the_recorded_entry_of_the_same_source():
+    from grader.run import benchmark_shapes, merge_benchmarks
+    from reference import load
+
+    stage = stages.load("stage8")
+    labels = [load(stage.problem).shape_label(s) for s in benchmark_shapes(stage)]
+    row = lambda label, ms: {"label": label, "ms": ms, "baselines": {"cudnn": 1.0}}  # noqa: E731
+    recorded = {"source_sha256": "a", "benchmarks": [row(label, 2.0) for label in labels]}
+    new = {"source_sha256": "a", "benchmarks": [row(labels[1], 1.0)]}
+    merged = merge_benchmarks(stage, recorded, new)
+    assert [b["label"] for b in merged["benchmarks"]] == labels
+    assert [b["ms"] for b in merged["benchmarks"][:3]] == [2.0, 1.0, 2.0] and merged["grade"]
+    assert merge_benchmarks(stage, dict(recorded, source_sha256="b"), new) == new  # another source: not merged
+
+
 def test_several_stages_are_graded_in_turn():
     r = grader("stage0", "stage5")
     assert r.returncode == 0, r.stdout + r.stderr

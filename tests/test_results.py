@@ -44,7 +44,8 @@ def test_results_have_the_fields_other_tools_read(gpu):
         assert entry["grade"] in ("A", "B", "C", "D", "F")  # one letter ("" or "AB" are not grades)
         assert entry["benchmarks"], name
         for bench in entry["benchmarks"]:
-            assert {"B", "H", "D", "causal"} <= set(bench["shape"]) or "tokens" in bench["shape"]
+            shape = set(bench["shape"])
+            assert {"B", "H", "D", "causal"} <= shape or "tokens" in shape or {"model", "B", "S"} <= shape
             assert bench["dtype"] and bench["ms"] > 0 and bench["tflops"] > 0
             assert {"name", "ms", "tflops"} <= set(bench["reference"])
             assert "naive" in bench["baselines"]
@@ -59,6 +60,15 @@ def test_write_keeps_other_stages_of_the_same_gpu(tmp_path):
     assert list(data["stages"]) == ["stage0_b", "stage1_a"] and data["provenance"] == {"p": 2}
     results.write(path, "GPU Y", {}, {"stage2_c": {}})
     assert list(json.loads(path.read_text())["stages"]) == ["stage2_c"]
+
+
+def test_a_new_run_keeps_the_profile_of_the_same_source_only(tmp_path):
+    path = tmp_path / "r.json"
+    results.write(path, "GPU X", {}, {"stage1_a": {"source_sha256": "s", "profile": {"p": 1}}})
+    results.write(path, "GPU X", {}, {"stage1_a": {"source_sha256": "s", "grade": "A"}})
+    assert json.loads(path.read_text())["stages"]["stage1_a"]["profile"] == {"p": 1}
+    results.write(path, "GPU X", {}, {"stage1_a": {"source_sha256": "t", "grade": "A"}})
+    assert "profile" not in json.loads(path.read_text())["stages"]["stage1_a"]
 
 
 def test_digest_follows_the_kernel_its_headers_and_launch_code():

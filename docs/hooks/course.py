@@ -80,14 +80,14 @@ class Panel:
     metric: str    # a key of METRICS
 
 
-METRICS = {"tflops": "TFLOP/s", "pct_bandwidth": "% of bandwidth"}
+METRICS = {"tflops": "TFLOP/s", "pct_bandwidth": "% of bandwidth", "ktokens_per_s": "thousand tokens/s"}
 PANELS = (
     Panel("Attention forward", ("attention",), "tflops"),
     Panel("Attention backward", ("attention_backward",), "tflops"),
     Panel("MoE routing: memory-bound, so in % of the memory bandwidth", ("moe_routing",), "pct_bandwidth"),
     Panel("MoE expert GEMMs, and the whole layer", ("moe_experts", "moe_layer"), "tflops"),
     Panel("Expert parallelism: the MoE layer in the grader's world of one", ("moe_expert_parallel",), "tflops"),
-    Panel("The whole model", ("model",), "tflops"),
+    Panel("The whole model: thousands of tokens per second (prefill)", ("model",), "ktokens_per_s"),
 )
 
 
@@ -230,7 +230,15 @@ def timed(st: dict) -> list[dict]:
 
 
 def timed_rows(benches: list[dict]) -> list[dict]:
-    return [b for b in benches if "failure" not in b and b.get("ms")]
+    return [with_token_rate(b) for b in benches if "failure" not in b and b.get("ms")]
+
+
+def with_token_rate(bench: dict) -> dict:
+    """A whole-model row with its rate in thousands of tokens per second (B·S tokens over the time)."""
+    shape = bench.get("shape") or {}
+    if "model" not in shape:
+        return bench
+    return dict(bench, ktokens_per_s=shape["B"] * shape["S"] / bench["ms"])
 
 
 def bench_at(st: dict, shape: str) -> dict | None:
@@ -932,6 +940,7 @@ def speed_table(run: dict, key: str, benches: list[dict], metric: str) -> list[s
         if "failure" in b:
             out.append(f"| {label(b)} | failed: {html.escape(str(b['failure']))} |" + " |" * (len(head) - 2))
             continue
+        b = with_token_rate(b)
         ref = b.get("reference") or {}
         cells = [label(b), num(b.get("ms"), ".3f"), num(b.get(metric), ".1f"),
                  num(b.get('pct_of_reference'), '.1f') + ("" if one_ref else f" ({ref.get('name', '—')})"),

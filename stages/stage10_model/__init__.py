@@ -1,68 +1,127 @@
-"""Stage 10 — the whole model (v0): a Llama/Mixtral-style decoder from the course's kernels
+"""Stage 10 — the whole model: a Llama/Mixtral-style decoder from the course's kernels, in one CUDA graph
 
-v0, the starting point, not the stage: reference/model.py's model with the course's attention (stages.ops:
-stage 4 on sm_90a, stage 3 elsewhere) and MoE layer (stage 7), the residual adds fused with RMSNorm in this
-stage's one kernel (model.cu), everything else plain PyTorch (the projections, RoPE, SwiGLU), launch by
-launch from Python with PyTorch's allocator. Not yet: RoPE fused, a CUDA graph of the whole forward with
-buffers reused across calls. GQA: the attention kernels take as many K/V heads as query heads, so K and V
-are expanded with repeat_interleave (a copy) until GQA attention arrives. Untested on a GPU so far.
+reference/model.py's model (prefill, token embeddings to the last hidden state) with the course's attention
+(stages.ops: stage 4 on sm_90a, stage 3 elsewhere; GQA in the kernel) and MoE layer (stage 7), cuBLAS for the
+dense projections, and this stage's own kernels (model.cu) for every chain of small operations between them:
+the residual add fused with the next RMSNorm, the QKV split with RoPE into the attention's layout, SwiGLU.
+The whole forward is captured once in a CUDA graph and replayed: one launch from Python per forward
+instead of ~10 per layer, its intermediate buffers reused on every replay, no host synchronization.
 """
 import math
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from reference.model import apply_rope, repeat_kv, rope_cos_sin
+from reference.model import rope_cos_sin
 from stages import Goal, Stage
 
-NORM_THREADS = 256  # model.cu's add_rmsnorm: one block of NORM_THREADS per row
+VECTOR = 8            # model.cu: the elements a thread of add_rmsnorm or swiglu moves at once (16 bytes)
+ROPE_THREADS = 256    # rope_split: one block per token
+SWIGLU_THREADS = 256  # swiglu: a thread per VECTOR columns
 
 
 def add_rmsnorm(kernels, h, delta, weight, normed, eps):
-    """h += delta (if delta is not None), normed = RMSNorm(h) · weight: [T, hidden] rows, in one launch."""
+    """h += delta (if delta is not None), normed = RMSNorm(h) · weight: [tokens, hidden] rows, in one launch: a
+    block per row, a thread per VECTOR elements, whole warps."""
     hidden = h.shape[-1]
+    threads = 32 * -(-hidden // (32 * VECTOR))
     null = np.uint64(0)  # a null pointer: no add
-    kernels.add_rmsnorm((h.numel() // hidden,), (NORM_THREADS,), h, null if delta is None else delta, weight, normed,
+    kernels.add_rmsnorm((h.numel() // hidden,), (threads,), h, null if delta is None else delta, weight, normed,
                         hidden, float(eps))
 
 
-def launch(kernels, x, weights, config, out):
+def rope_split(kernels, qkv, cos, sin, batch, seq, heads, kv_heads, head_dim):
+    """qkv [tokens, (H + 2·KV)·D] -> q [B, H, S, D] and k [B, KV, S, D] turned by RoPE, v [B, KV, S, D]."""
+    q = qkv.new_empty(batch, heads, seq, head_dim)
+    k, v = (qkv.new_empty(batch, kv_heads, seq, head_dim) for _ in "kv")
+    kernels.rope_split((batch * seq,), (ROPE_THREADS,), qkv, cos, sin, q, k, v, seq, heads, kv_heads)
+    return q, k, v
+
+
+def swiglu(kernels, g, inter):
+    """SiLU(g[:, :I]) · g[:, I:] for the MLP's first projection g [tokens, 2·I]."""
+    act = g.new_empty(g.shape[0], inter)
+    vectors = act.numel() // VECTOR
+    kernels.swiglu((-(-vectors // SWIGLU_THREADS),), (SWIGLU_THREADS,), g, act, inter, np.int64(vectors))
+    return act
+
+
+def check_widths(config) -> None:
+    """The kernels' vectors tile every row: one line otherwise, before any launch."""
+    hidden, inter = config["hidden"], config["inter"]
+    if hidden % VECTOR or inter % VECTOR or hidden > 1024 * VECTOR:
+        raise ValueError(f"stage 10 needs hidden and inter multiples of {VECTOR} and hidden <= {1024 * VECTOR}; "
+                         f"got hidden {hidden}, inter {inter}")
+
+
+def forward(kernels, x, weights, config, out):
+    """The model, launch by launch on the current stream: what the CUDA graph captures."""
     from stages import ops  # the course's attention and MoE layer as ops (compiled on first use)
 
     L, H, KV, I, E = (config[k] for k in ("layers", "heads", "kv_heads", "inter", "experts"))
     B, S, hidden = x.shape
-    D = hidden // H
-    eps = config["eps"]
+    D, T, eps = hidden // H, B * S, config["eps"]
     cos, sin = rope_cos_sin(S, D, config["rope_theta"], x.dtype, x.device)
-    h = x.clone()                  # the residual stream, updated in place by add_rmsnorm
-    normed = torch.empty_like(x)
-    delta = None                   # the branch output still to add to h
+    h = x.reshape(T, hidden).clone()  # the residual stream, updated in place by add_rmsnorm
+    normed = torch.empty_like(h)
+    delta = None                      # the branch output still to add to h
     for l in range(L):
         add_rmsnorm(kernels, h, delta, weights["attn_norm"][l], normed, eps)
-        q, k, v = (normed @ weights["wqkv"][l]).split((H * D, KV * D, KV * D), dim=-1)
-        q, k, v = (t.reshape(B, S, -1, D).transpose(1, 2) for t in (q, k, v))
-        q, k = apply_rope(q, cos, sin).contiguous(), apply_rope(k, cos, sin)
-        k, v = repeat_kv(k, H // KV).contiguous(), repeat_kv(v, H // KV).contiguous()
+        q, k, v = rope_split(kernels, normed @ weights["wqkv"][l], cos, sin, B, S, H, KV, D)
         o = ops.attention(q, k, v, causal=True, scale=1.0 / math.sqrt(D))
-        delta = o.transpose(1, 2).reshape(B, S, H * D) @ weights["wo"][l]
+        delta = o.transpose(1, 2).reshape(T, H * D) @ weights["wo"][l]
         add_rmsnorm(kernels, h, delta, weights["mlp_norm"][l], normed, eps)
         if E:
-            delta = ops.moe_layer(normed.reshape(B * S, hidden), weights["wr"][l].contiguous(), weights["w1"][l],
-                                  weights["w2"][l], config["top_k"]).reshape(B, S, hidden)
+            delta = ops.moe_layer(normed, weights["wr"][l], weights["w1"][l], weights["w2"][l], config["top_k"])
         else:
-            g = normed @ weights["w1"][l]
-            delta = (F.silu(g[..., :I]) * g[..., I:]) @ weights["w2"][l]
-    add_rmsnorm(kernels, h, delta, weights["norm"], out, eps)
+            delta = swiglu(kernels, normed @ weights["w1"][l], I) @ weights["w2"][l]
+    add_rmsnorm(kernels, h, delta, weights["norm"], out.view(T, hidden), eps)
+
+
+# The one captured forward: its key (what it was captured for), the graph, and the memory pool every capture
+# allocates from. One graph at a time, so that a graph's buffers go back to the pool before the next shape's
+# are taken; one pool for the process, so that no block made in it (cuBLAS's workspace is one) can outlive it.
+_captured = {}
+
+
+def launch(kernels, x, weights, config, out):
+    """The forward as one CUDA graph: captured on the first call for these tensors (after one ordinary run,
+    which compiles and loads every kernel outside the capture), replayed on every call after it. The graph
+    reads x and the weights and writes out at the addresses it was captured with: the key holds them."""
+    check_widths(config)
+    key = (id(kernels), x.data_ptr(), out.data_ptr(), tuple(x.shape), x.dtype, tuple(sorted(config.items())),
+           tuple((n, w.data_ptr()) for n, w in sorted(weights.items())))
+    if _captured.get("key") != key:
+        # cuBLAS keeps a workspace per stream, which a capture uses as it finds it. Made outside the capture,
+        # it would live outside the graph's memory, and whoever frees it (torch.compile's CUDA graphs do,
+        # before each capture of theirs) would leave our graph's matmuls writing into memory that others
+        # then get. So the workspaces are dropped before the capture, which makes its own in the graph's
+        # pool, and dropped again before that graph is, as the next one replaces it.
+        torch._C._cuda_clearCublasWorkspaces()
+        pool = _captured.get("pool") or torch.cuda.MemPool()  # lives as long as this module holds it
+        _captured.clear()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # the warm-up: compiles and loads every kernel outside the capture
+            forward(kernels, x, weights, config, out)
+        torch._C._cuda_clearCublasWorkspaces()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool.id, stream=stream):
+            forward(kernels, x, weights, config, out)
+        torch.cuda.current_stream().wait_stream(stream)
+        _captured.update(key=key, graph=graph, pool=pool)
+    _captured["graph"].replay()
 
 
 STAGE = Stage(
     name="stage10_model",
     problem="model",
     source="model.cu",
-    kernels={"add_rmsnorm": "elem_t*, const elem_t*, const elem_t*, elem_t*, int, float"},
+    kernels={"add_rmsnorm": "elem_t*, const elem_t*, const elem_t*, elem_t*, int, float",
+             "rope_split": "const elem_t*, const elem_t*, const elem_t*, elem_t*, elem_t*, elem_t*, int, int, int",
+             "swiglu": "const elem_t*, elem_t*, int, long long"},
     launch=launch,
     specializations={"HEAD_DIM": "D"},
-    geometry=lambda defines: {"NORM_THREADS": NORM_THREADS},
+    geometry=lambda defines: {"VECTOR": VECTOR, "ROPE_THREADS": ROPE_THREADS, "SWIGLU_THREADS": SWIGLU_THREADS},
     goal=Goal("reference", 1.0),  # the fastest library baseline: torch.compile's, with or without CUDA graphs
 )

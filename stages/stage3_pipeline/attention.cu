@@ -23,7 +23,7 @@
 //            spills), shared 32 + 64 = 96 KB: 2 blocks = 8 warps per SM on Hopper (228 KB), in two
 //            independent blocks -- one block's barrier wait is the other's turn (an A100's 164 KB
 //            hold one block). 64-key tiles fit in 255 registers only with two economies, the
-//            cp.async address code of load_tile_from_base and the lazy rescale of
+//            cp.async address code of load_tile_from_base (swizzle.cuh) and the lazy rescale of
 //            online_softmax_lazy: without the first ptxas spills 96 bytes, without the second 36.
 // (Predictions and measurements, 64-key tiles against 32-key ones at D = 128: results/NOTES.md.)
 //
@@ -33,6 +33,7 @@
 // Causal masking is top-left aligned, as in PyTorch: query i sees keys j <= i.
 #include "mma.cuh"
 #include "cp_async.cuh"
+#include "swizzle.cuh"  // swizzle<ROW_BYTES> and the cp.async copies of a tile
 
 // The tile configuration, per head dimension. A warp owns M_TILES m16 tiles (16 query rows each)
 // and keeps, in fp32 registers, O (M_TILES·D/2) and S (M_TILES·BLOCK_N/2) -- the count decides.
@@ -54,7 +55,6 @@ constexpr int MIN_BLOCKS_PER_SM = 2;                // caps registers at 65536 /
 constexpr bool Q_IN_REGISTERS = M_TILES == 1;       // else re-read from shared memory every tile
 constexpr bool LAZY_RESCALE = HEAD_DIM == 128;      // online_softmax_lazy; else mma.cuh's exact online_softmax
 constexpr int Q_HELD_STEPS = Q_IN_REGISTERS ? HEAD_DIM / 16 : 1;  // k-steps of Q fragments held at once
-constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;  // 16-byte chunks in a row of D elements
 constexpr int ROW_BYTES = HEAD_DIM * 2;       // rows are not padded: the swizzle does that job
 constexpr int Q_TILE_BYTES = BLOCK_M * ROW_BYTES;
 constexpr int KV_TILE_BYTES = BLOCK_N * ROW_BYTES;
@@ -63,91 +63,16 @@ constexpr int D_STEPS = HEAD_DIM / 16;        // k-steps of Q·Kᵀ (16 columns 
 constexpr int S_FRAGS = BLOCK_N / 8;          // n8 fragments of an m-tile's 16 × BLOCK_N scores
 constexpr int O_FRAGS = HEAD_DIM / 8;         // n8 fragments of an m-tile's 16 × D output
 static_assert(sizeof(elem_t) == 2, "ldmatrix and the chunk arithmetic assume 16-bit elements");
-static_assert(CHUNKS_PER_ROW >= 8, "the swizzle permutes chunks in groups of 8");
 
-// --8<-- [start:swizzle]
-// Byte offset of 16-byte chunk `chunk` (elements 8·chunk .. 8·chunk+7) of row `row` of a tile.
-//
-// Shared memory has 32 banks of 4 bytes: a 16-byte chunk covers 4 banks, and a 128-byte line
-// holds the 8 possible groups of 4 banks. Rows here are 128 or 256 bytes, so without a swizzle
-// chunk c of every row sits in the same bank group, and ldmatrix -- which reads one chunk from
-// each of 8 consecutive rows at a time -- would be served one row after another, 8 times slower.
-// XORing the chunk index with row % 8 moves chunk c of row r to position c ^ r:
-//
-//              position:  0  1  2  3  4  5  6  7        (D = 64: one 128-byte line per row)
-//     row 0 holds chunk   0  1  2  3  4  5  6  7
-//     row 1               1  0  3  2  5  4  7  6
-//     row 2               2  3  0  1  6  7  4  5
-//     row 3               3  2  1  0  7  6  5  4
-//      ...                                              (row 7: 7 6 5 4 3 2 1 0)
-//
-// Chunk c of rows 0..7 now lies in 8 different positions (one column of the picture has every
-// number once): ldmatrix reads are conflict-free. A row still occupies whole 128-byte lines, so
-// cp.async stores of consecutive chunks of a row are conflict-free too. At D = 128 a row is two
-// lines and the XOR, on the low 3 bits of the chunk index, permutes within each line.
-__device__ __forceinline__ unsigned swizzle(int row, int chunk) {
-    return row * ROW_BYTES + ((chunk ^ (row % 8)) * 16);
-}
-// --8<-- [end:swizzle]
-
-// The cp.async copies of rows [0, rows) of a row-major [*, HEAD_DIM] global tile into a swizzled
-// tile of TILE_ROWS rows at shared address `tile`; rows past `rows` are zero-filled (a key row
-// of zeros still meets p = 0 in P·V, but 0 × garbage can be NaN). Neighbouring threads copy
-// neighbouring chunks of a row: coalesced reads, conflict-free writes. Two ways to write the
-// addresses, the same copies: which one fits the register cap without spilling depends on D.
-
-// D = 64: one index i per copy, taken apart into (row, chunk) and swizzled.
-template <int TILE_ROWS>
-__device__ __forceinline__ void load_tile_by_index(unsigned tile, const elem_t* source, int rows) {
-    static_assert(TILE_ROWS * CHUNKS_PER_ROW % NUM_THREADS == 0, "every thread copies as many chunks");
-#pragma unroll
-    for (int step = 0; step < TILE_ROWS * CHUNKS_PER_ROW / NUM_THREADS; ++step) {
-        const int i = step * NUM_THREADS + threadIdx.x;
-        const int row = i / CHUNKS_PER_ROW, chunk = i % CHUNKS_PER_ROW;
-        const bool valid = row < rows;
-        const elem_t* from = source + (size_t)(valid ? row : 0) * HEAD_DIM + chunk * 8;  // row 0 exists
-        cp_async_16(tile + swizzle(row, chunk), from, valid);
-    }
-}
-
-// D = 128: a thread copies the same chunk of rows row0, row0 + ROWS_PER_STEP, ...; ROWS_PER_STEP
-// is a multiple of 8, so every one of these rows has the same swizzle term, and the addresses are
-// one shared and one global base plus compile-time offsets. The per-index form above costs
-// registers here: ptxas hoisted its per-chunk index arithmetic out of the K/V loop and kept some
-// 14-18 more registers live through it, and at D = 128 that alone spills 96 bytes. threadIdx.x is
-// read through a volatile asm, a value ptxas cannot hoist either: the two bases are recomputed
-// by a few integer instructions per call instead of being held. (At D = 64 it is the other way
-// round: this form spills 12 bytes at the cap of 128 registers, the per-index one none.)
-template <int TILE_ROWS>
-__device__ __forceinline__ void load_tile_from_base(unsigned tile, const elem_t* source, int rows) {
-    constexpr int ROWS_PER_STEP = NUM_THREADS / CHUNKS_PER_ROW;
-    static_assert(NUM_THREADS % CHUNKS_PER_ROW == 0 && ROWS_PER_STEP % 8 == 0, "the swizzle repeats every 8 rows");
-    static_assert(TILE_ROWS % ROWS_PER_STEP == 0, "every thread copies as many chunks");
-    unsigned thread;
-    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(thread));
-    const int row0 = (int)(thread / CHUNKS_PER_ROW), chunk = (int)(thread % CHUNKS_PER_ROW);
-    const unsigned to = tile + swizzle(row0, chunk);
-    const elem_t* from = source + row0 * HEAD_DIM + chunk * 8;
-    if (rows >= TILE_ROWS) {  // a whole tile (all but the last): no predicates
-#pragma unroll
-        for (int step = 0; step < TILE_ROWS / ROWS_PER_STEP; ++step)
-            cp_async_16(to + step * ROWS_PER_STEP * ROW_BYTES, from + step * ROWS_PER_STEP * HEAD_DIM, true);
-    } else {
-#pragma unroll
-        for (int step = 0; step < TILE_ROWS / ROWS_PER_STEP; ++step) {
-            const bool valid = row0 + step * ROWS_PER_STEP < rows;
-            cp_async_16(to + step * ROWS_PER_STEP * ROW_BYTES,
-                        valid ? from + step * ROWS_PER_STEP * HEAD_DIM : source, valid);  // row 0 exists
-        }
-    }
-}
-
+// The copies of a Q, K or V tile into its swizzled buffer (swizzle.cuh): one index per copy at
+// D = 64, one shared and one global base at D = 128 -- at each D the form that fits the register
+// cap without spilling (see load_tile_from_base).
 template <int TILE_ROWS>
 __device__ __forceinline__ void load_tile_async(unsigned tile, const elem_t* source, int rows) {
     if constexpr (HEAD_DIM == 64)
-        load_tile_by_index<TILE_ROWS>(tile, source, rows);
+        load_tile_by_index<TILE_ROWS, HEAD_DIM, NUM_THREADS>(tile, source, rows);
     else
-        load_tile_from_base<TILE_ROWS>(tile, source, rows);
+        load_tile_from_base<TILE_ROWS, HEAD_DIM, NUM_THREADS, /*UNPREDICATED_WHOLE_TILES=*/true>(tile, source, rows);
 }
 
 // Issues the copies of K and V tile `tile` into ring buffer tile % KV_STAGES.
@@ -160,10 +85,10 @@ __device__ __forceinline__ void load_kv_tile_async(unsigned k_ring, unsigned v_r
 }
 
 // The warp-level math of stage 2, reading swizzled tiles: the lane -> (row, chunk) mapping of
-// ldmatrix is unchanged (mma.cuh), only the address of a chunk is now swizzle(row, chunk).
+// ldmatrix is unchanged (mma.cuh), only the address of a chunk is now swizzle<ROW_BYTES>(row, chunk).
 // The A operand of Q for k-step kk of the 16 rows from tile row `row0` on.
 __device__ __forceinline__ void load_q_fragment(unsigned (&a)[4], unsigned q_tile, int row0, int kk, int lane) {
-    ldmatrix_x4(a, q_tile + swizzle(row0 + a_order_row(lane), 2 * kk + a_order_chunk(lane)));
+    ldmatrix_x4(a, q_tile + swizzle<ROW_BYTES>(row0 + a_order_row(lane), 2 * kk + a_order_chunk(lane)));
 }
 
 // S[WARP_ROWS × BLOCK_N] = Q · Kᵀ for the warp's M_TILES m-tiles (see stage 2),
@@ -193,7 +118,7 @@ __device__ __forceinline__ void warp_scores(float (&s)[M_TILES][S_FRAGS][4],
         for (int j = 0; j < INNER; ++j) {
             const int n16 = Q_IN_REGISTERS ? i : j, kk = Q_IN_REGISTERS ? j : i;
             unsigned k_frag[4];  // b[0], b[1] of keys 16·n16 + 0..7, then of keys + 8..15
-            ldmatrix_x4(k_frag, k_tile + swizzle(16 * n16 + row, 2 * kk + chunk));
+            ldmatrix_x4(k_frag, k_tile + swizzle<ROW_BYTES>(16 * n16 + row, 2 * kk + chunk));
 #pragma unroll
             for (int mt = 0; mt < M_TILES; ++mt) {
                 const unsigned (&a)[4] = *(Q_IN_REGISTERS ? &q_frag[mt][kk % Q_HELD_STEPS] : &q_read[mt]);
@@ -217,7 +142,7 @@ __device__ __forceinline__ void warp_pv(float (&o)[M_TILES][O_FRAGS][4], const f
 #pragma unroll
         for (int d16 = 0; d16 < D_STEPS; ++d16) {
             unsigned v_frag[4];
-            ldmatrix_x4_trans(v_frag, v_tile + swizzle(16 * k16 + row, 2 * d16 + chunk));
+            ldmatrix_x4_trans(v_frag, v_tile + swizzle<ROW_BYTES>(16 * k16 + row, 2 * d16 + chunk));
 #pragma unroll
             for (int mt = 0; mt < M_TILES; ++mt) {
                 mma_m16n8k16<elem_t>(o[mt][2 * d16], p_frag[mt], v_frag[0], v_frag[1]);

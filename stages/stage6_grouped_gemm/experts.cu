@@ -38,6 +38,7 @@
 #include "tma.cuh"
 #include "wgmma.cuh"
 #include "moe.cuh"
+#include "swizzle.cuh"  // swizzle<128>: TMA's 128-byte swizzle, for the epilogue's stores
 #include "stage6_grouped_gemm/schedule.cuh"  // BLOCK_M = 128 rows per tile (2 consumer warpgroups × 64), Scheduler
 
 constexpr int BLOCK_N = 256;                            // B columns per tile: one wgmma n256
@@ -109,9 +110,9 @@ __device__ __forceinline__ void mainloop(float (&acc)[ACC_FRAGS][4], unsigned ba
 // --8<-- [start:epilogue]
 // A consumer's 64 × OUT_COLS results into its shared-memory buffer, as the 64-column boxes the TMA
 // store copies out: 64 rows of 128 bytes each, 16-byte chunk c of row r at position c ^ (r % 8) (the
-// 128-byte swizzle). Entry j of a warp's float[32][4] is rows g, g+8 × columns 8j + 2t, +1 of its 16
-// rows (g = lane / 4, t = lane % 4): for one j the 8 rows g land in 8 different chunks, so the 32
-// lanes' 4-byte stores hit 32 different banks. SwiGLU: entry j (j < 16) holds gate columns and entry
+// 128-byte swizzle, stage 3's swizzle<128>). Entry j of a warp's float[32][4] is rows g, g+8 ×
+// columns 8j + 2t, +1 of its 16 rows (g = lane / 4, t = lane % 4): for one j the 8 rows g land in 8
+// different chunks, so the 32 lanes' 4-byte stores hit 32 different banks. SwiGLU: entry j (j < 16) holds gate columns and entry
 // j + 16 the up columns of the same outputs.
 template <bool SWIGLU>
 __device__ __forceinline__ void stage_tile(const float (&acc)[ACC_FRAGS][4], unsigned char* buffer, int warp_in_group,
@@ -132,7 +133,7 @@ __device__ __forceinline__ void stage_tile(const float (&acc)[ACC_FRAGS][4], uns
                 // END EXERCISE
             }
             const int row = warp_in_group * 16 + lane / 4 + 8 * half;
-            unsigned char* at = buffer + box * OUT_BOX_BYTES + row * 128 + ((chunk ^ (row % 8)) * 16) + (lane % 4) * 4;
+            unsigned char* at = buffer + box * OUT_BOX_BYTES + swizzle<128>(row, chunk) + (lane % 4) * 4;
             *reinterpret_cast<unsigned*>(at) = pack_pair<elem_t>(v0, v1);
         }
     }

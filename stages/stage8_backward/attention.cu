@@ -24,6 +24,7 @@
 // aligned, as in PyTorch: query i sees keys j <= i.
 #include "mma.cuh"
 #include "cp_async.cuh"
+#include "swizzle.cuh"  // stage 3's swizzle<ROW_BYTES> and cp.async copies of a tile
 #include "attention_backward.cuh"  // the preprocess and the dQ conversion, shared with stage 9
 
 // The tile configuration, per head dimension.
@@ -63,18 +64,10 @@ static_assert(sizeof(elem_t) == 2, "ldmatrix and the chunk arithmetic assume 16-
 static_assert(NUM_WARPS % M_STEPS == 0 && DQ_COLS % 16 == 0, "dQ's tiles divide among the warps");
 static_assert(NUM_WARPS / 2 * STAGING_BYTES <= Q_TILE_BYTES, "half the warps stage dQ in a Q buffer, half in a dO one");
 
-// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of ROW bytes per row: the chunk index
-// XOR row % 8, stage 3's swizzle, so that ldmatrix's 8 rows and the stores of a warp hit 8 distinct
-// groups of banks. Rows here are 128 or 256 bytes (8 or 16 chunks).
-template <int ROW>
-__device__ __forceinline__ unsigned swizzle(int row, int chunk) {
-    static_assert(ROW % 128 == 0, "the swizzle permutes the 8 chunks of each 128-byte line");
-    return row * ROW + ((chunk ^ (row % 8)) * 16);
-}
-
-// The same addresses for ldmatrix, in two parts. A lane reads row lane_row + R, chunk lane_chunk + C
-// of a tile, with R a multiple of 8 and C even (a 16 × 16 block at rows R, columns 8C); since C + lane_chunk
-// = C ^ lane_chunk and row % 8 = lane_row % 8,
+// The addresses of swizzle<ROW> (swizzle.cuh: stage 3's swizzle; rows of 128 or 256 bytes here) for
+// ldmatrix, in two parts. A lane reads row lane_row + R, chunk lane_chunk + C of a tile, with R a
+// multiple of 8 and C even (a 16 × 16 block at rows R, columns 8C); since C + lane_chunk = C ^ lane_chunk
+// and row % 8 = lane_row % 8,
 //     swizzle(R + lane_row, C + lane_chunk) = (swizzle(lane_row, lane_chunk) ^ 16·C) + R·ROW
 // (the XOR reaches no bit of R·ROW, nor of the tile's address: tiles start at multiples of ROW). So
 // each lane computes its address once per tile and order (lane_address), and every ldmatrix is one
@@ -89,29 +82,11 @@ __device__ __forceinline__ unsigned block_address(unsigned lane_base, int row, i
     return (lane_base ^ (16 * chunk)) + row * ROW;
 }
 
-// cp.async copies of rows [0, rows) of a row-major [*, HEAD_DIM] global tile into a swizzled tile of
-// TILE_ROWS rows; rows past `rows` are zero-filled (a zero query or key row adds nothing to any product).
-// A thread copies the same chunk of rows row0, row0 + ROWS_PER_STEP, ...: one swizzle term for all (a
-// multiple of 8 rows apart), so the addresses are two bases plus compile-time offsets. threadIdx.x is
-// read through a volatile asm, which ptxas cannot hoist: it recomputes the bases at each call rather
-// than holding a dozen per-copy addresses through the loop (stage 3's load_tile_from_base; held, they
-// spill at D = 128).
+// The cp.async copies of a Q, dO, K or V tile into its swizzled buffer (swizzle.cuh), every copy's
+// row tested (zero-filled past `rows`).
 template <int TILE_ROWS>
 __device__ __forceinline__ void load_tile_async(unsigned tile, const elem_t* source, int rows) {
-    constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;
-    constexpr int ROWS_PER_STEP = NUM_THREADS / CHUNKS_PER_ROW;
-    static_assert(ROWS_PER_STEP % 8 == 0 && TILE_ROWS % ROWS_PER_STEP == 0, "every thread copies as many chunks");
-    unsigned thread;
-    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(thread));
-    const int row0 = (int)(thread / CHUNKS_PER_ROW), chunk = (int)(thread % CHUNKS_PER_ROW);
-    const unsigned to = tile + swizzle<ROW_BYTES>(row0, chunk);
-    const elem_t* from = source + row0 * HEAD_DIM + chunk * 8;
-#pragma unroll
-    for (int step = 0; step < TILE_ROWS / ROWS_PER_STEP; ++step) {
-        const bool valid = row0 + step * ROWS_PER_STEP < rows;
-        cp_async_16(to + step * ROWS_PER_STEP * ROW_BYTES, valid ? from + step * ROWS_PER_STEP * HEAD_DIM : source,
-                    valid);  // an invalid copy reads nothing, but its address must be valid: row 0
-    }
+    load_tile_from_base<TILE_ROWS, HEAD_DIM, NUM_THREADS, /*UNPREDICATED_WHOLE_TILES=*/false>(tile, source, rows);
 }
 
 // The BLOCK_M fp32 values of a query tile (the LSE or Δ; the preprocess padded them to whole tiles).

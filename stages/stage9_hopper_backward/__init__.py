@@ -4,29 +4,34 @@ sm_90a only. Stage 8's backward (a block per 128 keys keeps dK and dV while it w
 recomputing P; five products per tile) in the FlashAttention-3 style: a producer warpgroup copies K
 and V once, then each query tile's Q, dO, LSE and Δ, with TMA into a 2-slot mbarrier ring; two
 consumer warpgroups (64 keys each) run the five products with wgmma, Pᵀ and dSᵀ from registers; dQ
-summed over key tiles with fp32 red.global.add. Stage 8's preprocess and dQ conversion, unchanged.
+summed over key tiles in fp32, each tile added from shared memory by one bulk reduce-add that a thread of
+the producer warpgroup issues. Stage 8's preprocess and dQ conversion, unchanged.
+
+Grouped-query attention in the kernel: a block owns 128 keys of one KV head and walks the query tiles of
+every query head of its group, dK and dV summed in its registers.
 """
 import torch
 
 from stages import Goal, Stage
-from stages.common.attention import MAX_GRID_YZ, by_head_dim
+from stages.common.attention import MAX_GRID_YZ, by_head_dim, kv_group
 from stages.common.hopper import tensor_map
 
 # What the launch uses, per head dimension, as attention.cu computes it (the grader checks each value
 # against the kernel): keys per block (2 consumer warpgroups × 64), query rows per tile, threads (a
 # producer warpgroup + 2 consumers), the width of a TMA box (64 16-bit elements, the 128-byte
-# swizzle's), dynamic shared memory (K, V, 2 buffers of Q and dO, 2 of dSᵀ, 2 of the LSE and Δ, the
-# mbarriers, 1 KB to align the tiles to 1024 bytes); the preprocess's rows per block and threads, the
+# swizzle's), dynamic shared memory (K, V, 2 buffers of Q and dO, 2 of dSᵀ, 2 of the fp32 dQ, 2 of the
+# LSE and Δ, the mbarriers, 1 KB to align the tiles to 1024 bytes: at D = 128 all but 952 bytes of the
+# 227 KB an H100 block may have); the preprocess's rows per block and threads, the
 # dQ conversion's threads (stages/common/attention_backward.cuh).
-GEOMETRY = {64: {"BLOCK_N": 128, "BLOCK_M": 64, "NUM_THREADS": 384, "ATOM_COLS": 64, "SHARED_BYTES": 100392,
+GEOMETRY = {64: {"BLOCK_N": 128, "BLOCK_M": 64, "NUM_THREADS": 384, "ATOM_COLS": 64, "SHARED_BYTES": 133192,
                  "ROWS_PER_PREPROCESS_BLOCK": 32, "PREPROCESS_THREADS": 256, "CONVERT_THREADS": 256},
-            128: {"BLOCK_N": 128, "BLOCK_M": 64, "NUM_THREADS": 384, "ATOM_COLS": 64, "SHARED_BYTES": 165928,
+            128: {"BLOCK_N": 128, "BLOCK_M": 64, "NUM_THREADS": 384, "ATOM_COLS": 64, "SHARED_BYTES": 231496,
                   "ROWS_PER_PREPROCESS_BLOCK": 16, "PREPROCESS_THREADS": 256, "CONVERT_THREADS": 256}}
 
 KERNELS = {
     "attention_bwd_preprocess": "const elem_t*, const elem_t*, const float*, float*, float*, float*, int, int, int",
     "attention_bwd": "const TmaMap, const TmaMap, const TmaMap, const TmaMap, const float*, const float*, float*, "
-                     "elem_t*, elem_t*, int, int, int, float, int, int",
+                     "elem_t*, elem_t*, int, int, int, float, int, int, int",
     "attention_bwd_dq": "const float*, elem_t*, float, int",
 }
 
@@ -36,15 +41,15 @@ def _blocks(n: int, per_block: int) -> int:
 
 
 def _tensor_map(x, box_rows: int, box_cols: int):
-    """A TMA descriptor over x [B, H, S, D] viewed as 3-D [B·H, S, D]: boxes of 1 × box_rows × box_cols with
-    the 128-byte swizzle; rows past S inside a head read as zeros (stage 4's)."""
+    """A TMA descriptor over x [B, H, S, D] (K and V: [B, H_kv, S, D]) viewed as 3-D [B·H, S, D]: boxes of
+    1 × box_rows × box_cols with the 128-byte swizzle; rows past S inside a head read as zeros (stage 4's)."""
     batch, heads, seq, head_dim = x.shape
     return tensor_map(x.reshape(batch * heads, seq, head_dim), (1, box_rows, box_cols))
 
 
 def launch(kernels, q, k, v, o, lse, d_o, dq, dk, dv, scale, causal) -> None:
     batch, heads, seq_q, head_dim = q.shape
-    seq_kv = k.shape[2]
+    seq_kv, group = k.shape[2], kv_group(q, k)  # query heads per KV head
     launched = GEOMETRY[head_dim]
     block_m, block_n, box_cols = launched["BLOCK_M"], launched["BLOCK_N"], launched["ATOM_COLS"]
     # Workspace, as stage 8: the LSE in log2 units and Δ per query row, padded to whole query tiles
@@ -61,12 +66,14 @@ def launch(kernels, q, k, v, o, lse, d_o, dq, dk, dv, scale, causal) -> None:
                                      seq_q, seq_q_padded, pairs)
     q_map, do_map = _tensor_map(q, block_m, box_cols), _tensor_map(d_o, block_m, box_cols)
     k_map, v_map = _tensor_map(k, block_n, box_cols), _tensor_map(v, block_n, box_cols)
-    # The tensor maps cover every (batch, head) pair: launches of at most MAX_GRID_YZ pairs in grid.y,
-    # each told its first pair.
-    for head0 in range(0, pairs, MAX_GRID_YZ):
-        kernels.attention_bwd((_blocks(seq_kv, block_n), min(MAX_GRID_YZ, pairs - head0)), (launched["NUM_THREADS"],),
-                              q_map, k_map, v_map, do_map, lse_log2, delta, dq_accum, dk, dv, seq_q, seq_kv,
-                              seq_q_padded, scale, int(causal), head0, smem=launched["SHARED_BYTES"])
+    # A block per (128 keys, KV pair), walking the group's query heads. The tensor maps cover every pair:
+    # launches of at most MAX_GRID_YZ KV pairs in grid.y, each told its first KV pair.
+    kv_pairs = batch * k.shape[1]
+    for kv_pair0 in range(0, kv_pairs, MAX_GRID_YZ):
+        kernels.attention_bwd((_blocks(seq_kv, block_n), min(MAX_GRID_YZ, kv_pairs - kv_pair0)),
+                              (launched["NUM_THREADS"],), q_map, k_map, v_map, do_map, lse_log2, delta, dq_accum, dk,
+                              dv, seq_q, seq_kv, seq_q_padded, scale, int(causal), group, kv_pair0,
+                              smem=launched["SHARED_BYTES"])
     groups = dq.numel() // 8
     kernels.attention_bwd_dq((_blocks(groups, launched["CONVERT_THREADS"]),), (launched["CONVERT_THREADS"],),
                              dq_accum, dq, scale, groups)

@@ -3,7 +3,9 @@
 //
 // Stage 8's algorithm (a block per tile of keys keeps dK and dV while it walks the query tiles,
 // recomputing P; five products per tile; dQ summed over key tiles with fp32 atomics), on stage 4's
-// machinery:
+// machinery, with grouped-query attention in the kernel: a block owns 128 keys of one KV head and walks
+// the query tiles of every query head of its group, so dK and dV -- sums over the group -- never leave
+// its registers (no K, V repeated per query head, no sum afterwards):
 //   TMA      a producer thread copies K and V once, then per query tile Q and dO (boxes of the
 //            tensor maps built by the launch) and the tile's LSE and Δ (plain bulk copies), into
 //            128-byte-swizzled shared memory; every copy counts its bytes on an mbarrier.
@@ -19,33 +21,46 @@
 //            queries as rows: dSᵀ goes through shared memory once, and wgmma reads it transposed
 //            (imm-trans-a), where stage 8 used ldmatrix.trans.
 //   warp specialization  a producer warpgroup (24 registers: setmaxnreg) and two consumer warpgroups
-//            (240), consumer c owning keys 64c .. 64c+63 of the block's 128 and their dK and dV.
+//            (240), consumer c owning keys 64c .. 64c+63 of the block's 128 and their dK and dV. In the
+//            producer warpgroup, thread 0 issues the loads and thread 32 (the next warp) dQ's bulk adds.
 //
-// Per query tile, the schedule of a consumer warpgroup (both run it side by side):
+// Per query tile, the schedule of a consumer warpgroup (both run it side by side), the softmax under
+// the products as FlashAttention-3 overlaps it: what the threads do, and beneath, what the tensor
+// cores run meanwhile:
 //
-//   wait Q_FULL | Sᵀ, dPᵀ (wgmma) | P, dS (CUDA cores) | dSᵀ -> smem | dV, dK (wgmma, async) ...
-//     ... | bar DS_READY (both consumers' dSᵀ are in) | dQ (wgmma) | wait all | arrive Q_EMPTY | red dQ
-//   producer: | K V | Q0 dO0 | Q1 dO1 | (wait Q_EMPTY of slot 0) Q2 dO2 | ...
+//   threads:      wait Q_FULL | issue Sᵀ, dPᵀ | wait Sᵀ | P | issue dV | wait dPᵀ | dS, dSᵀ -> smem | issue dK ...
+//   tensor cores:               Sᵀ ........... dPᵀ ................... dV ....................... dK ...
+//   threads:      ... bar DS_READY (both consumers' dSᵀ are in) | issue dQ | wait all | arrive Q_EMPTY ...
+//                 ... wait DQ_EMPTY | dQ -> smem | arrive DQ_FULL
+//   producer, thread 0:  | K V | Q0 dO0 | Q1 dO1 | (wait Q_EMPTY of slot 0) Q2 dO2 | ...
+//   producer, thread 32: (wait DQ_FULL) bulk reduce-add of dQ0 | wait until read | arrive DQ_EMPTY | ...
 //
 // dQ: at D = 128 each consumer computes 64 of the 128 columns of the tile's dQ over all 128 keys (so
 // both consumers' dSᵀ must be in shared memory: the named barrier DS_READY); at D = 64 each computes
-// all 64 columns over its own 64 keys (two partial sums, both added to global memory). Either way a
-// consumer's dQ accumulator is 64 × 64 (32 registers) and one wgmma shape serves. The fp32 dQ is
-// accumulated in global memory with red.global.add.v2.f32 straight from the accumulators (the
-// simplest; stage 8 measured whole-row v4 adds through shared memory a little faster, and
-// FlashAttention-3 uses TMA reduce-adds from a separate warp: see the lesson).
+// all 64 columns over its own 64 keys, two partial sums. Either way a consumer's dQ accumulator is
+// 64 × 64 (32 registers) and one wgmma shape serves. The fp32 dQ is summed over the key tiles in global
+// memory, FlashAttention-3's way: the consumers store the tile's dQ in shared memory (at D = 64
+// consumer 1 adds its partial sum to consumer 0's there: see hand_over_dq), and one thread adds the
+// whole tile to global memory with one bulk reduce-add (cp.reduce.async.bulk .add.f32), the copy
+// engine's, while the consumers go on with the next tile in the other of DQ_STAGES buffers. It replaced
+// red.global.add.v2.f32 straight from the accumulators (the consumers' own LSU instructions, 1,024
+// sector-sized atomics into L2 per query tile, the two consumers together): on the H100 that took
+// the backward from 0.70× to 0.91× cuDNN's speed at D = 128 (docs/stages/stage9.md).
 //
 // Registers per consumer thread: dK and dV D/2 each (128 at D = 128), Sᵀ and dPᵀ 32 each, Pᵀ and dSᵀ
 // as A operands 16 each, dQ 32.
 // Shared memory: K, V 128·D·2 each; Q, dO Q_STAGES·64·D·2 each; dSᵀ 2 × 128·64·2 (double-buffered,
-// so that one named barrier per tile suffices: see consume()); LSE, Δ Q_STAGES·256 bytes each;
-// barriers; 1 KB to align to 1024. D = 128: 161 KB; D = 64: 98 KB. One block per SM.
+// so that one named barrier per tile suffices: see consume()); dQ DQ_STAGES × 64·D·4; LSE, Δ
+// Q_STAGES·256 bytes each; barriers; 1 KB to align to 1024. D = 128: 226 KB (of the 227 a block may
+// have); D = 64: 129 KB. One block per SM.
 //
-// Tensors are [B, H, S, D] contiguous; tensor maps over [B·H, S, D], so boxes never cross into the
-// next head (rows past S read as zeros). Causal masking is top-left aligned: query i sees keys j <= i.
+// Tensors are [B, H, S, D] contiguous (K, V, dK, dV: [B, H_kv, S, D]); tensor maps over [B·H, S, D] and
+// [B·H_kv, S, D], so boxes never cross into the next head (rows past S read as zeros). Causal masking is
+// top-left aligned: query i sees keys j <= i.
 #include "mma.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
+#include "swizzle.cuh"  // swizzle<128>: TMA's 128-byte swizzle, for the dSᵀ stores
 #include "attention_backward.cuh"  // the preprocess, the dQ conversion, probabilities()
 
 constexpr int BLOCK_N = 128;                          // keys per block
@@ -54,6 +69,7 @@ constexpr int CONSUMERS = 2;                          // consumer warpgroups, 64
 constexpr int CONSUMER_KEYS = BLOCK_N / CONSUMERS;    // = wgmma's M
 constexpr int Q_STAGES = 2;                           // buffers of the query-side ring
 constexpr int DS_STAGES = 2;                          // buffers of dSᵀ
+constexpr int DQ_STAGES = 2;                          // buffers of a query tile's fp32 dQ
 constexpr int NUM_THREADS = (1 + CONSUMERS) * 128;    // + the producer warpgroup
 constexpr int CONSUMER_THREADS = CONSUMERS * 128;
 constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
@@ -63,6 +79,7 @@ constexpr int KV_TILE_BYTES = BLOCK_N * HEAD_DIM * 2;
 constexpr int Q_TILE_BYTES = BLOCK_M * HEAD_DIM * 2;
 constexpr int DS_TILE_BYTES = BLOCK_N * BLOCK_M * 2;  // dSᵀ [key][query]: 128-byte rows, one column block
 constexpr int VECTOR_BYTES = BLOCK_M * 4;             // the LSE or Δ of a query tile, fp32
+constexpr int DQ_TILE_BYTES = BLOCK_M * HEAD_DIM * 4; // a query tile's dQ, fp32 rows as in global memory
 constexpr int M_FRAGS = BLOCK_M / 8;                  // n8 fragments of a warp's 16 keys × BLOCK_M queries
 constexpr int M_STEPS = BLOCK_M / 16;                 // k-steps of dV and dK (16 queries each)
 constexpr int D_FRAGS = HEAD_DIM / 8;                 // n8 fragments of a warp's 16 keys × D
@@ -70,18 +87,22 @@ constexpr int DQ_COLS = 64;                           // columns of dQ per consu
 constexpr int DQ_FRAGS = DQ_COLS / 8;
 constexpr int DQ_KEYS = HEAD_DIM == 128 ? BLOCK_N : CONSUMER_KEYS;  // keys summed by a consumer's dQ
 constexpr int DS_READY = 1;                           // named barrier: both consumers' dSᵀ are stored
+constexpr int DQ_PARTIAL = 2;                         // named barrier (D = 64): consumer 0's dQ is stored
 // Layout of the dynamic shared memory, from a 1024-byte-aligned base.
 constexpr int K_TILE = 0;
 constexpr int V_TILE = K_TILE + KV_TILE_BYTES;
 constexpr int Q_RING = V_TILE + KV_TILE_BYTES;
 constexpr int DO_RING = Q_RING + Q_STAGES * Q_TILE_BYTES;
 constexpr int DS_RING = DO_RING + Q_STAGES * Q_TILE_BYTES;
-constexpr int LSE_RING = DS_RING + DS_STAGES * DS_TILE_BYTES;
+constexpr int DQ_RING = DS_RING + DS_STAGES * DS_TILE_BYTES;
+constexpr int LSE_RING = DQ_RING + DQ_STAGES * DQ_TILE_BYTES;
 constexpr int DELTA_RING = LSE_RING + Q_STAGES * VECTOR_BYTES;
 constexpr int BARRIERS = DELTA_RING + Q_STAGES * VECTOR_BYTES;  // then 8-byte mbarriers:
-constexpr int KV_FULL = 0, Q_FULL = 1, Q_EMPTY = 1 + Q_STAGES, NUM_BARRIERS = 1 + 2 * Q_STAGES;
+constexpr int KV_FULL = 0, Q_FULL = 1, Q_EMPTY = Q_FULL + Q_STAGES, DQ_FULL = Q_EMPTY + Q_STAGES,
+              DQ_EMPTY = DQ_FULL + DQ_STAGES, NUM_BARRIERS = DQ_EMPTY + DQ_STAGES;
 constexpr int SHARED_BYTES = BARRIERS + 8 * NUM_BARRIERS + 1024;  // + 1 KB to align the base to 1024 bytes
 static_assert(SHARED_BYTES <= 227 * 1024, "an H100 block has at most 227 KB of shared memory");
+static_assert(DQ_TILE_BYTES % 16 == 0 && (HEAD_DIM * 4) % 16 == 0, "bulk copies move whole 16-byte units");
 static_assert(sizeof(elem_t) == 2, "16-bit elements");
 static_assert(HEAD_DIM % ATOM_COLS == 0, "D is a whole number of 128-byte column blocks");
 static_assert(CONSUMERS * DQ_COLS * DQ_KEYS == HEAD_DIM * BLOCK_N, "the consumers' dQ parts cover D × the block's keys");
@@ -98,12 +119,22 @@ struct SharedMemory {
     __device__ unsigned q_slot(int slot) const { return base + Q_RING + slot * Q_TILE_BYTES; }
     __device__ unsigned do_slot(int slot) const { return base + DO_RING + slot * Q_TILE_BYTES; }
     __device__ unsigned ds_slot(int slot) const { return base + DS_RING + slot * DS_TILE_BYTES; }
+    __device__ unsigned dq_slot(int slot) const { return base + DQ_RING + slot * DQ_TILE_BYTES; }
     __device__ unsigned lse_slot(int slot) const { return base + LSE_RING + slot * VECTOR_BYTES; }
     __device__ unsigned delta_slot(int slot) const { return base + DELTA_RING + slot * VECTOR_BYTES; }
     __device__ const float* floats(unsigned address) const {
         return reinterpret_cast<const float*>(generic + (address - base));
     }
     __device__ unsigned barrier(int index) const { return base + BARRIERS + 8 * index; }
+};
+
+// What a block computes: the BLOCK_N keys from n0 of KV pair kv_pair (b·H_kv + h_kv) against the query
+// tiles [first_tile, end_tile) of each query head of its group: query pairs kv_pair·group + g, g = 0 ..
+// group - 1 (= b·H + h_kv·group + g, the heads that share KV head h_kv). Producer and consumers walk
+// them in the same order, head by head, counting the tiles (i) for the ring's slots and phases.
+struct BlockWork {
+    int kv_pair, n0, group, first_tile, end_tile;
+    __device__ int query_pair(int g) const { return kv_pair * group + g; }
 };
 
 // Rows [row0, row0 + ROWS) of head `head` into a tile at `tile`, as COL_BLOCKS boxes of ROWS × 64
@@ -120,36 +151,70 @@ __device__ __forceinline__ void init_barriers(const SharedMemory& shared) {
         mbarrier_init(shared.barrier(Q_FULL + s), 1);                  // the producer's arrive.expect_tx
         mbarrier_init(shared.barrier(Q_EMPTY + s), CONSUMER_THREADS);  // every consumer thread releases
     }
+    for (int s = 0; s < DQ_STAGES; ++s) {
+        mbarrier_init(shared.barrier(DQ_FULL + s), CONSUMER_THREADS);  // every consumer thread has stored
+        mbarrier_init(shared.barrier(DQ_EMPTY + s), 1);                // the bulk add has read the buffer
+    }
     mbarrier_init_fence();
 }
 
 // --8<-- [start:producer]
 // The producer: one thread issues every copy -- K and V once, then each query tile's Q, dO, LSE and
 // Δ into ring slot i % Q_STAGES, once the consumers have released it.
-__device__ __forceinline__ void produce(const SharedMemory& shared, const TmaMap& q_map, const TmaMap& k_map,
-                                        const TmaMap& v_map, const TmaMap& do_map, const float* lse_head,
-                                        const float* delta_head, int head, int n0, int first_tile, int end_tile) {
+__device__ __forceinline__ void produce(const SharedMemory& shared, const BlockWork& work, const TmaMap& q_map,
+                                        const TmaMap& k_map, const TmaMap& v_map, const TmaMap& do_map,
+                                        const float* lse_log2, const float* delta, int seq_q_padded) {
     tma_prefetch_map(q_map);
     tma_prefetch_map(k_map);
     tma_prefetch_map(v_map);
     tma_prefetch_map(do_map);
     mbarrier_arrive_expect_tx(shared.barrier(KV_FULL), 2 * KV_TILE_BYTES);
-    load_tile<BLOCK_N>(shared.k_tile(), k_map, shared.barrier(KV_FULL), n0, head);
-    load_tile<BLOCK_N>(shared.v_tile(), v_map, shared.barrier(KV_FULL), n0, head);
-    for (int tile = first_tile, i = 0; tile < end_tile; ++tile, ++i) {
-        const int slot = i % Q_STAGES, m0 = tile * BLOCK_M;
-        const unsigned parity = (i / Q_STAGES) & 1;  // which use of this slot
-        const unsigned full = shared.barrier(Q_FULL + slot);
-        mbarrier_wait(shared.barrier(Q_EMPTY + slot), parity ^ 1);  // slot free (a fresh barrier: at once)
-        // Rows past seq_q are zero-filled and counted; the LSE and Δ are padded to whole tiles.
-        mbarrier_arrive_expect_tx(full, 2 * Q_TILE_BYTES + 2 * VECTOR_BYTES);
-        load_tile<BLOCK_M>(shared.q_slot(slot), q_map, full, m0, head);
-        load_tile<BLOCK_M>(shared.do_slot(slot), do_map, full, m0, head);
-        bulk_load(shared.lse_slot(slot), lse_head + m0, VECTOR_BYTES, full);
-        bulk_load(shared.delta_slot(slot), delta_head + m0, VECTOR_BYTES, full);
+    load_tile<BLOCK_N>(shared.k_tile(), k_map, shared.barrier(KV_FULL), work.n0, work.kv_pair);
+    load_tile<BLOCK_N>(shared.v_tile(), v_map, shared.barrier(KV_FULL), work.n0, work.kv_pair);
+    int i = 0;  // query tiles issued so far
+    for (int g = 0; g < work.group; ++g) {
+        const int pair = work.query_pair(g);
+        const float* lse_head = lse_log2 + (size_t)pair * seq_q_padded;
+        const float* delta_head = delta + (size_t)pair * seq_q_padded;
+        for (int tile = work.first_tile; tile < work.end_tile; ++tile, ++i) {
+            const int slot = i % Q_STAGES, m0 = tile * BLOCK_M;
+            const unsigned parity = (i / Q_STAGES) & 1;  // which use of this slot
+            const unsigned full = shared.barrier(Q_FULL + slot);
+            mbarrier_wait(shared.barrier(Q_EMPTY + slot), parity ^ 1);  // slot free (a fresh barrier: at once)
+            // Rows past seq_q are zero-filled and counted; the LSE and Δ are padded to whole tiles.
+            mbarrier_arrive_expect_tx(full, 2 * Q_TILE_BYTES + 2 * VECTOR_BYTES);
+            load_tile<BLOCK_M>(shared.q_slot(slot), q_map, full, m0, pair);
+            load_tile<BLOCK_M>(shared.do_slot(slot), do_map, full, m0, pair);
+            bulk_load(shared.lse_slot(slot), lse_head + m0, VECTOR_BYTES, full);
+            bulk_load(shared.delta_slot(slot), delta_head + m0, VECTOR_BYTES, full);
+        }
     }
 }
 // --8<-- [end:producer]
+
+// --8<-- [start:dq_writer]
+// dQ's way to global memory: one thread adds each query tile's dQ, once both consumers have stored it in
+// buffer i % DQ_STAGES, to the fp32 accumulator with one bulk reduce-add of the tile's valid rows (the
+// rows of a tile are contiguous in [B, H, Sq, D]: one copy of rows·D·4 bytes), then hands the buffer
+// back as soon as the copy has read it. Waiting for that at once costs nothing: the consumers fill the
+// other buffer meanwhile.
+__device__ __forceinline__ void add_dq_tiles(const SharedMemory& shared, const BlockWork& work, float* dq_accum,
+                                             int seq_q) {
+    int i = 0;  // query tiles added so far
+    for (int g = 0; g < work.group; ++g) {
+        float* dq_head = dq_accum + (size_t)work.query_pair(g) * seq_q * HEAD_DIM;
+        for (int tile = work.first_tile; tile < work.end_tile; ++tile, ++i) {
+            const int slot = i % DQ_STAGES, m0 = tile * BLOCK_M;
+            mbarrier_wait(shared.barrier(DQ_FULL + slot), (i / DQ_STAGES) & 1);
+            const int rows = min(BLOCK_M, seq_q - m0);  // the padding rows of the last tile stay out
+            bulk_reduce_add_f32(dq_head + (size_t)m0 * HEAD_DIM, shared.dq_slot(slot), rows * HEAD_DIM * 4);
+            tma_store_commit();
+            tma_store_wait_read<0>();
+            mbarrier_arrive(shared.barrier(DQ_EMPTY + slot));
+        }
+    }
+}
+// --8<-- [end:dq_writer]
 
 // --8<-- [start:wgmma]
 // acc[64 keys × BLOCK_M queries] = rows · queryᵀ: Sᵀ = K Qᵀ (rows = the consumer's 64 keys of K) or
@@ -213,7 +278,7 @@ __device__ __forceinline__ void score_gradients(float (&dp)[M_FRAGS][4], const f
 
 // The warp's 16 rows of dSᵀ (keys row0 .. row0+15 of the block) into the dSᵀ tile, rounded to elem_t:
 // row = key, 128 bytes of 64 queries, 16-byte chunk c at c ^ (row % 8) -- the 128-byte swizzle that
-// TMA writes and the wgmma descriptor describes (the tile is 1024-byte aligned).
+// TMA writes and the wgmma descriptor describes (the tile is 1024-byte aligned), stage 3's swizzle<128>.
 __device__ __forceinline__ void store_score_gradients(unsigned ds_tile, const float (&ds)[M_FRAGS][4], int row0,
                                                       int lane) {
 #pragma unroll
@@ -222,28 +287,85 @@ __device__ __forceinline__ void store_score_gradients(unsigned ds_tile, const fl
         for (int r = 0; r < 2; ++r) {
             const int row = row0 + lane / 4 + 8 * r;
             const unsigned pair = pack_pair<elem_t>(ds[n][2 * r], ds[n][2 * r + 1]);
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_tile + row * 128 + ((n ^ (row % 8)) * 16) + 4 * (lane % 4)),
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_tile + swizzle<128>(row, n) + 4 * (lane % 4)),
                          "r"(pair)
                          : "memory");
         }
 }
 
-// The warp's 16 query rows (row0 .. of the tile at m0) × DQ_COLS columns from col0 of dQ, added to the
-// fp32 accumulator in global memory (every key tile's block adds its part): a thread holds column
-// pairs 8n + 2t, +1 of rows g and g+8, one red.global.add.v2.f32 each. Rows >= seq_q are not written.
-__device__ __forceinline__ void add_to_dq(float* dq_head, const float (&acc)[DQ_FRAGS][4], int row0, int col0, int seq_q,
-                                          int lane) {
+// acc[n] <- acc[n ^ x] for every fragment n, x = 0 .. 3 per thread: two rounds of conditional swaps
+// with selects, since registers cannot be indexed at run time.
+__device__ __forceinline__ void swap_fragments(float (&acc)[DQ_FRAGS][4], int x) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = row0 + lane / 4 + 8 * r;
-        if (row >= seq_q) continue;
-        float* to = dq_head + (size_t)row * HEAD_DIM + col0 + 2 * (lane % 4);
+    for (int bit = 1; bit < 4; bit *= 2) {
+        const bool swap = x & bit;
 #pragma unroll
-        for (int n = 0; n < DQ_FRAGS; ++n)
-            asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(to + 8 * n), "f"(acc[n][2 * r]),
-                         "f"(acc[n][2 * r + 1])
-                         : "memory");
+        for (int n = 0; n < DQ_FRAGS; ++n) {
+            if (n & bit) continue;
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const float low = acc[n][c], high = acc[n ^ bit][c];
+                acc[n][c] = swap ? high : low;
+                acc[n ^ bit][c] = swap ? low : high;
+            }
+        }
     }
+}
+
+// The warp's 16 query rows (row0 ..) × DQ_COLS columns from col0 of dQ into the tile's buffer in shared
+// memory -- fp32 rows of HEAD_DIM, as in global memory -- or, with `add`, added to what is there. Every
+// row starts on bank 0 (rows are 4·HEAD_DIM bytes apart), so the eight row quads of a warp storing
+// fragment n (columns 8n .. 8n+7) would all hit banks 8(n % 4) .. +7: four ways conflicted in each
+// half-warp. Quad g handles fragment n ^ (g % 4) at step n instead: the four quads of a half-warp cover
+// the 32 banks, and each v2 access takes the fewest wavefronts, 2 (64 selects a thread buy that).
+__device__ __forceinline__ void store_dq(unsigned dq_tile, float (&acc)[DQ_FRAGS][4], int row0, int col0, bool add,
+                                         int lane) {
+    const int x = lane / 4 % 4;
+    swap_fragments(acc, x);
+    // Fragment n ^ x lies 32·(n ^ x) = 128·(n / 4) + 32·(n % 4 ^ x) bytes into the row: four addresses
+    // a thread, the rest immediate offsets.
+    const unsigned row = dq_tile + (row0 + lane / 4) * HEAD_DIM * 4 + (col0 + 2 * (lane % 4)) * 4;
+    unsigned quarter[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) quarter[k] = row + 32 * (k ^ x);
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int n = 0; n < DQ_FRAGS; ++n) {
+            const unsigned at = quarter[n % 4] + 128 * (n / 4) + r * 8 * HEAD_DIM * 4;
+            float a = acc[n][2 * r], b = acc[n][2 * r + 1];
+            if (add) {
+                float2 stored;
+                asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(stored.x), "=f"(stored.y) : "r"(at) : "memory");
+                a += stored.x;
+                b += stored.y;
+            }
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(a), "f"(b) : "memory");
+        }
+}
+
+// The consumers' side of dQ's way out (add_dq_tiles is the other): wait until the buffer of tile i is
+// free (the bulk add of tile i - DQ_STAGES has read it), store the warp's rows, make them visible to
+// the bulk copy (the async proxy), arrive on the buffer's full barrier. At D = 64, where both consumers
+// hold partial sums of the same 64 × 64, consumer 1 adds its own to consumer 0's in shared memory
+// first: one tile, not two, goes to the L2's atomic units (half the reduce traffic, for 16 loads and 32
+// adds a thread and a short wait of consumer 1 on consumer 0, a named barrier).
+__device__ __forceinline__ void hand_over_dq(const SharedMemory& shared, float (&dq)[DQ_FRAGS][4], int i, int consumer,
+                                             int warp_in_group, int lane) {
+    const int slot = i % DQ_STAGES;
+    mbarrier_wait(shared.barrier(DQ_EMPTY + slot), ((i / DQ_STAGES) & 1) ^ 1);  // a fresh barrier: at once
+    const int row0 = warp_in_group * 16;
+    if (HEAD_DIM == 128) {
+        store_dq(shared.dq_slot(slot), dq, row0, consumer * DQ_COLS, false, lane);
+    } else if (consumer == 0) {
+        store_dq(shared.dq_slot(slot), dq, row0, 0, false, lane);
+        named_barrier_arrive(DQ_PARTIAL, CONSUMER_THREADS);
+    } else {
+        named_barrier_sync(DQ_PARTIAL, CONSUMER_THREADS);  // consumer 0's part is stored
+        store_dq(shared.dq_slot(slot), dq, row0, 0, true, lane);
+    }
+    fence_async_shared();
+    mbarrier_arrive(shared.barrier(DQ_FULL + slot));
 }
 
 // The warp's 16 rows of dK or dV (times `factor`), rounded to elem_t; rows >= seq_kv are not written.
@@ -262,15 +384,15 @@ __device__ __forceinline__ void write_rows(elem_t* head, const float (&acc)[D_FR
 
 // --8<-- [start:consumer]
 // Consumer `consumer` (0 or 1): keys 64·consumer .. of the block, their dK and dV in registers for
-// the whole loop. dSᵀ is double-buffered: a consumer writes buffer i % 2 at tile i only after passing
-// DS_READY of tile i - 1, which the other consumer reached only after its dQ of tile i - 2 -- the last
-// reader of that buffer -- had completed (wgmma_wait<0> before it). So one barrier per tile suffices.
-__device__ __forceinline__ void consume(const SharedMemory& shared, int consumer, float* dq_head, elem_t* dk_head,
-                                        elem_t* dv_head, int n0, int first_tile, int end_tile, int seq_q, int seq_kv,
-                                        float scale, int causal) {
+// the whole walk (every query tile of every query head of the group). dSᵀ is double-buffered: a
+// consumer writes buffer i % 2 at tile i only after passing DS_READY of tile i - 1, which the other
+// consumer reached only after its dQ of tile i - 2 -- the last reader of that buffer -- had completed
+// (wgmma_wait<0> before it). So one barrier per tile suffices.
+__device__ __forceinline__ void consume(const SharedMemory& shared, const BlockWork& work, int consumer,
+                                        elem_t* dk_head, elem_t* dv_head, int seq_kv, float scale, int causal) {
     const int lane = threadIdx.x % 32, warp_in_group = threadIdx.x / 32 % 4;
     const int row0 = consumer * CONSUMER_KEYS + warp_in_group * 16;  // the warp's first key in the block
-    const int key0 = n0 + row0;
+    const int key0 = work.n0 + row0;
     const unsigned k_rows = shared.k_tile() + consumer * CONSUMER_KEYS * 128;  // this consumer's keys
     const unsigned v_rows = shared.v_tile() + consumer * CONSUMER_KEYS * 128;
     const float scale_log2 = scale * LOG2E;
@@ -279,49 +401,60 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, int consumer
     for (int n = 0; n < D_FRAGS; ++n) dk[n][0] = dk[n][1] = dk[n][2] = dk[n][3] = dv[n][0] = dv[n][1] = dv[n][2] = dv[n][3] = 0.0f;
 
     mbarrier_wait(shared.barrier(KV_FULL), 0);  // also when there is no query tile: no copy outlives the block
-    for (int tile = first_tile, i = 0; tile < end_tile; ++tile, ++i) {
-        const int slot = i % Q_STAGES, m0 = tile * BLOCK_M;
-        const unsigned q = shared.q_slot(slot), d_o = shared.do_slot(slot), ds = shared.ds_slot(i % DS_STAGES);
-        mbarrier_wait(shared.barrier(Q_FULL + slot), (i / Q_STAGES) & 1);
+    int i = 0;  // query tiles consumed so far
+    for (int g = 0; g < work.group; ++g) {
+        for (int tile = work.first_tile; tile < work.end_tile; ++tile, ++i) {
+            const int slot = i % Q_STAGES, m0 = tile * BLOCK_M;
+            const unsigned q = shared.q_slot(slot), d_o = shared.do_slot(slot), ds = shared.ds_slot(i % DS_STAGES);
+            mbarrier_wait(shared.barrier(Q_FULL + slot), (i / Q_STAGES) & 1);
 
-        float s[M_FRAGS][4], dp[M_FRAGS][4];
-        wgmma_fence();
-        issue_rows_times_queries(s, k_rows, q);     // Sᵀ = K Qᵀ
-        issue_rows_times_queries(dp, v_rows, d_o);  // dPᵀ = V dOᵀ
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_registers(s);
-        fence_registers(dp);
+            // The softmax runs under the products (FlashAttention-3 overlaps P with dPᵀ; issuing dV before
+            // dS is one step further): Sᵀ and dPᵀ in two commit groups, so that P is computed while dPᵀ
+            // still runs; dV += Pᵀ dO is queued behind dPᵀ at once, and dS is computed while dV runs.
+            // Measured against the softmax between the products: +1.5 to 2.5 % at D = 128, about −1 %
+            // at D = 64 (docs/stages/stage9.md).
+            float s[M_FRAGS][4], dp[M_FRAGS][4];
+            wgmma_fence();
+            issue_rows_times_queries(s, k_rows, q);     // Sᵀ = K Qᵀ
+            wgmma_commit();
+            issue_rows_times_queries(dp, v_rows, d_o);  // dPᵀ = V dOᵀ
+            wgmma_commit();
+            wgmma_wait<1>();  // Sᵀ done; dPᵀ may still run
+            fence_registers(s);
 
-        const bool on_diagonal = causal && m0 < key0 + 15;  // some key of the warp after some query
-        probabilities(s, shared.floats(shared.lse_slot(slot)), scale_log2, on_diagonal, key0, m0, lane);  // Pᵀ
-        score_gradients(dp, s, shared.floats(shared.delta_slot(slot)), lane);                            // dSᵀ
-        unsigned p_a[M_STEPS][4], ds_a[M_STEPS][4];
+            const bool on_diagonal = causal && m0 < key0 + 15;  // some key of the warp after some query
+            probabilities(s, shared.floats(shared.lse_slot(slot)), scale_log2, on_diagonal, key0, m0, lane);  // Pᵀ
+            unsigned p_a[M_STEPS][4], ds_a[M_STEPS][4];
 #pragma unroll
-        for (int ks = 0; ks < M_STEPS; ++ks) {
-            p_as_a_operand(s, ks, p_a[ks]);
-            p_as_a_operand(dp, ks, ds_a[ks]);
-        }
-        store_score_gradients(ds, dp, row0, lane);
-        fence_async_shared();  // the stores, visible to wgmma (the async proxy)
+            for (int ks = 0; ks < M_STEPS; ++ks) p_as_a_operand(s, ks, p_a[ks]);
+            wgmma_fence();
+            issue_accumulate(dv, p_a, d_o);  // dV += Pᵀ dO, queued behind dPᵀ
+            wgmma_commit();
+            wgmma_wait<1>();  // dPᵀ done; dV runs on while dS is computed
+            fence_registers(dp);
+            score_gradients(dp, s, shared.floats(shared.delta_slot(slot)), lane);  // dSᵀ
+#pragma unroll
+            for (int ks = 0; ks < M_STEPS; ++ks) p_as_a_operand(dp, ks, ds_a[ks]);
+            store_score_gradients(ds, dp, row0, lane);
+            fence_async_shared();  // the stores, visible to wgmma (the async proxy)
 
-        wgmma_fence();
-        issue_accumulate(dv, p_a, d_o);  // dV += Pᵀ dO
-        issue_accumulate(dk, ds_a, q);   // dK += dSᵀ Q
-        wgmma_commit();
-        named_barrier_sync(DS_READY, CONSUMER_THREADS);  // both consumers' dSᵀ are stored
-        float dq[DQ_FRAGS][4];
-        wgmma_fence();
-        issue_dq(dq, ds, shared.k_tile(), consumer);  // dQ (a part) = dS K
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_registers(dv);
-        fence_registers(dk);
-        fence_registers(dq);
-        fence_registers(p_a);
-        fence_registers(ds_a);
-        mbarrier_arrive(shared.barrier(Q_EMPTY + slot));  // Q, dO, LSE and Δ of this slot: read
-        add_to_dq(dq_head, dq, m0 + warp_in_group * 16, HEAD_DIM == 128 ? consumer * DQ_COLS : 0, seq_q, lane);
+            wgmma_fence();
+            issue_accumulate(dk, ds_a, q);  // dK += dSᵀ Q
+            wgmma_commit();
+            named_barrier_sync(DS_READY, CONSUMER_THREADS);  // both consumers' dSᵀ are stored
+            float dq[DQ_FRAGS][4];
+            wgmma_fence();
+            issue_dq(dq, ds, shared.k_tile(), consumer);  // dQ (a part) = dS K
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_registers(dv);
+            fence_registers(dk);
+            fence_registers(dq);
+            fence_registers(p_a);
+            fence_registers(ds_a);
+            mbarrier_arrive(shared.barrier(Q_EMPTY + slot));  // Q, dO, LSE and Δ of this slot: read
+            hand_over_dq(shared, dq, i, consumer, warp_in_group, lane);  // added to dQ by the producer's thread 32
+        }
     }
 
     write_rows(dk_head, dk, scale, key0, seq_kv, lane);
@@ -330,37 +463,35 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, int consumer
 // --8<-- [end:consumer]
 
 // --8<-- [start:kernel]
-// A block per (tile of 128 keys, batch·head pair head0 + blockIdx.y): a producer warpgroup that gives
-// its registers away and copies, two consumer warpgroups that take them and compute.
+// A block per (tile of 128 keys, KV pair kv_pair0 + blockIdx.y): a producer warpgroup that gives its
+// registers away and copies (tiles in, dQ out), two consumer warpgroups that take them and compute. `group` query heads
+// share each KV head (1 without GQA); a launch covers at most 65,535 KV pairs (grid.y), from kv_pair0.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 attention_bwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
               const __grid_constant__ TmaMap v_map, const __grid_constant__ TmaMap do_map,
               const float* __restrict__ lse_log2, const float* __restrict__ delta, float* __restrict__ dq_accum,
               elem_t* __restrict__ dk, elem_t* __restrict__ dv, int seq_q, int seq_kv, int seq_q_padded, float scale,
-              int causal, int head0) {
+              int causal, int group, int kv_pair0) {
     extern __shared__ __align__(1024) unsigned char shared_raw[];
     // TMA's 128-byte swizzle and the descriptors' base offset 0 assume 1024-byte-aligned tiles.
     const unsigned raw = shared_address(shared_raw), base = (raw + 1023) & ~1023u;
     const SharedMemory shared{base, shared_raw + (base - raw)};
-    const int head = head0 + blockIdx.y;
     const int n0 = blockIdx.x * BLOCK_N;  // the block's first key
-    // Causal: queries before n0 see none of the block's keys; their tiles are skipped.
-    const int first_tile = causal ? n0 / BLOCK_M : 0;
-    const int end_tile = (seq_q + BLOCK_M - 1) / BLOCK_M;
+    // Causal: queries before n0 see none of the block's keys; their tiles are skipped (in every head).
+    const BlockWork work{kv_pair0 + (int)blockIdx.y, n0, group, causal ? n0 / BLOCK_M : 0,
+                         (seq_q + BLOCK_M - 1) / BLOCK_M};
     if (threadIdx.x == 0) init_barriers(shared);
     __syncthreads();
 
     const int warpgroup = threadIdx.x / 128;
     if (warpgroup == 0) {
         setmaxnreg_dec<PRODUCER_REGS>();
-        if (threadIdx.x == 0)
-            produce(shared, q_map, k_map, v_map, do_map, lse_log2 + (size_t)head * seq_q_padded,
-                    delta + (size_t)head * seq_q_padded, head, n0, first_tile, end_tile);
+        if (threadIdx.x == 0) produce(shared, work, q_map, k_map, v_map, do_map, lse_log2, delta, seq_q_padded);
+        if (threadIdx.x == 32) add_dq_tiles(shared, work, dq_accum, seq_q);
     } else {
         setmaxnreg_inc<CONSUMER_REGS>();
-        consume(shared, warpgroup - 1, dq_accum + (size_t)head * seq_q * HEAD_DIM,
-                dk + (size_t)head * seq_kv * HEAD_DIM, dv + (size_t)head * seq_kv * HEAD_DIM, n0, first_tile,
-                end_tile, seq_q, seq_kv, scale, causal);
+        const size_t kv_head = (size_t)work.kv_pair * seq_kv * HEAD_DIM;
+        consume(shared, work, warpgroup - 1, dk + kv_head, dv + kv_head, seq_kv, scale, causal);
     }
 }
 // --8<-- [end:kernel]

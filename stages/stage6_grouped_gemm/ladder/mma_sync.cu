@@ -29,6 +29,9 @@
 // results/NOTES.md, stage 6's ladder.)
 #include "mma.cuh"
 #include "cp_async.cuh"
+// Stage 3's swizzle<ROW_BYTES>: chunk c of 8 consecutive rows -- what ldmatrix reads at once, for A
+// and, transposed, for B -- sits in 8 different groups of 4 banks.
+#include "swizzle.cuh"
 #include "grouped.cuh"
 
 constexpr int BLOCK_K = 64;                    // K per stage: 128-byte rows of A, the swizzle's span
@@ -44,15 +47,6 @@ template <bool SWIGLU> constexpr int STAGE_BYTES = A_BYTES + BLOCK_K * B_ROW_BYT
 // The ring, then the offsets (the launch, ladder/__init__.py, declares it: the grader checks).
 template <bool SWIGLU> constexpr int SHARED_BYTES = STAGES * STAGE_BYTES<SWIGLU> + OFFSETS_BYTES;
 static_assert(SHARED_BYTES<true> <= 99 * 1024, "a block fits the 99 KB an sm_86 or sm_89 block may have");
-
-// Stage 3's swizzle: the byte offset of 16-byte chunk `chunk` of row `row` in a tile of ROW_BYTES-byte
-// rows. The chunk index is XORed with row % 8, so that chunk c of 8 consecutive rows -- what ldmatrix
-// reads at once, for A and, transposed, for B -- sits in 8 different groups of 4 banks.
-template <int ROW_BYTES>
-__device__ __forceinline__ unsigned swizzle(int row, int chunk) {
-    static_assert(ROW_BYTES % 128 == 0, "the XOR permutes the chunks of whole 128-byte lines");
-    return row * ROW_BYTES + ((chunk ^ (row % 8)) * 16);
-}
 
 // One chunk global -> shared; a null source (past K or n_out) is 16 zero bytes, read from nowhere
 // (cp.async is still given an address that exists).
