@@ -16,6 +16,7 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
+import stages
 from stages.common.compiler import REPO, included_files, nvrtc_version
 
 STAGES_DIR = REPO / "stages"
@@ -33,16 +34,23 @@ def source_files(stage, kernel_path: Path | None = None) -> list[Path]:
                 files.append(path)
                 python.append(path)
     files += [path for path in included_files(kernel_path) if path not in files]  # the headers, recursively
+    for key in stage.uses:  # the stages it launches through stages.ops (stage 10: the attention, the MoE layer)
+        files += [path for path in source_files(stages.load(key)) if path not in files]
     return files
 
 
 def _imported_stage_modules(path: Path) -> list[Path]:
-    """The modules of stages/ a launch file imports: shared launch code (stages.common.hopper) or
-    another stage's (stages.stage6_grouped_gemm), whose changes change what the stage runs too."""
-    modules = []
-    for name in re.findall(r"^from stages\.([\w.]+) import", path.read_text(), re.MULTILINE):
+    """The modules of stages/ a launch file imports, at its top or inside a function: shared launch
+    code (stages.common.hopper), another stage's (stages.stage6_grouped_gemm) or the ops (`from stages
+    import ops`), whose changes change what the stage runs too."""
+    text, modules = path.read_text(), []
+    names = re.findall(r"^\s*from stages\.([\w.]+) import", text, re.MULTILINE)
+    for listed in re.findall(r"^\s*from stages import ([\w, ]+)", text, re.MULTILINE):
+        names += [name.strip() for name in listed.split(",")]
+    for name in names:
         module = STAGES_DIR / name.replace(".", "/")
-        modules.append(module / "__init__.py" if module.is_dir() else module.with_suffix(".py"))
+        if module.is_dir() or module.with_suffix(".py").is_file():
+            modules.append(module / "__init__.py" if module.is_dir() else module.with_suffix(".py"))
     return modules
 
 

@@ -204,12 +204,16 @@ def merge_benchmarks(stage, recorded: dict | None, result: dict) -> dict:
     new = {b["label"]: b for b in result["benchmarks"]}
     rows = {b["label"]: b for b in recorded.get("benchmarks", [])} | new
     order = [reference.load(stage.problem).shape_label(s) for s in benchmark_shapes(stage)]
-    merged = dict(result, benchmarks=[rows[label] for label in order if label in rows])
-    timed = [b for b in merged["benchmarks"] if "ms" in b]
-    merged.update(grading.grade(stage.goal, timed) if timed else {"grade": "?"})
-    if len(timed) < len(merged["benchmarks"]):
-        merged["grade"] = "F"
-    return merged
+    return graded(stage, dict(result, benchmarks=[rows[label] for label in order if label in rows]))
+
+
+def graded(stage, result: dict) -> dict:
+    """`result` with the grade of its benchmarks: F if a shape crashed or hung."""
+    timed = [b for b in result["benchmarks"] if "ms" in b]
+    result.update(grading.grade(stage.goal, timed) if timed else {"grade": "?"})
+    if len(timed) < len(result["benchmarks"]):
+        result["grade"] = "F"  # a benchmark shape crashed or hung
+    return result
 
 
 def benchmark(stage, cubins, gpu, timeout_s: float, budget_s: float, progress, only: str | None = None) -> list[dict]:
@@ -285,11 +289,7 @@ def grade_stage(stage, kernel_path: Path, gpu, arch: str, *, seed=0, trials=2, t
         return result
     result["benchmarks"] = benchmark(stage, cubins, gpu, timeout_s=max(timeout_s, 120.0), budget_s=budget_s,
                                      progress=progress, only=shapes)
-    timed = [b for b in result["benchmarks"] if "ms" in b]
-    result.update(grading.grade(stage.goal, timed) if timed else {"grade": "?"})
-    if len(timed) < len(result["benchmarks"]):
-        result["grade"] = "F"  # a benchmark shape crashed or hung
-    return result
+    return graded(stage, result)
 
 
 def _compiled(stage, kernel_path: Path, arch: str, cubins: dict) -> dict:

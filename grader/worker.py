@@ -61,7 +61,7 @@ class Worker:
         if (stage.key, key) not in self._kernel_sets:
             if key not in cubins:
                 raise ValueError(f"{stage.key} was not compiled for {key}")
-            self._kernel_sets[stage.key, key] = KernelSet(cubins[key], list(stage.kernels))
+            self._kernel_sets[stage.key, key] = KernelSet(cubins[key], stage.kernels)
         return self._kernel_sets[stage.key, key]
 
     def run_kernel(self, inputs: dict, outputs: dict):

@@ -55,6 +55,8 @@ class Stage:
     goal: Goal = Goal()
     extra_benchmarks: tuple = ()    # shapes timed after the problem's own (dicts as problem.benchmarks())
     rung: str = ""                  # "" for the stage's own kernel; else a rung of its ladder (see RUNGS)
+    uses: tuple[str, ...] = ()      # other stages (keys) it launches at run time, e.g. through stages.ops:
+                                    # their sources count in its results' digest (grader/results.py)
     constants: dict[str, str] = field(default_factory=dict)  # -D macros every build of it gets
     # The kernel's constants the launch relies on, for a variant's -D macros: {"BLOCK_M": 128, ...};
     # a key is a constant expression of the kernel (a name, or e.g. "SHARED_BYTES<true>").

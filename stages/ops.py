@@ -1,6 +1,7 @@
 """The course's kernels as PyTorch ops, on your own tensors: `from stages import ops`.
 
     o = ops.attention(q, k, v, causal=True)   # q [B, H, Sq, D], k and v [B, H_kv, Skv, D] (H_kv | H), fp16 or bf16
+    o.transpose(1, 2).reshape(B, Sq, H * D)    # free: o [B, H, Sq, D] lies in memory as [B, Sq, H, D]
     o.backward(grad)                           # q.grad, k.grad, v.grad by the course's backward kernel
     out = ops.moe_layer(x, router_weight, w1, w2, top_k, router_bias=None)  # forward only
 
@@ -55,7 +56,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     """softmax(scale · q kᵀ [causal mask]) v, differentiable: reference/attention.py's problem (the causal
     mask top-left aligned, as PyTorch's); scale defaults to 1/√D. q [B, H, Sq, D], k and v [B, H_kv, Skv, D]
     with H_kv dividing H (grouped-query attention: query head h uses KV head h // (H / H_kv)),
-    contiguous, all float16 or all bfloat16, D 64 or 128, on one CUDA GPU."""
+    contiguous, all float16 or all bfloat16, D 64 or 128, on one CUDA GPU. The output lies in memory as
+    [B, Sq, H, D], as PyTorch's flash SDPA returns it, so that a model's output projection reads
+    o.transpose(1, 2).reshape(B, Sq, H·D) with no copy."""
     refuse("ops.attention", attention_input_problem(q, k, v))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     o, _ = attention_forward(q, k, v, bool(causal), scale)
@@ -68,7 +71,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     """(o, lse): the attention and each query row's log-sum-exp of its scaled scores (natural log, fp32
     [B, H, Sq]), what the backward recomputes the probabilities from."""
     refuse("flashmoe::attention_forward", attention_input_problem(q, k, v))
-    o = torch.empty_like(q)
+    o = output_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     launch_fastest("attention", attention_variant(q), q, k, v, o, lse, scale, causal)
     return o, lse
@@ -76,19 +79,26 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
 
 @attention_forward.register_fake
 def _(q, k, v, causal, scale):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def output_like(q: torch.Tensor) -> torch.Tensor:
+    """O of q's shape [B, H, Sq, D] over a [B, Sq, H, D] buffer (the real op's layout and its fake's)."""
+    batch, heads, seq_q, head_dim = q.shape
+    return q.new_empty(batch, seq_q, heads, head_dim).transpose(1, 2)
 
 
 @torch.library.custom_op("flashmoe::attention_backward", mutates_args=())
 def attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                        lse: torch.Tensor, causal: bool,
                        scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) for the output's gradient grad_o (any strides), from the forward's o and lse."""
+    """(dq, dk, dv) for the output's gradient grad_o and the forward's o (any strides), from o and lse."""
     refuse("flashmoe::attention_backward", attention_backward_input_problem(grad_o, q, k, v, o, lse))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    # grad_o may be any view (the gradient of o.sum() is one expanded value): the kernel reads it dense.
-    launch_fastest("attention_backward", attention_variant(q), q, k, v, o, lse, grad_o.contiguous(), dq, dk, dv,
-                   scale, causal)
+    # grad_o may be any view (the gradient of o.sum() is one expanded value), o is the forward's [B, S, H, D]
+    # buffer: the kernels read both dense.
+    launch_fastest("attention_backward", attention_variant(q), q, k, v, o.contiguous(), lse, grad_o.contiguous(), dq,
+                   dk, dv, scale, causal)
     return dq, dk, dv
 
 
@@ -157,8 +167,8 @@ def attention_backward_input_problem(grad_o, q, k, v, o, lse) -> str | None:
     if grad_o.dtype != q.dtype or o.dtype != q.dtype or lse.dtype != torch.float32:
         return (f"expected grad_o and o of q's dtype {q.dtype} and lse float32; got {grad_o.dtype}, {o.dtype}, "
                 f"{lse.dtype}")
-    # grad_o may have any strides: the op makes it dense.
-    return layout_problem({"o": o, "lse": lse}) or device_problem({"q": q, "grad_o": grad_o, "o": o, "lse": lse})
+    # grad_o and o may have any strides: the op makes them dense.
+    return layout_problem({"lse": lse}) or device_problem({"q": q, "grad_o": grad_o, "o": o, "lse": lse})
 
 
 # ================================================================ the MoE layer
@@ -289,4 +299,4 @@ def kernels_for(stage_key: str, arch: str, defines: tuple, device_index: int) ->
     stage = stages.load(stage_key)
     cubin = compile_cubin(stage.source_path, arch, dict(defines))
     Device(device_index).set_current()  # as the grader's worker does: PyTorch's own (primary) context
-    return KernelSet(cubin.path, list(stage.kernels))
+    return KernelSet(cubin.path, stage.kernels)

@@ -12,13 +12,17 @@ FORWARD = reference.load("attention")
 
 
 def autograd_gradients(inputs):
-    """dQ, dK, dV by autograd through softmax attention written plainly, in float64."""
+    """dQ, dK, dV by autograd through softmax attention written plainly, in float64. With fewer KV heads than
+    query heads (GQA), through K and V repeated to H heads (repeat_interleave, Llama's repeat_kv): autograd
+    sums each repeated head's gradients back onto its KV head."""
     q, k, v = (inputs[n].to(torch.float64).requires_grad_() for n in "qkv")
-    scores = inputs["scale"] * q @ k.transpose(-1, -2)
+    group = q.shape[1] // k.shape[1]
+    keys_, values_ = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = inputs["scale"] * q @ keys_.transpose(-1, -2)
     if inputs["causal"]:
         keys, queries = torch.arange(k.shape[2]), torch.arange(q.shape[2])
         scores = torch.where(keys[None, :] <= queries[:, None], scores, float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ v
+    out = torch.softmax(scores, dim=-1) @ values_
     return dict(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), inputs["do"].to(torch.float64))))
 
 
@@ -121,26 +125,12 @@ def test_forward_backward_figures_count_both_problems_work():
 
 
 # ---- grouped-query attention: dK and dV of a KV head are sums over its group of query heads ------------
-def grouped_autograd_gradients(inputs):
-    """dQ, dK, dV by autograd in float64 through K and V repeated to H heads (repeat_interleave, Llama's
-    repeat_kv): autograd sums each repeated head's gradients back onto its KV head."""
-    q, k, v = (inputs[n].to(torch.float64).requires_grad_() for n in "qkv")
-    group = q.shape[1] // k.shape[1]
-    keys_, values_ = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = inputs["scale"] * q @ keys_.transpose(-1, -2)
-    if inputs["causal"]:
-        keys, queries = torch.arange(k.shape[2]), torch.arange(q.shape[2])
-        scores = torch.where(keys[None, :] <= queries[:, None], scores, float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ values_
-    return dict(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), inputs["do"].to(torch.float64))))
-
-
 @pytest.mark.parametrize("H,Hkv,Sq,Skv,causal", [(4, 2, 5, 5, False), (6, 2, 7, 7, True), (4, 1, 3, 9, True),
                                                   (8, 2, 9, 3, True), (3, 1, 6, 2, False)])
 def test_grouped_reference_matches_autograd(H, Hkv, Sq, Skv, causal):
     shape = dict(B=2, H=H, Hkv=Hkv, Sq=Sq, Skv=Skv, D=64, causal=causal)
     inputs = P.make_inputs(shape, "float16", seed=Sq * 31 + Skv, input_scale=3.0, device="cpu")
-    exact, expected = P.reference(inputs), grouped_autograd_gradients(inputs)
+    exact, expected = P.reference(inputs), autograd_gradients(inputs)
     assert exact["dk"].shape == exact["dv"].shape == (2, Hkv, Skv, 64) and exact["dq"].shape == (2, H, Sq, 64)
     for name in P.outputs:
         torch.testing.assert_close(exact[name], expected[name], rtol=1e-10, atol=1e-12)

@@ -2,6 +2,7 @@
 limits (grid.y and grid.z stop at 65,535), and a launch beyond them is refused in one line."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -153,3 +154,41 @@ def test_stage9_launches_a_block_per_key_tile_and_kv_pair_walking_its_group(B, H
     walked = [(kv * group + g, kv) for kv in range(B * Hkv) for g in range(group)]
     assert [p for p, _ in walked] == list(range(B * H))
     assert all(kv == (p // H) * Hkv + (p % H) // group for p, kv in walked)
+
+
+@pytest.mark.parametrize("name", ["stage0", "stage1", "stage2", "stage3", "stage4", "stage8", "stage9"])
+def test_every_launch_passes_the_arguments_its_kernel_declares(name, monkeypatch):
+    """A launch gives each kernel as many arguments as its C signature has (KernelSet refuses others), and
+    each one converts to the declared type: ints to `int` or `long long`, tensors to pointers. Stages 4 and 9
+    build TMA descriptors and stage 4 asks for the SM count, which need a driver: replaced here."""
+    from stages.common.launcher import _as_kernel_arg, parameter_types
+    stage = stages.load(name)
+    module = __import__(f"stages.{stage.name}", fromlist=["_tensor_map"])
+    if hasattr(module, "_tensor_map"):
+        monkeypatch.setattr(module, "_tensor_map", lambda x, rows, cols: x)
+    if hasattr(module, "sm_count"):
+        monkeypatch.setattr(module, "sm_count", lambda device: 132)
+    B, H, S, D = 2, 4, 100, 64
+    q, k, v, o, d_o, dq, dk, dv = (torch.empty(B, H, S, D, dtype=torch.float16, device="meta") for _ in range(8))
+    o = torch.empty(B, S, H, D, dtype=torch.float16, device="meta").transpose(1, 2)  # ops' layout: any strides
+    lse = torch.empty(B, H, S, dtype=torch.float32, device="meta")
+    kernels = RecordingKernels()
+    if stage.problem == "attention":
+        stage.launch(kernels, q, k, v, o, lse, 0.125, True)
+    else:
+        stage.launch(kernels, q, k, v, o.contiguous(), lse, d_o, dq, dk, dv, 0.125, True)
+    assert kernels.launches
+    for kernel, _, _, args in kernels.launches:
+        types = parameter_types(stage.kernels[kernel])
+        assert len(args) == len(types), f"{kernel}: {len(args)} arguments for {types}"
+        for arg, c_type in zip(args, types):
+            if c_type == "long long":
+                assert _as_kernel_arg(arg, c_type).dtype == np.int64
+            if c_type == "int":
+                assert isinstance(arg, (int, np.integer)) and -2**31 <= int(arg) < 2**31
+
+
+def test_c_parameter_lists_are_read_as_the_types_passed():
+    from stages.common.launcher import parameter_types
+    assert parameter_types("const elem_t* __restrict__, long long, int, const TmaMap, float") == \
+        ["pointer", "long long", "int", "TmaMap", "float"]

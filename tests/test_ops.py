@@ -106,7 +106,7 @@ def math_launches(problem, variant, q, *rest):
         o.copy_(torch.softmax(scores, dim=-1) @ v)
         return
     k, v, o, lse, grad_o, dq, dk, dv, scale, causal = rest
-    assert grad_o.is_contiguous(), "the backward kernel was given a strided gradient"
+    assert grad_o.is_contiguous() and o.is_contiguous(), "the backward kernel was given a strided gradient or O"
     q, k, v, o, grad_o = q.to(wide), k.to(wide), v.to(wide), o.to(wide), grad_o.to(wide)
     p = torch.exp(scores_of(q, k, scale, causal) - lse[..., None])
     grad_p = grad_o @ v.transpose(-1, -2)
@@ -246,6 +246,7 @@ def test_the_fake_implementations_give_the_shapes_dtypes_and_devices(monkeypatch
     for t in (o, o2, dq, dk, dv, lse, out, ids):
         assert isinstance(t, FakeTensor) and t.device.type == "cuda"
     assert (o.shape, o.dtype) == (o2.shape, o2.dtype) == (q.shape, torch.bfloat16)
+    assert o.transpose(1, 2).is_contiguous() and o2.stride() == o.stride(), "O lies in memory as [B, S, H, D]"
     assert (lse.shape, lse.dtype) == ((2, 3, 17), torch.float32)
     assert [(t.shape, t.dtype) for t in (dq, dk, dv)] == [(t.shape, t.dtype) for t in (q, k, v)]
     assert (out.shape, out.dtype, ids.shape, ids.dtype) == ((5, 64), torch.float16, (5, 3), torch.int32)
@@ -340,6 +341,7 @@ def failures(checks) -> str:
 def test_the_output_passes_the_tolerance_rule(shape):
     inputs = inputs_of(*shape)
     o = ops.attention(inputs["q"], inputs["k"], inputs["v"], causal=inputs["causal"])  # scale: 1/√D by default
+    assert o.transpose(1, 2).is_contiguous(), "O lies in memory as [B, S, H, D]: the kernel wrote it so"
     check = relative_to_library("o", o, ATTENTION.reference(inputs)["o"], sdpa(inputs))
     assert check.passed, failures([check])
 
@@ -553,3 +555,17 @@ def test_the_moe_layer_passes_its_problems_rule(case):
     checks = MOE_LAYER.check(dict(out=out, topk_ids=topk_ids), MOE_LAYER.reference(inputs), {})
     assert all(check.passed for check in checks), "; ".join(f"{check.output}: {check.quality}" for check in checks
                                                             if not check.passed)
+
+
+@pytest.mark.gpu
+def test_inputs_changed_in_place_are_read_again():
+    """A short K or V (fewer rows than a TMA box) is read through a padded copy that is cached with its
+    descriptor: a tensor changed in place (a KV cache) must still be read as it is now, not as it was."""
+    inputs = inputs_of(1, 4, 100, 100, 64, True, "float16")
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    ops.attention(q, k, v, causal=True)
+    k.mul_(-1.5)
+    v.add_(1.0)
+    o = ops.attention(q, k, v, causal=True)
+    check = relative_to_library("o", o, ATTENTION.reference(inputs)["o"], sdpa(inputs))
+    assert check.passed, failures([check])

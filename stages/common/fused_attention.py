@@ -4,6 +4,8 @@ compiled per head dimension, one block per tile of BLOCK_M query rows of one (ba
 grid = (query tiles, group, KV pairs): grouped-query attention has group = H / H_kv query heads per KV
 head, and the block (x, y, z) takes query pair z · group + y (gridDim.y = group: no parameter says it)
 and reads the K and V of KV pair z. Without groups, grid.y = 1 and grid.z walks the pairs."""
+import torch
+
 from stages import Goal, Stage
 from stages.common.attention import MAX_GRID_YZ, by_head_dim, head_slices, kv_group
 
@@ -16,11 +18,16 @@ def fused_launch(geometry: dict[int, dict[str, int]]):
     def launch(kernels, q, k, v, o, lse, scale, causal) -> None:
         launched = geometry[q.shape[-1]]
         seq_q, seq_kv, group = q.shape[2], k.shape[2], kv_group(q, k)
+        # These kernels write a dense [B, H, S, D]; an O of another layout (ops' [B, S, H, D] buffer) gets a copy.
+        dense = o if o.is_contiguous() else torch.empty_like(q)
         # B·H_kv in grid.z: at most 65,535 KV pairs a launch, each with its whole group of query heads
-        for q_, o_, lse_, k_, v_ in head_slices(q, o, lse, kv=(k, v), group=group, pairs_per_launch=MAX_GRID_YZ * group):
+        for q_, o_, lse_, k_, v_ in head_slices(q, dense, lse, kv=(k, v), group=group,
+                                                pairs_per_launch=MAX_GRID_YZ * group):
             grid = (-(-seq_q // launched["BLOCK_M"]), group, k_.shape[0])
             kernels.attention_fwd(grid, (launched["NUM_THREADS"],), q_, k_, v_, o_, lse_, seq_q, seq_kv, scale,
                                   int(causal), smem=launched["SHARED_BYTES"])
+        if dense is not o:
+            o.copy_(dense)
     return launch
 
 

@@ -17,13 +17,17 @@ def tensor_map(x: torch.Tensor, box: tuple[int, int, int]):
     Elements outside x read as zeros. Encoding costs host time, so descriptors are cached.
 
     cuda.core refuses a box longer than the tensor: a dimension shorter than the box is padded with
-    zeros first -- a copy, made once and cached, so only for inputs that do not change between
-    launches (attention's short sequences), never for a buffer a kernel writes."""
+    zeros first, into a copy that the cache keeps with its descriptor (attention's short sequences;
+    never for a buffer a kernel writes). The copy is refreshed from x on every call: x may have
+    changed in place since (a KV cache, a buffer a CUDA graph refills), and the kernel must read it now."""
     from cuda.core.utils import StridedMemoryView
 
     key = (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, tuple(box))
     if key in _MAPS:
-        return _MAPS[key][0]
+        descriptor, kept = _MAPS[key]
+        if kept:  # (x, its padded copy)
+            kept[1][tuple(slice(0, n) for n in x.shape)].copy_(x)
+        return descriptor
     short = [max(0, b - n) for b, n in zip(box, x.shape)]
     source = F.pad(x, [p for s in reversed(short) for p in (0, s)]) if any(short) else x
     tm = importlib.import_module("cuda.core._tensor_map")

@@ -5,9 +5,10 @@ A stage's launch function receives a `KernelSet` and calls its kernels by name:
 
     kernels.attention_fwd(grid, block, q, k, v, o, lse, seq_q, seq_kv, scale, causal, smem=49152)
 
-Tensors become device pointers, Python ints 32-bit ints and floats 32-bit floats, matching the
-C signatures the stage declares (the grader checks them at compile time). Launches go to PyTorch's
-current stream, so CUDA events recorded by PyTorch time them.
+Each argument is passed as the C signature the stage declares says (the grader checks those against
+the kernels at compile time): a tensor as its device pointer, a Python int as an `int` or a `long
+long`, a float as a `float`; a wrong number of arguments is an error before the launch. Launches go to
+PyTorch's current stream, so CUDA events recorded by PyTorch time them.
 """
 from __future__ import annotations
 
@@ -51,25 +52,38 @@ class LaunchRecord:
     smem: int
 
 
-def _as_kernel_arg(value):
+# C parameter types -> how a Python value is passed as one (anything else, e.g. a TmaMap, goes as it is)
+SCALARS = {"int": np.int32, "unsigned": np.uint32, "long long": np.int64, "size_t": np.uint64, "float": np.float32}
+
+
+def parameter_types(signature: str) -> list[str]:
+    """"const elem_t*, long long, int" -> ["pointer", "long long", "int"] (qualifiers dropped)."""
+    types = []
+    for parameter in signature.split(","):
+        words = parameter.replace("const", " ").split()
+        types.append("pointer" if "*" in parameter else " ".join(words))
+    return types
+
+
+def _as_kernel_arg(value, c_type: str):
     if isinstance(value, torch.Tensor):
         return np.uint64(value.data_ptr())   # a device pointer
-    if isinstance(value, bool):
-        return np.int32(value)
-    if isinstance(value, int):
-        return np.int32(value)
-    if isinstance(value, float):
-        return np.float32(value)
+    if c_type == "pointer":
+        return np.uint64(value)              # a raw address (0: a null pointer)
+    if c_type in SCALARS:
+        return SCALARS[c_type](value)
     return value                             # e.g. a TensorMapDescriptor, passed by value
 
 
 class KernelSet:
-    def __init__(self, cubin: Path, names: list[str]):
+    def __init__(self, cubin: Path, kernels: dict[str, str]):
+        """The kernels of a cubin, by name -> C parameter list (a stage's `kernels`)."""
         from cuda.core import Device, ObjectCode
 
         self._device = Device()
         module = ObjectCode.from_cubin(Path(cubin).read_bytes())
-        self._kernels = {name: module.get_kernel(name) for name in names}
+        self._kernels = {name: module.get_kernel(name) for name in kernels}
+        self._types = {name: parameter_types(signature) for name, signature in kernels.items()}
         self._smem_raised: dict[str, int] = {}
         self._streams: dict[int, object] = {}   # cuda.core Stream per PyTorch stream handle
         self._configs: dict[tuple, object] = {}  # LaunchConfig per (grid, block, smem)
@@ -87,7 +101,9 @@ class KernelSet:
     def _launch(self, name, grid, block, args, smem):
         from cuda.core import LaunchConfig, Stream, launch
 
-        kernel = self._kernels[name]
+        kernel, types = self._kernels[name], self._types[name]
+        if len(args) != len(types):
+            raise TypeError(f"{name} takes {len(types)} arguments ({', '.join(types)}); the launch gave {len(args)}")
         if smem > STATIC_SHARED_LIMIT and self._smem_raised.get(name, 0) < smem:
             properties = self._device.properties
             check_shared_memory(name, smem, properties.max_shared_memory_per_block_optin, self._device.name)
@@ -101,7 +117,8 @@ class KernelSet:
         if (grid, block, smem) not in self._configs:
             check_geometry(name, grid, block)
             self._configs[grid, block, smem] = LaunchConfig(grid=grid, block=block, shmem_size=smem)
-        launch(self._streams[handle], self._configs[grid, block, smem], kernel, *(_as_kernel_arg(a) for a in args))
+        launch(self._streams[handle], self._configs[grid, block, smem], kernel,
+               *(_as_kernel_arg(a, t) for a, t in zip(args, types)))
         self.launches[name] = LaunchRecord(grid, block, smem)
 
     def _raise_smem_limit(self, kernel, smem: int) -> None:

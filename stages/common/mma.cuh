@@ -218,20 +218,21 @@ __device__ __forceinline__ void p_as_a_operand(const float (&p)[N_FRAGS][4], int
 
 // --8<-- [start:epilogue]
 // O = accumulator / row sum, and LSE = scale·max + log(sum), for the warp's 16 rows starting at
-// global row `first_row` of this (batch, head); `o_head` and `lse_head` point at its row 0.
+// global row `first_row` of this (batch, head); `o_head` and `lse_head` point at its row 0, O's rows
+// `o_row_stride` elements apart (a dense head's D, unless the caller's O has another layout).
 // Rows >= seq_q (the padding of the last block) are not written.
 template <int D_FRAGS>
 __device__ __forceinline__ void write_output(const float (&o)[D_FRAGS][4], const float (&row_max)[2],
                                              const float (&row_sum)[2], float scale, elem_t* o_head,
-                                             float* lse_head, int first_row, int seq_q, int lane) {
-    constexpr int head_dim = D_FRAGS * 8;
+                                             float* lse_head, int first_row, int seq_q, int lane,
+                                             int o_row_stride = D_FRAGS * 8) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const float sum = quad_sum(row_sum[r]);  // all 32 lanes shuffle, before any lane leaves
         const int row = first_row + lane / 4 + 8 * r;
         if (row >= seq_q) continue;
         const float inv_sum = 1.0f / sum;  // sum >= 1: the row's max term is exp(0)
-        elem_t* o_row = o_head + (size_t)row * head_dim + 2 * (lane % 4);
+        elem_t* o_row = o_head + (size_t)row * o_row_stride + 2 * (lane % 4);
 #pragma unroll
         for (int d = 0; d < D_FRAGS; ++d)
             *reinterpret_cast<unsigned*>(o_row + 8 * d) =

@@ -3,7 +3,9 @@
 reference/model.py's model (prefill, token embeddings to the last hidden state) with the course's attention
 (stages.ops: stage 4 on sm_90a, stage 3 elsewhere; GQA in the kernel) and MoE layer (stage 7), cuBLAS for the
 dense projections, and this stage's own kernels (model.cu) for every chain of small operations between them:
-the residual add fused with the next RMSNorm, the QKV split with RoPE into the attention's layout, SwiGLU.
+the residual add fused with the next RMSNorm (where cuBLAS does not add it: the dense projections into the
+residual stream add in their epilogue), the QKV split with RoPE into the attention's layout, SwiGLU. The
+attention writes its output in the [B, S, H, D] layout the output projection reads.
 The whole forward is captured once in a CUDA graph and replayed: one launch from Python per forward
 instead of ~10 per layer, its intermediate buffers reused on every replay, no host synchronization.
 """
@@ -68,13 +70,15 @@ def forward(kernels, x, weights, config, out):
     for l in range(L):
         add_rmsnorm(kernels, h, delta, weights["attn_norm"][l], normed, eps)
         q, k, v = rope_split(kernels, normed @ weights["wqkv"][l], cos, sin, B, S, H, KV, D)
-        o = ops.attention(q, k, v, causal=True, scale=1.0 / math.sqrt(D))
-        delta = o.transpose(1, 2).reshape(T, H * D) @ weights["wo"][l]
-        add_rmsnorm(kernels, h, delta, weights["mlp_norm"][l], normed, eps)
+        o = ops.attention(q, k, v, causal=True, scale=1.0 / math.sqrt(D))  # o's memory: [B, S, H, D]
+        # h += o·Wo in cuBLAS's epilogue (beta = 1): the product never goes to memory on its own
+        h.addmm_(o.transpose(1, 2).reshape(T, H * D), weights["wo"][l])  # the reshape is a view: no copy
+        add_rmsnorm(kernels, h, None, weights["mlp_norm"][l], normed, eps)
         if E:
             delta = ops.moe_layer(normed, weights["wr"][l], weights["w1"][l], weights["w2"][l], config["top_k"])
         else:
-            delta = swiglu(kernels, normed @ weights["w1"][l], I) @ weights["w2"][l]
+            h.addmm_(swiglu(kernels, normed @ weights["w1"][l], I), weights["w2"][l])
+            delta = None
     add_rmsnorm(kernels, h, delta, weights["norm"], out.view(T, hidden), eps)
 
 
@@ -124,4 +128,6 @@ STAGE = Stage(
     specializations={"HEAD_DIM": "D"},
     geometry=lambda defines: {"VECTOR": VECTOR, "ROPE_THREADS": ROPE_THREADS, "SWIGLU_THREADS": SWIGLU_THREADS},
     goal=Goal("reference", 1.0),  # the fastest library baseline: torch.compile's, with or without CUDA graphs
+    # What ops.attention and ops.moe_layer run (stages.fastest_stage), on Hopper and elsewhere.
+    uses=("stage4_hopper", "stage3_pipeline", "stage7_moe_layer", "stage7_moe_layer:mma_sync"),
 )

@@ -43,15 +43,18 @@ def launch(kernels, q, k, v, o, lse, scale, causal):
         if causal:
             units = (m_blocks + 1) // 2 * batch * heads
         grid = min(units, sm_count(q.device))
-    kernels.attention_fwd((grid,), (launched["NUM_THREADS"],), q_map, k_map, v_map, o, lse, seq_q, seq_kv, scale,
-                          int(causal), batch * heads, PERSISTENT, group, smem=launched["SHARED_BYTES"])
+    o_batch_stride, o_head_stride, o_row_stride, _ = o.stride()  # any [B, H, S, D] view with d contiguous
+    kernels.attention_fwd((grid,), (launched["NUM_THREADS"],), q_map, k_map, v_map, o, o_batch_stride,
+                          o_head_stride, o_row_stride, heads, lse, seq_q, seq_kv, scale, int(causal), batch * heads, PERSISTENT,
+                          group, smem=launched["SHARED_BYTES"])
 
 
 STAGE = Stage(
     name="stage4_hopper",
     problem="attention",
     source="attention.cu",
-    kernels={"attention_fwd": "const TmaMap, const TmaMap, const TmaMap, elem_t*, float*, int, int, float, int, int, int, int"},
+    kernels={"attention_fwd": "const TmaMap, const TmaMap, const TmaMap, elem_t*, long long, long long, int, int, "
+                              "float*, int, int, float, int, int, int, int"},
     launch=launch,
     archs=("sm_90a",),
     specializations={"HEAD_DIM": "D"},  # the head dimension, compiled in

@@ -290,13 +290,26 @@ __device__ __forceinline__ void produce(const SharedMemory& shared, const Schedu
 }
 // --8<-- [end:warp_specialization]
 
+// Where O goes: element (b, h, s, d) at o + b·batch_stride + h·head_stride + s·row_stride + d, for
+// `heads` query heads: contiguous [B, H, S, D], or a model's [B, S, H, D] buffer, which the output
+// projection reads as [tokens, H·D] with no transpose in between.
+struct Output {
+    elem_t* o;
+    long long batch_stride, head_stride;
+    int row_stride, heads;
+    __device__ elem_t* head_rows(int pair) const {  // row 0 of (batch, head) pair b·H + h
+        return o + (pair / heads) * batch_stride + (pair % heads) * head_stride;
+    }
+};
+
 // --8<-- [start:pipeline]
 // Consumer `consumer` (0 or 1): rows 64·consumer .. 64·consumer + 63 of each query tile, one turn
 // on the tensor cores per K/V tile and one more. Ping-pong: consumer 0 goes first, consumer 1
 // hands it the first turn. The turns alternate across query tiles too: both consumers take
 // num_tiles + 1 turns per query tile.
 __device__ __forceinline__ void consume(const SharedMemory& shared, const Schedule& schedule, int consumer,
-                                        elem_t* o, float* lse, int seq_q, int seq_kv, float scale, int causal) {
+                                        const Output& out, float* lse, int seq_q, int seq_kv, float scale,
+                                        int causal) {
     const int lane = threadIdx.x % 32, warp_in_group = threadIdx.x / 32 % 4;
     const int my_turn = TURN_BARRIER + consumer, other_turn = TURN_BARRIER + 1 - consumer;
     const float scale_log2 = scale * LOG2E;
@@ -380,8 +393,8 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const Schedu
 
             // While this consumer writes its rows, the other one's P·V runs, and the producer is
             // already loading the next query tile's Q and first K/V tiles.
-            write_output(o_acc, row_max, row_sum, scale, o + (size_t)head * seq_q * HEAD_DIM,
-                         lse + (size_t)head * seq_q, warp_m0, seq_q, lane);
+            write_output(o_acc, row_max, row_sum, scale, out.head_rows(head), lse + (size_t)head * seq_q, warp_m0,
+                         seq_q, lane, out.row_stride);
         }
     }
 }
@@ -392,8 +405,9 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const Schedu
 // them and compute.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 attention_fwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
-              const __grid_constant__ TmaMap v_map, elem_t* __restrict__ o, float* __restrict__ lse, int seq_q,
-              int seq_kv, float scale, int causal, int batch_heads, int persistent, int group) {
+              const __grid_constant__ TmaMap v_map, elem_t* __restrict__ o, long long o_batch_stride,
+              long long o_head_stride, int o_row_stride, int heads, float* __restrict__ lse, int seq_q, int seq_kv,
+              float scale, int causal, int batch_heads, int persistent, int group) {
     extern __shared__ __align__(1024) unsigned char shared_raw[];
     // TMA's 128-byte swizzle and the descriptors' base offset 0 assume 1024-byte-aligned tiles.
     const SharedMemory shared{(shared_address(shared_raw) + 1023) & ~1023u};
@@ -407,7 +421,8 @@ attention_fwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaM
         if (threadIdx.x == 0) produce(shared, schedule, q_map, k_map, v_map, seq_kv, causal, group);
     } else {
         setmaxnreg_inc<CONSUMER_REGS>();  // 240 per thread for S, P and O
-        consume(shared, schedule, warpgroup - 1, o, lse, seq_q, seq_kv, scale, causal);
+        const Output out{o, o_batch_stride, o_head_stride, o_row_stride, heads};
+        consume(shared, schedule, warpgroup - 1, out, lse, seq_q, seq_kv, scale, causal);
     }
 }
 // --8<-- [end:kernel]

@@ -23,7 +23,7 @@ from stages.common.hopper import tensor_map
 # LSE and Δ, the mbarriers, 1 KB to align the tiles to 1024 bytes: at D = 128 all but 952 bytes of the
 # 227 KB an H100 block may have); the preprocess's rows per block and threads, the
 # dQ conversion's threads (stages/common/attention_backward.cuh).
-GEOMETRY = {64: {"BLOCK_N": 128, "BLOCK_M": 64, "NUM_THREADS": 384, "ATOM_COLS": 64, "SHARED_BYTES": 133192,
+GEOMETRY = {64: {"BLOCK_N": 128, "BLOCK_M": 128, "NUM_THREADS": 384, "ATOM_COLS": 64, "SHARED_BYTES": 199736,
                  "ROWS_PER_PREPROCESS_BLOCK": 32, "PREPROCESS_THREADS": 256, "CONVERT_THREADS": 256},
             128: {"BLOCK_N": 128, "BLOCK_M": 64, "NUM_THREADS": 384, "ATOM_COLS": 64, "SHARED_BYTES": 231496,
                   "ROWS_PER_PREPROCESS_BLOCK": 16, "PREPROCESS_THREADS": 256, "CONVERT_THREADS": 256}}

@@ -11,11 +11,14 @@
 //            128-byte-swizzled shared memory; every copy counts its bytes on an mbarrier.
 //   ring     Q_STAGES buffers of (Q, dO, LSE, Δ), each with a full and an empty mbarrier.
 //   wgmma    the five products, accumulators in registers:
-//              Sᵀ  = K Qᵀ     [64 keys × 64 queries]   A = K  (smem, K-major),  B = Q  (smem, K-major)
-//              dPᵀ = V dOᵀ    [64 keys × 64 queries]   A = V  (smem, K-major),  B = dO (smem, K-major)
+//              Sᵀ  = K Qᵀ     [64 keys × M queries]    A = K  (smem, K-major),  B = Q  (smem, K-major)
+//              dPᵀ = V dOᵀ    [64 keys × M queries]    A = V  (smem, K-major),  B = dO (smem, K-major)
 //              dV += Pᵀ dO    [64 keys × D]            A = Pᵀ (registers),      B = dO (smem, MN-major)
 //              dK += dSᵀ Q    [64 keys × D]            A = dSᵀ (registers),     B = Q  (smem, MN-major)
 //              dQ  = dS K     [64 queries × 64 of D]   A = dSᵀ (smem, MN-major: dS transposed), B = K (MN-major)
+//            with M = BLOCK_M queries per tile: 64 at D = 128, 128 at D = 64 (FlashAttention-3's tiles:
+//            at D = 64 the registers allow twice the queries, which halves the K and V operand reads
+//            per query and the dQ tiles -- 0.77 -> 0.99× cuDNN's speed on the H100, docs/stages/stage9.md).
 //            Pᵀ and dSᵀ come out of the first two products in the accumulator layout, which is the A
 //            operand's register layout (p_as_a_operand): no shuffle, as in stage 8. dQ needs dS with
 //            queries as rows: dSᵀ goes through shared memory once, and wgmma reads it transposed
@@ -30,29 +33,30 @@
 //
 //   threads:      wait Q_FULL | issue Sᵀ, dPᵀ | wait Sᵀ | P | issue dV | wait dPᵀ | dS, dSᵀ -> smem | issue dK ...
 //   tensor cores:               Sᵀ ........... dPᵀ ................... dV ....................... dK ...
+//   (at D = 64, dV is issued with dK instead, after dS: with 128-query tiles Pᵀ as A fragments would not
+//   fit in the registers beside Sᵀ and dPᵀ while dS is computed)
 //   threads:      ... bar DS_READY (both consumers' dSᵀ are in) | issue dQ | wait all | arrive Q_EMPTY ...
 //                 ... wait DQ_EMPTY | dQ -> smem | arrive DQ_FULL
 //   producer, thread 0:  | K V | Q0 dO0 | Q1 dO1 | (wait Q_EMPTY of slot 0) Q2 dO2 | ...
 //   producer, thread 32: (wait DQ_FULL) bulk reduce-add of dQ0 | wait until read | arrive DQ_EMPTY | ...
 //
-// dQ: at D = 128 each consumer computes 64 of the 128 columns of the tile's dQ over all 128 keys (so
-// both consumers' dSᵀ must be in shared memory: the named barrier DS_READY); at D = 64 each computes
-// all 64 columns over its own 64 keys, two partial sums. Either way a consumer's dQ accumulator is
-// 64 × 64 (32 registers) and one wgmma shape serves. The fp32 dQ is summed over the key tiles in global
-// memory, FlashAttention-3's way: the consumers store the tile's dQ in shared memory (at D = 64
-// consumer 1 adds its partial sum to consumer 0's there: see hand_over_dq), and one thread adds the
+// dQ: each consumer computes a 64 × 64 part of the tile's dQ over all 128 keys (so both consumers' dSᵀ
+// must be in shared memory: the named barrier DS_READY): at D = 128 (64 queries) columns 64c .. 64c+63,
+// at D = 64 (128 queries) queries 64c .. 64c+63. Either way a consumer's dQ accumulator is 64 × 64 (32
+// registers) and one wgmma shape serves. The fp32 dQ is summed over the key tiles in global
+// memory, FlashAttention-3's way: the consumers store the tile's dQ in shared memory, and one thread adds the
 // whole tile to global memory with one bulk reduce-add (cp.reduce.async.bulk .add.f32), the copy
 // engine's, while the consumers go on with the next tile in the other of DQ_STAGES buffers. It replaced
 // red.global.add.v2.f32 straight from the accumulators (the consumers' own LSU instructions, 1,024
 // sector-sized atomics into L2 per query tile, the two consumers together): on the H100 that took
 // the backward from 0.70× to 0.91× cuDNN's speed at D = 128 (docs/stages/stage9.md).
 //
-// Registers per consumer thread: dK and dV D/2 each (128 at D = 128), Sᵀ and dPᵀ 32 each, Pᵀ and dSᵀ
-// as A operands 16 each, dQ 32.
-// Shared memory: K, V 128·D·2 each; Q, dO Q_STAGES·64·D·2 each; dSᵀ 2 × 128·64·2 (double-buffered,
-// so that one named barrier per tile suffices: see consume()); dQ DQ_STAGES × 64·D·4; LSE, Δ
-// Q_STAGES·256 bytes each; barriers; 1 KB to align to 1024. D = 128: 226 KB (of the 227 a block may
-// have); D = 64: 129 KB. One block per SM.
+// Registers per consumer thread: dK and dV D/2 each (64 at D = 128), Sᵀ and dPᵀ M/2 each, Pᵀ and dSᵀ
+// as A operands M/4 each, dQ 32.
+// Shared memory: K, V 128·D·2 each; Q, dO Q_STAGES·M·D·2 each; dSᵀ 2 × 128·M·2 (double-buffered,
+// so that one named barrier per tile suffices: see consume()); dQ DQ_STAGES × M·D·4; LSE, Δ
+// Q_STAGES·M·4 bytes each; barriers; 1 KB to align to 1024. D = 128: 226 KB (of the 227 a block may
+// have); D = 64: 195 KB. One block per SM.
 //
 // Tensors are [B, H, S, D] contiguous (K, V, dK, dV: [B, H_kv, S, D]); tensor maps over [B·H, S, D] and
 // [B·H_kv, S, D], so boxes never cross into the next head (rows past S read as zeros). Causal masking is
@@ -64,12 +68,12 @@
 #include "attention_backward.cuh"  // the preprocess, the dQ conversion, probabilities()
 
 constexpr int BLOCK_N = 128;                          // keys per block
-constexpr int BLOCK_M = 64;                           // queries per tile of the loop
+constexpr int BLOCK_M = HEAD_DIM == 64 ? 128 : 64;   // queries per tile of the loop (see the header)
 constexpr int CONSUMERS = 2;                          // consumer warpgroups, 64 keys each
 constexpr int CONSUMER_KEYS = BLOCK_N / CONSUMERS;    // = wgmma's M
 constexpr int Q_STAGES = 2;                           // buffers of the query-side ring
 constexpr int DS_STAGES = 2;                          // buffers of dSᵀ
-constexpr int DQ_STAGES = 2;                          // buffers of a query tile's fp32 dQ
+constexpr int DQ_STAGES = BLOCK_M == 64 ? 2 : 1;      // buffers of a query tile's fp32 dQ (1 of 32 KB at D = 64)
 constexpr int NUM_THREADS = (1 + CONSUMERS) * 128;    // + the producer warpgroup
 constexpr int CONSUMER_THREADS = CONSUMERS * 128;
 constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
@@ -77,7 +81,7 @@ constexpr int ATOM_COLS = 64;                         // elements in a 128-byte 
 constexpr int COL_BLOCKS = HEAD_DIM / ATOM_COLS;      // 128-byte column blocks of a D-wide row
 constexpr int KV_TILE_BYTES = BLOCK_N * HEAD_DIM * 2;
 constexpr int Q_TILE_BYTES = BLOCK_M * HEAD_DIM * 2;
-constexpr int DS_TILE_BYTES = BLOCK_N * BLOCK_M * 2;  // dSᵀ [key][query]: 128-byte rows, one column block
+constexpr int DS_TILE_BYTES = BLOCK_N * BLOCK_M * 2;  // dSᵀ [key][query]: column blocks of 64 queries, 128-byte rows
 constexpr int VECTOR_BYTES = BLOCK_M * 4;             // the LSE or Δ of a query tile, fp32
 constexpr int DQ_TILE_BYTES = BLOCK_M * HEAD_DIM * 4; // a query tile's dQ, fp32 rows as in global memory
 constexpr int M_FRAGS = BLOCK_M / 8;                  // n8 fragments of a warp's 16 keys × BLOCK_M queries
@@ -85,9 +89,9 @@ constexpr int M_STEPS = BLOCK_M / 16;                 // k-steps of dV and dK (1
 constexpr int D_FRAGS = HEAD_DIM / 8;                 // n8 fragments of a warp's 16 keys × D
 constexpr int DQ_COLS = 64;                           // columns of dQ per consumer
 constexpr int DQ_FRAGS = DQ_COLS / 8;
-constexpr int DQ_KEYS = HEAD_DIM == 128 ? BLOCK_N : CONSUMER_KEYS;  // keys summed by a consumer's dQ
+constexpr bool DQ_SPLIT_BY_QUERIES = BLOCK_M == 128;  // consumer c's dQ: queries 64c .. (else columns 64c ..)
+constexpr bool DV_BEFORE_DS = BLOCK_M == 64;          // dV issued under dS (registers allow it at 64 queries)
 constexpr int DS_READY = 1;                           // named barrier: both consumers' dSᵀ are stored
-constexpr int DQ_PARTIAL = 2;                         // named barrier (D = 64): consumer 0's dQ is stored
 // Layout of the dynamic shared memory, from a 1024-byte-aligned base.
 constexpr int K_TILE = 0;
 constexpr int V_TILE = K_TILE + KV_TILE_BYTES;
@@ -105,9 +109,9 @@ static_assert(SHARED_BYTES <= 227 * 1024, "an H100 block has at most 227 KB of s
 static_assert(DQ_TILE_BYTES % 16 == 0 && (HEAD_DIM * 4) % 16 == 0, "bulk copies move whole 16-byte units");
 static_assert(sizeof(elem_t) == 2, "16-bit elements");
 static_assert(HEAD_DIM % ATOM_COLS == 0, "D is a whole number of 128-byte column blocks");
-static_assert(CONSUMERS * DQ_COLS * DQ_KEYS == HEAD_DIM * BLOCK_N, "the consumers' dQ parts cover D × the block's keys");
-static_assert(BLOCK_M * 2 == 128 && Q_TILE_BYTES % 1024 == 0 && DS_TILE_BYTES % 1024 == 0,
-              "a dSᵀ row is one 128-byte swizzle row; every tile starts on a 1024-byte boundary");
+static_assert(CONSUMERS * 64 * DQ_COLS == BLOCK_M * HEAD_DIM, "the consumers' 64 × 64 dQ parts cover the tile");
+static_assert(BLOCK_M % ATOM_COLS == 0 && Q_TILE_BYTES % 1024 == 0 && DS_TILE_BYTES % 1024 == 0,
+              "dSᵀ rows are whole 128-byte swizzle rows; every tile starts on a 1024-byte boundary");
 
 // The block's dynamic shared memory from its 1024-byte-aligned base, as shared addresses, and the
 // same base as a generic pointer (for the LSE and Δ, read as floats).
@@ -241,22 +245,23 @@ __device__ __forceinline__ void issue_accumulate(float (&acc)[D_FRAGS][4], const
         wgmma_rs<elem_t, HEAD_DIM, MN_MAJOR>(acc, x[ks], make_smem_desc(queries + ks * 16 * 128, BLOCK_M * 128, 1024), 1);
 }
 
-// dq[64 queries × 64 columns] = dS K for consumer `consumer`'s share (see the header: at D = 128 the
-// columns 64·consumer.. over all 128 keys, at D = 64 all columns over its own 64 keys).
+// dq[64 queries × 64 columns] = dS K for consumer `consumer`'s share over all 128 keys (see the header:
+// at D = 128 the columns 64·consumer .., at D = 64 the queries 64·consumer ..).
 __device__ __forceinline__ void issue_dq(float (&dq)[DQ_FRAGS][4], unsigned ds_tile, unsigned k_tile, int consumer) {
-    const int key0 = HEAD_DIM == 128 ? 0 : consumer * CONSUMER_KEYS;
-    const unsigned k_columns = k_tile + (HEAD_DIM == 128 ? consumer : 0) * BLOCK_N * 128;
-    // EXERCISE: issue dQ = dS K, DQ_KEYS / 16 wgmmas of 16 keys each, from key0 on. Shared memory
-    // holds dSᵀ -- [key][query], a 128-byte row of 64 queries per key -- so the A operand dS [query][key]
-    // is MN-major: wgmma_ss_a_mn reads it transposed. B is K [key][d] = [k][n], MN-major too, its
-    // column block at k_columns. For both, 16 keys are two 8-row groups of the swizzle (SBO = 1024
-    // bytes) starting 16·128 bytes further down per step; the LBO (the next 64 columns) is never used
-    // with 64 columns: BLOCK_N·128, as for V in stage 4. The first step overwrites dq (accumulate = 0).
+    const unsigned ds_queries = ds_tile + (DQ_SPLIT_BY_QUERIES ? consumer : 0) * BLOCK_N * 128;  // its column block of dSᵀ
+    const unsigned k_columns = k_tile + (DQ_SPLIT_BY_QUERIES ? 0 : consumer) * BLOCK_N * 128;    // its column block of K
+    // EXERCISE: issue dQ = dS K, BLOCK_N / 16 wgmmas of 16 keys each. Shared memory holds dSᵀ --
+    // [key][query], column blocks of 64 queries, a 128-byte row per key -- so the A operand dS
+    // [query][key] is MN-major: wgmma_ss_a_mn reads it transposed, from the column block at ds_queries.
+    // B is K [key][d] = [k][n], MN-major too, its column block at k_columns. For both, 16 keys are two
+    // 8-row groups of the swizzle (SBO = 1024 bytes) starting 16·128 bytes further down per step; the
+    // LBO (the next 64 columns) is never used with 64 columns: BLOCK_N·128, as for V in stage 4. The
+    // first step overwrites dq (accumulate = 0).
     // STUB: for (auto& f : dq) f[0] = f[1] = f[2] = f[3] = 0.0f;  // dQ comes out 0; dK and dV stay right
 #pragma unroll
-    for (int ks = 0; ks < DQ_KEYS / 16; ++ks) {
-        const int row = (key0 + 16 * ks) * 128;
-        wgmma_ss_a_mn<elem_t, DQ_COLS, MN_MAJOR>(dq, make_smem_desc(ds_tile + row, BLOCK_N * 128, 1024),
+    for (int ks = 0; ks < BLOCK_N / 16; ++ks) {
+        const int row = 16 * ks * 128;
+        wgmma_ss_a_mn<elem_t, DQ_COLS, MN_MAJOR>(dq, make_smem_desc(ds_queries + row, BLOCK_N * 128, 1024),
                                                  make_smem_desc(k_columns + row, BLOCK_N * 128, 1024), ks > 0);
     }
     // END EXERCISE
@@ -277,8 +282,9 @@ __device__ __forceinline__ void score_gradients(float (&dp)[M_FRAGS][4], const f
 }
 
 // The warp's 16 rows of dSᵀ (keys row0 .. row0+15 of the block) into the dSᵀ tile, rounded to elem_t:
-// row = key, 128 bytes of 64 queries, 16-byte chunk c at c ^ (row % 8) -- the 128-byte swizzle that
-// TMA writes and the wgmma descriptor describes (the tile is 1024-byte aligned), stage 3's swizzle<128>.
+// column blocks of 64 queries (BLOCK_N rows of 128 bytes each), in a block row = key, 16-byte chunk c
+// at c ^ (row % 8) -- the 128-byte swizzle that TMA writes and the wgmma descriptor describes (the tile
+// is 1024-byte aligned), stage 3's swizzle<128>. Fragment n holds queries 8n .. 8n+7.
 __device__ __forceinline__ void store_score_gradients(unsigned ds_tile, const float (&ds)[M_FRAGS][4], int row0,
                                                       int lane) {
 #pragma unroll
@@ -287,7 +293,8 @@ __device__ __forceinline__ void store_score_gradients(unsigned ds_tile, const fl
         for (int r = 0; r < 2; ++r) {
             const int row = row0 + lane / 4 + 8 * r;
             const unsigned pair = pack_pair<elem_t>(ds[n][2 * r], ds[n][2 * r + 1]);
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_tile + swizzle<128>(row, n) + 4 * (lane % 4)),
+            const unsigned block = ds_tile + (n / 8) * BLOCK_N * 128;
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(block + swizzle<128>(row, n % 8) + 4 * (lane % 4)),
                          "r"(pair)
                          : "memory");
         }
@@ -313,13 +320,12 @@ __device__ __forceinline__ void swap_fragments(float (&acc)[DQ_FRAGS][4], int x)
 }
 
 // The warp's 16 query rows (row0 ..) × DQ_COLS columns from col0 of dQ into the tile's buffer in shared
-// memory -- fp32 rows of HEAD_DIM, as in global memory -- or, with `add`, added to what is there. Every
+// memory -- fp32 rows of HEAD_DIM, as in global memory. Every
 // row starts on bank 0 (rows are 4·HEAD_DIM bytes apart), so the eight row quads of a warp storing
 // fragment n (columns 8n .. 8n+7) would all hit banks 8(n % 4) .. +7: four ways conflicted in each
 // half-warp. Quad g handles fragment n ^ (g % 4) at step n instead: the four quads of a half-warp cover
 // the 32 banks, and each v2 access takes the fewest wavefronts, 2 (64 selects a thread buy that).
-__device__ __forceinline__ void store_dq(unsigned dq_tile, float (&acc)[DQ_FRAGS][4], int row0, int col0, bool add,
-                                         int lane) {
+__device__ __forceinline__ void store_dq(unsigned dq_tile, float (&acc)[DQ_FRAGS][4], int row0, int col0, int lane) {
     const int x = lane / 4 % 4;
     swap_fragments(acc, x);
     // Fragment n ^ x lies 32·(n ^ x) = 128·(n / 4) + 32·(n % 4 ^ x) bytes into the row: four addresses
@@ -333,37 +339,19 @@ __device__ __forceinline__ void store_dq(unsigned dq_tile, float (&acc)[DQ_FRAGS
 #pragma unroll
         for (int n = 0; n < DQ_FRAGS; ++n) {
             const unsigned at = quarter[n % 4] + 128 * (n / 4) + r * 8 * HEAD_DIM * 4;
-            float a = acc[n][2 * r], b = acc[n][2 * r + 1];
-            if (add) {
-                float2 stored;
-                asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(stored.x), "=f"(stored.y) : "r"(at) : "memory");
-                a += stored.x;
-                b += stored.y;
-            }
-            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(a), "f"(b) : "memory");
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(acc[n][2 * r]), "f"(acc[n][2 * r + 1]) : "memory");
         }
 }
 
 // The consumers' side of dQ's way out (add_dq_tiles is the other): wait until the buffer of tile i is
-// free (the bulk add of tile i - DQ_STAGES has read it), store the warp's rows, make them visible to
-// the bulk copy (the async proxy), arrive on the buffer's full barrier. At D = 64, where both consumers
-// hold partial sums of the same 64 × 64, consumer 1 adds its own to consumer 0's in shared memory
-// first: one tile, not two, goes to the L2's atomic units (half the reduce traffic, for 16 loads and 32
-// adds a thread and a short wait of consumer 1 on consumer 0, a named barrier).
+// free (the bulk add of tile i - DQ_STAGES has read it), store the warp's 16 rows of the consumer's
+// 64 × 64 part, make them visible to the bulk copy (the async proxy), arrive on the buffer's full barrier.
 __device__ __forceinline__ void hand_over_dq(const SharedMemory& shared, float (&dq)[DQ_FRAGS][4], int i, int consumer,
                                              int warp_in_group, int lane) {
     const int slot = i % DQ_STAGES;
     mbarrier_wait(shared.barrier(DQ_EMPTY + slot), ((i / DQ_STAGES) & 1) ^ 1);  // a fresh barrier: at once
-    const int row0 = warp_in_group * 16;
-    if (HEAD_DIM == 128) {
-        store_dq(shared.dq_slot(slot), dq, row0, consumer * DQ_COLS, false, lane);
-    } else if (consumer == 0) {
-        store_dq(shared.dq_slot(slot), dq, row0, 0, false, lane);
-        named_barrier_arrive(DQ_PARTIAL, CONSUMER_THREADS);
-    } else {
-        named_barrier_sync(DQ_PARTIAL, CONSUMER_THREADS);  // consumer 0's part is stored
-        store_dq(shared.dq_slot(slot), dq, row0, 0, true, lane);
-    }
+    const int row0 = (DQ_SPLIT_BY_QUERIES ? consumer * 64 : 0) + warp_in_group * 16;
+    store_dq(shared.dq_slot(slot), dq, row0, DQ_SPLIT_BY_QUERIES ? 0 : consumer * DQ_COLS, lane);
     fence_async_shared();
     mbarrier_arrive(shared.barrier(DQ_FULL + slot));
 }
@@ -409,10 +397,10 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const BlockW
             mbarrier_wait(shared.barrier(Q_FULL + slot), (i / Q_STAGES) & 1);
 
             // The softmax runs under the products (FlashAttention-3 overlaps P with dPᵀ; issuing dV before
-            // dS is one step further): Sᵀ and dPᵀ in two commit groups, so that P is computed while dPᵀ
-            // still runs; dV += Pᵀ dO is queued behind dPᵀ at once, and dS is computed while dV runs.
-            // Measured against the softmax between the products: +1.5 to 2.5 % at D = 128, about −1 %
-            // at D = 64 (docs/stages/stage9.md).
+            // dS is one step further, where the registers allow it): Sᵀ and dPᵀ in two commit groups, so
+            // that P is computed while dPᵀ still runs; at 64 queries dV += Pᵀ dO is queued behind dPᵀ at
+            // once, and dS is computed while dV runs. Measured against the softmax between the products:
+            // +1.5 to 2.5 % at D = 128 (docs/stages/stage9.md).
             float s[M_FRAGS][4], dp[M_FRAGS][4];
             wgmma_fence();
             issue_rows_times_queries(s, k_rows, q);     // Sᵀ = K Qᵀ
@@ -425,12 +413,16 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const BlockW
             const bool on_diagonal = causal && m0 < key0 + 15;  // some key of the warp after some query
             probabilities(s, shared.floats(shared.lse_slot(slot)), scale_log2, on_diagonal, key0, m0, lane);  // Pᵀ
             unsigned p_a[M_STEPS][4], ds_a[M_STEPS][4];
+            if constexpr (DV_BEFORE_DS) {
 #pragma unroll
-            for (int ks = 0; ks < M_STEPS; ++ks) p_as_a_operand(s, ks, p_a[ks]);
-            wgmma_fence();
-            issue_accumulate(dv, p_a, d_o);  // dV += Pᵀ dO, queued behind dPᵀ
-            wgmma_commit();
-            wgmma_wait<1>();  // dPᵀ done; dV runs on while dS is computed
+                for (int ks = 0; ks < M_STEPS; ++ks) p_as_a_operand(s, ks, p_a[ks]);
+                wgmma_fence();
+                issue_accumulate(dv, p_a, d_o);  // dV += Pᵀ dO, queued behind dPᵀ
+                wgmma_commit();
+                wgmma_wait<1>();  // dPᵀ done; dV runs on while dS is computed
+            } else {
+                wgmma_wait<0>();  // dPᵀ done
+            }
             fence_registers(dp);
             score_gradients(dp, s, shared.floats(shared.delta_slot(slot)), lane);  // dSᵀ
 #pragma unroll
@@ -438,7 +430,12 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const BlockW
             store_score_gradients(ds, dp, row0, lane);
             fence_async_shared();  // the stores, visible to wgmma (the async proxy)
 
+            if constexpr (!DV_BEFORE_DS) {
+#pragma unroll
+                for (int ks = 0; ks < M_STEPS; ++ks) p_as_a_operand(s, ks, p_a[ks]);
+            }
             wgmma_fence();
+            if constexpr (!DV_BEFORE_DS) issue_accumulate(dv, p_a, d_o);  // dV += Pᵀ dO
             issue_accumulate(dk, ds_a, q);  // dK += dSᵀ Q
             wgmma_commit();
             named_barrier_sync(DS_READY, CONSUMER_THREADS);  // both consumers' dSᵀ are stored
