@@ -342,5 +342,6 @@ def test_every_variant_on_one_gpu_is_stage_7_bit_for_bit(options):
     stage.launch(kernels, i["x"], i["wr"], i["bias"], i["w1"], i["w2"], i["top_k"], outputs["out"],
                  outputs["topk_ids"], default_group(i["x"].device), **options)
     assert all(c.passed for c in P.check(outputs, P.reference(inputs), {}))
-    out7, ids7 = ops.moe_layer(i["x"], i["wr"], i["w1"], i["w2"], i["top_k"], router_bias=i["bias"])
+    out7, ids7 = ops.moe_layer(i["x"], i["wr"], i["w1"], i["w2"], i["top_k"], router_bias=i["bias"],
+                              return_topk_ids=True)
     assert torch.equal(outputs["topk_ids"], ids7) and torch.equal(outputs["out"], out7)

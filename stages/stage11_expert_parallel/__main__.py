@@ -173,7 +173,8 @@ def correctness(outputs: dict, inputs: dict | None, group) -> dict:
     if inputs is None:
         return {}
     i = inputs
-    out7, ids7 = ops.moe_layer(i["x"], i["wr"], i["w1"], i["w2"], i["top_k"], router_bias=i["bias"])
+    out7, ids7 = ops.moe_layer(i["x"], i["wr"], i["w1"], i["w2"], i["top_k"], router_bias=i["bias"],
+                              return_topk_ids=True)
     report = {name: dict(ids_equal=bool(torch.equal(ids, ids7)), out_differ=int((out != out7).sum()),
                          elements=out.numel()) for name, (out, ids) in found.items()}
     first = next(iter(found))
