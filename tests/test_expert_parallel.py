@@ -150,11 +150,13 @@ class WallClockEvent:
         return (later.at - self.at) * 1e3
 
 
-def one_process_layer(x, wr, w1, w2, top_k, router_bias):
-    """ops.moe_layer's (out, topk_ids), in float64 rounded once, as TorchParts computes."""
+def one_process_layer(x, wr, w1, w2, top_k, router_bias=None, return_topk_ids=False):
+    """ops.moe_layer, as its signature has it (out, or (out, topk_ids) when asked), in float64 rounded once, as
+    TorchParts computes."""
     ids, weights = moe.topk_exact(moe.router_logits(x, wr, router_bias, torch.float64), top_k)
     layer = dict(x=x, wr=wr, bias=router_bias, w1=w1, w2=w2)
-    return moe.layer_reference(layer, top_k, ids=ids, weights=weights).to(x.dtype), ids.to(torch.int32)
+    out = moe.layer_reference(layer, top_k, ids=ids, weights=weights).to(x.dtype)
+    return (out, ids.to(torch.int32)) if return_topk_ids else out
 
 
 def run_runner(group) -> list[str]:
