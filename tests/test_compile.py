@@ -17,6 +17,7 @@ TEACHES = {
     "stage7_moe_layer": {"HGMMA", "UTMALDG"},
     "stage8_backward": {"HMMA", "LDSM", "LDGSTS"},
     "stage9_hopper_backward": {"HGMMA", "UTMALDG"},
+    "stage11_expert_parallel": {"HGMMA", "UTMALDG"},
 }
 
 PAIRS = [(name, arch) for name in stages.stage_names() for arch in stages.load(name).archs]

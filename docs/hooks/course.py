@@ -86,6 +86,7 @@ PANELS = (
     Panel("Attention backward", ("attention_backward",), "tflops"),
     Panel("MoE routing: memory-bound, so in % of the memory bandwidth", ("moe_routing",), "pct_bandwidth"),
     Panel("MoE expert GEMMs, and the whole layer", ("moe_experts", "moe_layer"), "tflops"),
+    Panel("Expert parallelism: the MoE layer in the grader's world of one", ("moe_expert_parallel",), "tflops"),
     Panel("The whole model: thousands of tokens per second (prefill)", ("model",), "ktokens_per_s"),
 )
 

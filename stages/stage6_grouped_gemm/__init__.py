@@ -23,15 +23,16 @@ GEOMETRY = {"BLOCK_M": BLOCK_M, "BLOCK_K": BLOCK_K, "CONSUMER_ROWS": CONSUMER_RO
             "NUM_THREADS": NUM_THREADS, "SHARED_BYTES": SHARED_BYTES, "MAX_EXPERTS": MAX_EXPERTS}
 
 
-def run_experts(kernels, x_perm, expert_offsets, w1, w2, h, y_perm):
-    """h = SwiGLU(x_perm · W1), y_perm = h · W2 over the rows each expert owns (shared with stage 7).
+def run_experts(kernels, x_perm, expert_offsets, w1, w2, h, y_perm, spare_sms=0):
+    """h = SwiGLU(x_perm · W1), y_perm = h · W2 over the rows each expert owns (shared with stages 7 and 11).
     x_perm, h, y_perm: [rows, ·] with every expert's segment padded to BLOCK_M rows; W1 [E, hidden,
-    2·inter], W2 [E, inter, hidden]. Rows past expert_offsets[E] are neither read nor written."""
+    2·inter], W2 [E, inter, hidden]. Rows past expert_offsets[E] are neither read nor written. A block per
+    SM, less `spare_sms`: SMs left to kernels that run beside (stage 11's NCCL transfers)."""
     experts, hidden, inter = w1.shape[0], w1.shape[1], w2.shape[1]
     assert experts <= MAX_EXPERTS, experts
     assert hidden % 8 == 0 and inter % 8 == 0 and min(hidden, inter) >= BLOCK_K, \
         f"hidden and inter must be multiples of 8 (TMA strides), at least {BLOCK_K}: {hidden}, {inter}"
-    grid = (sm_count(x_perm.device),)  # persistent: the kernels find their tiles on the device
+    grid = (sm_count(x_perm.device) - spare_sms,)  # persistent: the kernels find their tiles on the device
     a_box, b_box, out_box = (1, BLOCK_M, BLOCK_K), (1, BLOCK_K, BOX_COLS), (1, CONSUMER_ROWS, BOX_COLS)
     kernels.expert_up_swiglu(grid, (NUM_THREADS,), tensor_map(x_perm[None], a_box), tensor_map(w1, b_box),
                              tensor_map(h[None], out_box), expert_offsets, experts, inter, hidden, smem=SHARED_BYTES)

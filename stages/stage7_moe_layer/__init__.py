@@ -56,30 +56,38 @@ def router_logits(kernels, x, wr, bias, logits) -> None:
                        experts, splits)
 
 
+def route_tokens(kernels, x, wr, bias, top_k, block, topk_ids):
+    """The router's logits (here) and stage 5's routing of x's tokens, each expert's segment padded to
+    `block` rows (0: none): (topk_weights, counts, offsets, dest, source_token), topk_ids written. Shared
+    with stage 11, which routes without padding."""
+    tokens, hidden = x.shape
+    experts = wr.shape[1]
+    # The permuted buffers' capacity, known on the host without looking at the routing; the kernels
+    # use the offsets[E] rows actually needed.
+    rows = padded_capacity(tokens, experts, top_k, block)
+    device, f32, i32 = x.device, torch.float32, torch.int32
+    logits = torch.empty(tokens, experts, dtype=f32, device=device)
+    topk_weights = torch.empty(tokens, top_k, dtype=f32, device=device)
+    dest = torch.empty(tokens, top_k, dtype=i32, device=device)
+    counts_offsets = torch.empty(2 * experts + 1, dtype=i32, device=device)
+    counts, offsets = counts_offsets[:experts], counts_offsets[experts:]
+    source_token = torch.empty(rows, dtype=i32, device=device)
+    balance = torch.empty(2, dtype=f32, device=device)  # load-balancing loss, usage variance
+    router_logits(kernels, x, wr, bias, logits)
+    route(kernels, logits, top_k, block, ALPHA, topk_ids, topk_weights, counts, offsets, dest, source_token,
+          balance[:1], balance[1:])
+    return topk_weights, counts, offsets, dest, source_token
+
+
 def layer_launch(run_experts):
     """The layer's launch, with `run_experts` for its grouped GEMMs (stage 6's, or a rung's)."""
     def launch(kernels, x, wr, bias, w1, w2, top_k, out, topk_ids):
-        tokens, hidden = x.shape
-        experts, inter = w1.shape[0], w2.shape[1]
-        # The permuted buffers' capacity, known on the host without looking at the routing; the kernels
-        # use the offsets[E] rows actually needed.
-        rows = padded_capacity(tokens, experts, top_k, BLOCK_M)
-        device, f32, i32 = x.device, torch.float32, torch.int32
-        logits = torch.empty(tokens, experts, dtype=f32, device=device)
-        topk_weights = torch.empty(tokens, top_k, dtype=f32, device=device)
-        dest = torch.empty(tokens, top_k, dtype=i32, device=device)
-        counts_offsets = torch.empty(2 * experts + 1, dtype=i32, device=device)
-        counts, offsets = counts_offsets[:experts], counts_offsets[experts:]
-        source_token = torch.empty(rows, dtype=i32, device=device)
-        balance = torch.empty(2, dtype=f32, device=device)  # load-balancing loss, usage variance
-        x_perm = torch.empty(rows, hidden, dtype=x.dtype, device=device)
-        h = torch.empty(rows, inter, dtype=x.dtype, device=device)
-        y_perm = torch.empty(rows, hidden, dtype=x.dtype, device=device)
-
-        router_logits(kernels, x, wr, bias, logits)
-        route(kernels, logits, top_k, BLOCK_M, ALPHA, topk_ids, topk_weights, counts, offsets, dest, source_token,
-              balance[:1], balance[1:])
-        kernels.gather_rows((rows,), (GATHER_THREADS,), x, source_token, offsets, experts, x_perm, hidden)
+        topk_weights, _, offsets, dest, source_token = route_tokens(kernels, x, wr, bias, top_k, BLOCK_M, topk_ids)
+        rows, hidden, inter = source_token.shape[0], x.shape[1], w2.shape[1]
+        x_perm = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+        h = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+        y_perm = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+        kernels.gather_rows((rows,), (GATHER_THREADS,), x, source_token, offsets, w1.shape[0], x_perm, hidden)
         run_experts(kernels, x_perm, offsets, w1, w2, h, y_perm)
         combine(kernels, y_perm, dest, topk_weights, out, top_k)
     return launch
