@@ -1,5 +1,6 @@
 """Launch geometry of the attention stages, without a GPU: any B·H a tensor can hold fits CUDA's grid
 limits (grid.y and grid.z stop at 65,535), and a launch beyond them is refused in one line."""
+import importlib
 import math
 
 import numpy as np
@@ -159,17 +160,18 @@ def test_stage9_launches_a_block_per_key_tile_and_kv_pair_walking_its_group(B, H
 @pytest.mark.parametrize("name", ["stage0", "stage1", "stage2", "stage3", "stage4", "stage8", "stage9"])
 def test_every_launch_passes_the_arguments_its_kernel_declares(name, monkeypatch):
     """A launch gives each kernel as many arguments as its C signature has (KernelSet refuses others), and
-    each one converts to the declared type: ints to `int` or `long long`, tensors to pointers. Stages 4 and 9
-    build TMA descriptors and stage 4 asks for the SM count, which need a driver: replaced here."""
-    from stages.common.launcher import _as_kernel_arg, parameter_types
+    each one is of the declared kind: a tensor or an address for a pointer, an integer for an `int` (within
+    32 bits) or a `long long`, a float for a `float`. Stages 4 and 9 build TMA descriptors and stage 4 asks
+    for the SM count, which need a driver: replaced here."""
+    from stages.common.launcher import parameter_types
     stage = stages.load(name)
-    module = __import__(f"stages.{stage.name}", fromlist=["_tensor_map"])
+    module = importlib.import_module(f"stages.{stage.name}")
     if hasattr(module, "_tensor_map"):
         monkeypatch.setattr(module, "_tensor_map", lambda x, rows, cols: x)
     if hasattr(module, "sm_count"):
         monkeypatch.setattr(module, "sm_count", lambda device: 132)
     B, H, S, D = 2, 4, 100, 64
-    q, k, v, o, d_o, dq, dk, dv = (torch.empty(B, H, S, D, dtype=torch.float16, device="meta") for _ in range(8))
+    q, k, v, d_o, dq, dk, dv = (torch.empty(B, H, S, D, dtype=torch.float16, device="meta") for _ in range(7))
     o = torch.empty(B, S, H, D, dtype=torch.float16, device="meta").transpose(1, 2)  # ops' layout: any strides
     lse = torch.empty(B, H, S, dtype=torch.float32, device="meta")
     kernels = RecordingKernels()
@@ -182,10 +184,15 @@ def test_every_launch_passes_the_arguments_its_kernel_declares(name, monkeypatch
         types = parameter_types(stage.kernels[kernel])
         assert len(args) == len(types), f"{kernel}: {len(args)} arguments for {types}"
         for arg, c_type in zip(args, types):
+            integral = isinstance(arg, (int, np.integer)) and not isinstance(arg, bool)
+            if c_type == "pointer":
+                assert isinstance(arg, torch.Tensor) or integral, f"{kernel}: {arg!r} for a pointer"
             if c_type == "long long":
-                assert _as_kernel_arg(arg, c_type).dtype == np.int64
+                assert integral, f"{kernel}: {arg!r} for a long long"
             if c_type == "int":
-                assert isinstance(arg, (int, np.integer)) and -2**31 <= int(arg) < 2**31
+                assert integral and -2**31 <= int(arg) < 2**31, f"{kernel}: {arg!r} for an int"
+            if c_type == "float":
+                assert isinstance(arg, float), f"{kernel}: {arg!r} for a float"
 
 
 def test_c_parameter_lists_are_read_as_the_types_passed():

@@ -11,7 +11,6 @@ instead of ~10 per layer, its intermediate buffers reused on every replay, no ho
 """
 import math
 
-import numpy as np
 import torch
 
 from reference.model import rope_cos_sin
@@ -27,9 +26,8 @@ def add_rmsnorm(kernels, h, delta, weight, normed, eps):
     block per row, a thread per VECTOR elements, whole warps."""
     hidden = h.shape[-1]
     threads = 32 * -(-hidden // (32 * VECTOR))
-    null = np.uint64(0)  # a null pointer: no add
-    kernels.add_rmsnorm((h.numel() // hidden,), (threads,), h, null if delta is None else delta, weight, normed,
-                        hidden, float(eps))
+    kernels.add_rmsnorm((h.numel() // hidden,), (threads,), h, 0 if delta is None else delta, weight, normed,
+                        hidden, float(eps))  # 0: a null pointer, nothing to add
 
 
 def rope_split(kernels, qkv, cos, sin, batch, seq, heads, kv_heads, head_dim):
@@ -44,7 +42,7 @@ def swiglu(kernels, g, inter):
     """SiLU(g[:, :I]) · g[:, I:] for the MLP's first projection g [tokens, 2·I]."""
     act = g.new_empty(g.shape[0], inter)
     vectors = act.numel() // VECTOR
-    kernels.swiglu((-(-vectors // SWIGLU_THREADS),), (SWIGLU_THREADS,), g, act, inter, np.int64(vectors))
+    kernels.swiglu((-(-vectors // SWIGLU_THREADS),), (SWIGLU_THREADS,), g, act, inter, vectors)  # a long long
     return act
 
 
@@ -64,7 +62,7 @@ def forward(kernels, x, weights, config, out):
     B, S, hidden = x.shape
     D, T, eps = hidden // H, B * S, config["eps"]
     cos, sin = rope_cos_sin(S, D, config["rope_theta"], x.dtype, x.device)
-    h = x.reshape(T, hidden).clone()  # the residual stream, updated in place by add_rmsnorm
+    h = x.reshape(T, hidden).clone()  # the residual stream, updated in place (cuBLAS's addmm_, add_rmsnorm)
     normed = torch.empty_like(h)
     delta = None                      # the branch output still to add to h
     for l in range(L):
