@@ -46,11 +46,17 @@ constexpr int D_STEPS = HEAD_DIM / 16;              // k-steps of a product over
 constexpr int D_FRAGS = HEAD_DIM / 8;               // n8 fragments of a 16 × D accumulator
 constexpr int M_STEPS = BLOCK_M / 16;               // k-steps of a product over the query tile
 constexpr int M_FRAGS = BLOCK_M / 8;                // n8 fragments of a warp's 16 × BLOCK_M scores
-// dQ = dS K: the BLOCK_M × D product is split among the warps, M_STEPS m16 tiles × DQ_SPLIT parts of d.
-constexpr int DQ_SPLIT = NUM_WARPS / M_STEPS;
-constexpr int DQ_COLS = HEAD_DIM / DQ_SPLIT;
+// dQ = dS K: the BLOCK_M × D product is tiled over the warps, DQ_ROWS queries × DQ_COLS = 32 d columns
+// each (a staged row of fp32 is one 128-byte line, add_to_dq): 32 × 32 at D = 128, 16 × 32 at D = 64.
+// Per k-step of 16 keys a warp reads DQ_ROWS / 16 A and DQ_COLS / 16 B fragments for DQ_ROWS·DQ_COLS / 128
+// mma: at D = 128, 2 + 2 ldmatrix for 8 mma, where 16 × 64 took 1 + 4 (32 per tile instead of 40);
+// at D = 64 either shape takes 1 + 2 (32 × 16: 2 + 1).
+constexpr int DQ_COLS = 32;
+constexpr int DQ_ROWS = BLOCK_M * HEAD_DIM / (DQ_COLS * NUM_WARPS);
+constexpr int DQ_M_TILES = DQ_ROWS / 16;
 constexpr int DQ_FRAGS = DQ_COLS / 8;
-constexpr int STAGING_BYTES = 16 * DQ_COLS * 4;     // a warp's part of dQ in fp32 (add_to_dq)
+constexpr int DQ_WARPS_M = BLOCK_M / DQ_ROWS;       // warps along the queries
+constexpr int STAGING_BYTES = DQ_ROWS * DQ_COLS * 4;  // a warp's part of dQ in fp32 (add_to_dq)
 // Shared memory: [K][V][Q ring][dO ring][dSᵀ][LSE ring][Δ ring], all tiles swizzled (see stage 3).
 constexpr int ROW_BYTES = HEAD_DIM * 2;
 constexpr int KV_TILE_BYTES = BLOCK_N * ROW_BYTES;
@@ -61,7 +67,8 @@ constexpr int VECTOR_BYTES = BLOCK_M * 4;           // the LSE or Δ of a query 
 constexpr int SHARED_BYTES = 2 * KV_TILE_BYTES + 2 * Q_STAGES * Q_TILE_BYTES + DS_TILE_BYTES +
                              2 * Q_STAGES * VECTOR_BYTES;
 static_assert(sizeof(elem_t) == 2, "ldmatrix and the chunk arithmetic assume 16-bit elements");
-static_assert(NUM_WARPS % M_STEPS == 0 && DQ_COLS % 16 == 0, "dQ's tiles divide among the warps");
+static_assert(DQ_ROWS % 16 == 0 && BLOCK_M % DQ_ROWS == 0 && DQ_WARPS_M * (HEAD_DIM / DQ_COLS) == NUM_WARPS,
+              "dQ's tiles divide among the warps");
 static_assert(NUM_WARPS / 2 * STAGING_BYTES <= Q_TILE_BYTES, "half the warps stage dQ in a Q buffer, half in a dO one");
 
 // The addresses of swizzle<ROW> (swizzle.cuh: stage 3's swizzle; rows of 128 or 256 bytes here) for
@@ -200,33 +207,58 @@ __device__ __forceinline__ void store_score_gradients(unsigned ds_tile, const fl
         }
 }
 
-// The warp's 16 × DQ_COLS part of dQ, `acc` (mma accumulators), added to the fp32 dQ at `dq_block`
-// (row stride HEAD_DIM), rows < rows only. Every key tile's block adds to the same dQ, so the additions
-// are atomic (in the L2). In the accumulator layout a thread holds pairs of columns of 2 rows, and a
-// warp's atomics would touch 8 rows' lines at a time, 8 bytes of each per lane pair; so the tile goes
-// through shared memory first (`staging`, STAGING_BYTES, swizzled like the tiles) and is read back as
-// 16-byte pieces of whole rows: each instruction of the warp adds to whole 128-byte lines. On sm_90 one
-// red.global.add.v4.f32 adds the 4 floats (a `red` is an atomic that returns nothing); before, 4 atomicAdd.
-__device__ __forceinline__ void add_to_dq(float* dq_block, const float (&acc)[DQ_FRAGS][4], unsigned staging, int rows,
-                                          int lane) {
-    constexpr int ROW = DQ_COLS * 4, CHUNKS = DQ_COLS / 4;  // bytes and 16-byte chunks of a staged row
+// Where chunk `chunk` (4 floats) of row `row` of a warp's staged dQ lies: rows of DQ_COLS fp32 (128
+// bytes), the chunks of row r permuted by XOR with 2·(r % 4). add_to_dq writes 8 bytes per lane, columns
+// 8n + 2t of rows g (and g + 8): chunk 2n + t/2; a half-warp's 4 rows g then write the chunk pairs
+// {2n, 2n + 1} ^ 2g, 4 different pairs, all 32 banks (with stage 3's XOR by r % 8, rows 2i and 2i + 1 hit
+// the same pair: 2-way conflicts). It reads back whole rows, 8 lanes a row: any permutation is conflict-free.
+__device__ __forceinline__ unsigned staging_offset(int row, int chunk) {
+    static_assert(DQ_COLS * 4 == 128, "a staged row is one 128-byte line");
+    return row * 128 + ((chunk ^ (2 * row % 8)) * 16);
+}
+
+// The thread index, read through a volatile asm: a value ptxas cannot hoist out of the loop, so that
+// the dQ product's per-warp and per-lane addresses are recomputed by a few integer instructions per tile
+// instead of being held across the loop (held, the kernel spills at D = 128; load_tile_from_base, in
+// swizzle.cuh, does the same).
+__device__ __forceinline__ int unhoisted_thread() {
+    unsigned thread;
+    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(thread));
+    return (int)thread;
+}
+
+// The warp's DQ_ROWS × DQ_COLS part of dQ, `acc` (mma accumulators, m16 tile mt in acc[mt]), added to the
+// fp32 dQ at `dq_block` (row stride HEAD_DIM), rows < rows only. Every key tile's block adds to the same
+// dQ, so the additions are atomic (in the L2). In the accumulator layout a thread holds pairs of columns
+// of 2 rows, and a warp's atomics would touch 8 rows' lines at a time, 8 bytes of each per lane pair; so
+// the tile goes through shared memory first (`staging`, STAGING_BYTES, at a multiple of 128) and is read
+// back as 16-byte pieces of whole rows: each instruction of the warp adds to 4 whole 128-byte lines. On
+// sm_90 one red.global.add.v4.f32 adds the 4 floats (a `red` is an atomic that returns nothing); before,
+// 4 atomicAdd. As for ldmatrix (lane_address), each lane computes one address for its stores and one for
+// its loads, and every access is an XOR and an immediate offset away: chunk 2n + t/2 of row g + 8r + 16mt
+// is the lane's chunk t/2 of row g with 32n XORed in (2n ^ 2(g % 4) = 2(n ^ g % 4)), 128·(8r + 16mt) on.
+__device__ __forceinline__ void add_to_dq(float* dq_block, const float (&acc)[DQ_M_TILES][DQ_FRAGS][4], unsigned staging,
+                                          int rows, int lane) {
+    constexpr int CHUNKS = DQ_COLS / 4, ROWS_PER_READ = 32 / CHUNKS;  // 16-byte chunks of a row; rows per load
+    const unsigned to_stage = staging + staging_offset(lane / 4, lane % 4 / 2) + 8 * (lane % 2);
 #pragma unroll
-    for (int n = 0; n < DQ_FRAGS; ++n)
+    for (int mt = 0; mt < DQ_M_TILES; ++mt)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = lane / 4 + 8 * r, column = 8 * n + 2 * (lane % 4);
-            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(staging + swizzle<ROW>(row, column / 4) + 4 * (column % 4)),
-                         "f"(acc[n][2 * r]), "f"(acc[n][2 * r + 1])
-                         : "memory");
-        }
+        for (int n = 0; n < DQ_FRAGS; ++n)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"((to_stage ^ (32 * n)) + 128 * (8 * r + 16 * mt)),
+                             "f"(acc[mt][n][2 * r]), "f"(acc[mt][n][2 * r + 1])
+                             : "memory");
     __syncwarp();
+    const unsigned from_stage = staging + staging_offset(lane / CHUNKS, lane % CHUNKS);
 #pragma unroll
-    for (int first = 0; first < 16; first += 32 / CHUNKS) {
+    for (int first = 0; first < DQ_ROWS; first += ROWS_PER_READ) {
         const int row = first + lane / CHUNKS, chunk = lane % CHUNKS;
         float4 x;
         asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
                      : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w)
-                     : "r"(staging + swizzle<ROW>(row, chunk))
+                     : "r"(from_stage + 128 * first)  // row % 4 = lane / CHUNKS % 4: first is a multiple of 4
                      : "memory");
         if (row >= rows) continue;
         float* to = dq_block + (size_t)row * HEAD_DIM + 4 * chunk;
@@ -242,26 +274,35 @@ __device__ __forceinline__ void add_to_dq(float* dq_block, const float (&acc)[DQ
     }
 }
 
-// dQ of the query tile += dS K for the warp's share (m16 tile `mt`, d columns from `col0`), added to
+// dQ of the query tile += dS K for the warp's share (queries from `row0`, d columns from `col0`), added to
 // the fp32 accumulator in global memory: every key tile's block adds its part, hence the atomics.
-__device__ __forceinline__ void accumulate_dq(float* dq_head, unsigned ds_tile, unsigned k_tile, unsigned staging,
-                                              int m0, int mt, int col0, int seq_q, int lane) {
-    float acc[DQ_FRAGS][4] = {};
+__device__ __forceinline__ void accumulate_dq(float* dq_head, unsigned ds_tile, unsigned k_tile, const QueryTile& buffer,
+                                              int m0, int seq_q) {
+    const int thread = unhoisted_thread(), lane = thread % 32, warp = thread / 32;
+    const int row0 = (warp % DQ_WARPS_M) * DQ_ROWS, col0 = (warp / DQ_WARPS_M) * DQ_COLS;  // the warp's share
+    // Its staging area: a quarter of this tile's Q or dO buffer, which no warp reads any more.
+    const unsigned staging = (warp < NUM_WARPS / 2 ? buffer.q : buffer.d_o) + (warp % (NUM_WARPS / 2)) * STAGING_BYTES;
+    float acc[DQ_M_TILES][DQ_FRAGS][4] = {};
     const unsigned a_base = lane_address<DS_ROW_BYTES>(ds_tile, b_order_row(lane), b_order_chunk(lane));
     const unsigned b_base = lane_address<ROW_BYTES>(k_tile, a_order_row(lane), a_order_chunk(lane));
 #pragma unroll
     for (int k16 = 0; k16 < BLOCK_N / 16; ++k16) {
-        unsigned a[4];  // dS [query][key] from dSᵀ [key][query]: .trans in B order gives the A operand
-        ldmatrix_x4_trans(a, block_address<DS_ROW_BYTES>(a_base, 16 * k16, 2 * mt));
+        unsigned a[DQ_M_TILES][4];  // dS [query][key] from dSᵀ [key][query]: .trans in B order gives the A operand
+#pragma unroll
+        for (int mt = 0; mt < DQ_M_TILES; ++mt)
+            ldmatrix_x4_trans(a[mt], block_address<DS_ROW_BYTES>(a_base, 16 * k16, (row0 + 16 * mt) / 8));
 #pragma unroll
         for (int d16 = 0; d16 < DQ_COLS / 16; ++d16) {
             unsigned b[4];  // K [key][d] = [k][n]
             ldmatrix_x4_trans(b, block_address<ROW_BYTES>(b_base, 16 * k16, col0 / 8 + 2 * d16));
-            mma_m16n8k16<elem_t>(acc[2 * d16], a, b[0], b[1]);
-            mma_m16n8k16<elem_t>(acc[2 * d16 + 1], a, b[2], b[3]);
+#pragma unroll
+            for (int mt = 0; mt < DQ_M_TILES; ++mt) {
+                mma_m16n8k16<elem_t>(acc[mt][2 * d16], a[mt], b[0], b[1]);
+                mma_m16n8k16<elem_t>(acc[mt][2 * d16 + 1], a[mt], b[2], b[3]);
+            }
         }
     }
-    add_to_dq(dq_head + (size_t)(m0 + 16 * mt) * HEAD_DIM + col0, acc, staging, seq_q - (m0 + 16 * mt), lane);
+    add_to_dq(dq_head + (size_t)(m0 + row0) * HEAD_DIM + col0, acc, staging, seq_q - (m0 + row0), lane);
 }
 
 // The warp's 16 rows of dK or dV (times `factor`), rounded to elem_t; rows >= seq_kv are not written.
@@ -329,7 +370,6 @@ attention_bwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
 
     float dk_acc[D_FRAGS][4] = {}, dv_acc[D_FRAGS][4] = {};
     const float scale_log2 = scale * LOG2E;
-    const int dq_mt = warp % M_STEPS, dq_col0 = (warp / M_STEPS) * DQ_COLS;  // this warp's share of dQ
 
     for (int tile = first_tile; tile < end_tile; ++tile) {
         cp_async_wait<0>();  // this tile's copies have landed (issued during the last iteration)
@@ -355,9 +395,7 @@ attention_bwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         warp_accumulate(dk_acc, dp, buffer.q, lane);                                            // dK += dSᵀ Q
         store_score_gradients(ds_tile, dp, row0, lane);
         __syncthreads();  // dSᵀ of every warp is in shared memory
-        // dQ += dS K; the warp's staging area: a quarter of this tile's Q or dO buffer, read no more.
-        const unsigned staging = (warp < NUM_WARPS / 2 ? buffer.q : buffer.d_o) + (warp % (NUM_WARPS / 2)) * STAGING_BYTES;
-        accumulate_dq(dq_head, ds_tile, k_tile, staging, m0, dq_mt, dq_col0, seq_q, lane);
+        accumulate_dq(dq_head, ds_tile, k_tile, buffer, m0, seq_q);                             // dQ += dS K
     }
 
     write_rows(dk + head * seq_kv * HEAD_DIM, dk_acc, scale, n0 + row0, seq_kv, lane);
