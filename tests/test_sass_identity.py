@@ -49,9 +49,10 @@ def existed_at(commit: str, name: str) -> bool:
 BASES = {name: BEFORE_ONE_HOME for name in stages.stage_names() if existed_at(BEFORE_ONE_HOME, name)}
 GQA = "f3bbd5b"  # K, V with H_kv heads: stage 0 and 4 take the group size, stages 1-3 a 3-D grid (group, KV pairs)
 BASES.update({name: GQA for name in ("stage0_naive", "stage1_tiled", "stage2_warp", "stage3_pipeline")})
-BASES["stage4_hopper"] = "620c141"  # stage 4 writes O with strides (ops' [B, S, H, D] buffer)
-BASES["stage8_backward"] = "ecaea80"  # stage 8 since the shared headers moved (stage 9's one-path commit)
-BASES["stage9_hopper_backward"] = "0fdb931"  # stage 9 at D = 64 with 128-query tiles
+# Measured at 11f2b51: stages 4 and 9 copy tiles as 64-row TMA boxes (tma.cuh's load_tile), stage 7's
+# router splits hidden over blocks at small token counts, stage 8's dQ in 32 x 32 warp tiles.
+BASES.update({name: "11f2b51" for name in ("stage4_hopper", "stage7_moe_layer", "stage8_backward",
+                                            "stage9_hopper_backward")})
 LADDER = {"ladder/simt.cu": "stage6_grouped_gemm", "ladder/mma_sync.cu": "stage6_grouped_gemm"}
 FRESH_COMPILES = 3  # per side, after a mismatch
 
