@@ -1,10 +1,13 @@
 """Time GPU work with CUDA events, side by side, with a cold L2 (used in the worker process only).
 
-Every candidate (the kernel, each library baseline) runs in the same loop, one after the other, so
-that clocks and temperature drift hit them alike. Before each launch a buffer twice the size of
-L2 is written, outside the timed event pair, so no candidate finds its inputs left in L2 by the
-previous one. Rounds repeat until each candidate's standard error is under 0.5% of its mean,
-or the time budget ends.
+Every candidate (the kernel, each library baseline) runs in every round, one after the other, so
+that clocks and temperature drift hit them alike; each takes its turn to go first, and the loop
+ends only after whole turns, so each has gone first as often as the others. Before each launch a
+buffer twice the size of L2 is written, outside the timed event pair, so no candidate finds its
+inputs left in L2 by the previous one. Rounds repeat until every candidate's standard error is
+under 0.5% of its mean, or the time budget ends. (A candidate that left the loop as soon as its
+own figures settled would leave the others timed in rounds of a different mix of work, under
+other clocks.)
 
 The events time the GPU, not Python: a round starts with the GPU held in a spin (`torch.cuda._sleep`)
 long enough for the host to queue the whole round behind it. Without the hold, a candidate whose
@@ -62,6 +65,20 @@ class GpuHold:
         torch.cuda._sleep(int(self.cycles_per_ms * min(ms, self.MAX_MS)))
 
 
+def enough(times: dict[str, list[float]], past_deadline: bool, target_rel_se: float, min_reps: int,
+           max_reps: int) -> bool:
+    """Whether the loop may stop after this round: only after whole turns (every candidate has gone
+    first equally often), once every candidate's figures have settled, or the budget is spent (and each
+    has 3 runs at least), or the most rounds allowed have run."""
+    rounds = len(next(iter(times.values())))
+    if rounds >= max_reps:
+        return True
+    if rounds % len(times):
+        return False
+    settled = rounds >= min_reps and all(_summary(t).rel_std_err < target_rel_se for t in times.values())
+    return settled or (past_deadline and rounds >= 3)
+
+
 def time_side_by_side(candidates: dict, l2_bytes: int, budget_s: float = 4.0, target_rel_se: float = 0.005,
                       min_reps: int = 5, max_reps: int = 500) -> dict[str, Timing]:
     """{name: Timing} for each callable in `candidates`; each is called with no arguments."""
@@ -74,16 +91,15 @@ def time_side_by_side(candidates: dict, l2_bytes: int, budget_s: float = 4.0, ta
     gpu = GpuHold()
 
     times = {name: [] for name in candidates}
-    active = set(candidates)
     deadline = time.perf_counter() + budget_s
     order = list(candidates)
-    while active:
+    while True:
         pending = []
         order = order[1:] + order[:1]  # each candidate takes its turn to go first after the hold
         # Twice the last round's host time: the host queues this round before the GPU reaches it.
         gpu.hold(2.0 * host_round_ms + 0.05)
         host_start = time.perf_counter()
-        for name in [n for n in order if n in active]:
+        for name in order:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             flush.zero_()
             start.record()
@@ -94,11 +110,7 @@ def time_side_by_side(candidates: dict, l2_bytes: int, budget_s: float = 4.0, ta
         torch.cuda.synchronize()
         for name, start, end in pending:
             times[name].append(start.elapsed_time(end))
-        for name in list(active):
-            t = times[name]
-            if len(t) >= max_reps or (len(t) >= min_reps and _summary(t).rel_std_err < target_rel_se):
-                active.discard(name)
-        if time.perf_counter() > deadline and all(len(times[n]) >= 3 for n in active):
+        if enough(times, time.perf_counter() > deadline, target_rel_se, min_reps, max_reps):
             break
     return {name: _summary(t) for name, t in times.items()}
 
