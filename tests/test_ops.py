@@ -561,8 +561,10 @@ def test_the_moe_layer_passes_its_problems_rule(case):
 def test_inputs_changed_in_place_are_read_again():
     """A short K or V (fewer rows than a TMA box) is read through a padded copy that is cached with its
     descriptor: a tensor changed in place (a KV cache) must still be read as it is now, not as it was."""
-    inputs = inputs_of(1, 4, 100, 100, 64, True, "float16")
+    from stages.stage4_hopper import GEOMETRY
+    inputs = inputs_of(1, 4, 40, 40, 64, True, "float16")
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    assert k.shape[2] < GEOMETRY[64]["TILE_BOX_ROWS"], "K and V shorter than stage 4's box: the padded copy"
     ops.attention(q, k, v, causal=True)
     k.mul_(-1.5)
     v.add_(1.0)
