@@ -15,7 +15,7 @@ USAGE = """python -m grader STAGE [STAGE ...] [options]   grade stages in turn (
 
 ARCH = re.compile(r"sm_(\d+)(a?)")  # sm_80, sm_90a: a GPU generation, "a" for its arch-specific features
 LOWEST_ARCH = 80                    # the course's kernels use cp.async, ldmatrix and bf16 mma.sync
-GPU_ONLY = ("cases", "shapes", "no_bench", "json", "seed", "trials", "budget", "timeout", "profile")  # options that only a GPU run uses
+GPU_ONLY = ("cases", "shapes", "no_bench", "json", "seed", "trials", "budget", "timeout", "profile", "beside")  # options that only a GPU run uses
 
 
 def parser() -> argparse.ArgumentParser:
@@ -40,6 +40,8 @@ def parser() -> argparse.ArgumentParser:
                    help="profile the kernel beside the fastest library baseline with Nsight Compute (ncu) on one "
                         "benchmark shape: its index (default 0) or a regular expression matching its label; "
                         "no correctness cases or timings")
+    p.add_argument("--beside", metavar="BASELINE",
+                   help="with --profile: profile beside this library baseline (e.g. flash) instead of the fastest")
     return p
 
 
@@ -65,6 +67,8 @@ def option_problem(args) -> str | None:
             return problem
         if args.cases is not None or args.no_bench:
             return "--profile runs no correctness cases and no timings: leave out --cases and --no-bench"
+    elif args.beside is not None:
+        return "--beside names the baseline a profile is taken beside: give it with --profile"
     if args.cases is not None and args.shapes is not None:
         return "--cases checks some cases and times nothing, --shapes times some shapes: give one of them"
     for option, value in (("--cases", args.cases), ("--shapes", args.shapes)):
@@ -281,7 +285,7 @@ def grade_one(stage, args, gpu) -> tuple[dict | None, int]:
             if profiling:
                 result = profile_stage(stage, kernel_path, gpu, arch, args.profile,
                                        profile.csv_path_for(stage.key, args.json),
-                                       timeout_s=max(args.timeout, 300.0), progress=progress)
+                                       timeout_s=max(args.timeout, 300.0), progress=progress, beside=args.beside)
             else:
                 result = grade_stage(stage, kernel_path, gpu, arch, seed=args.seed, trials=args.trials,
                                      timeout_s=args.timeout, budget_s=args.budget, bench=not args.no_bench,

@@ -464,9 +464,10 @@ def csv_path_for(stage_key: str, json_path: Path | None) -> Path:
 
 
 def run(stage, cubins: dict, gpu, spec: str | None, csv_path: Path, timeout_s: float = 300.0,
-        ncu: str | None = None, worker: list[str] | None = None) -> dict:
-    """Profile `stage`'s kernel (compiled as `cubins`) and the reference on one benchmark shape; the profile
-    (as the report and the JSON hold it), or ProfileError. `worker` replaces the worker's argv (tests)."""
+        ncu: str | None = None, worker: list[str] | None = None, beside: str | None = None) -> dict:
+    """Profile `stage`'s kernel (compiled as `cubins`) and the reference (the fastest library baseline, or
+    the one named `beside`) on one benchmark shape; the profile (as the report and the JSON hold it), or
+    ProfileError. `worker` replaces the worker's argv (tests)."""
     import reference
     from grader.isolation import WORKER, run_job
     from grader.run import relative  # (grader.run imports this module lazily too: the docs hook loads it alone)
@@ -484,7 +485,7 @@ def run(stage, cubins: dict, gpu, spec: str | None, csv_path: Path, timeout_s: f
         csv_path.unlink()
     command = ncu_command(ncu, csv_path, gpu.major)
     job = {"stage": stage.key, "phase": "profile", "cubins": {k: str(getattr(c, "path", c)) for k, c in cubins.items()},
-           "shape": [index, shape], "l2_bytes": gpu.l2_bytes}
+           "shape": [index, shape], "l2_bytes": gpu.l2_bytes, "beside": beside}
     events = {}
     failure = run_job(job, lambda event: events.setdefault(event["event"], event), timeout_s,
                       worker=[*command, *(worker or WORKER)])

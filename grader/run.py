@@ -300,9 +300,10 @@ def _compiled(stage, kernel_path: Path, arch: str, cubins: dict) -> dict:
 
 
 def profile_stage(stage, kernel_path: Path, gpu, arch: str, shape: str | None, csv_path: Path,
-                  timeout_s: float = 300.0, progress=lambda *a: None) -> dict:
+                  timeout_s: float = 300.0, progress=lambda *a: None, beside: str | None = None) -> dict:
     """Compile, then profile the kernel beside the reference under Nsight Compute on one benchmark shape
-    (grader/profile.py; `shape` as --profile takes it); no correctness cases, no timings. The result holds
+    (grader/profile.py; `shape` as --profile takes it; `beside`: a baseline's name, else the fastest
+    library baseline); no correctness cases, no timings. The result holds
     the profile under "profile"; profile.ProfileError says why there is none."""
     from grader import profile
 
@@ -310,6 +311,6 @@ def profile_stage(stage, kernel_path: Path, gpu, arch: str, shape: str | None, c
     progress("compiled", len(cubins), len(cubins), arch, True)
     result = _compiled(stage, kernel_path, arch, cubins)
     progress("profile", 0, 1, "under Nsight Compute", True)
-    result["profile"] = profile.run(stage, cubins, gpu, shape, csv_path, timeout_s=timeout_s)
+    result["profile"] = profile.run(stage, cubins, gpu, shape, csv_path, timeout_s=timeout_s, beside=beside)
     result["profile"]["source_sha256"] = result["source_sha256"]  # which kernel it profiled
     return result

@@ -180,8 +180,8 @@ class Worker:
 
     # ---- profile (run under ncu: grader/profile.py) -------------------------------------------
     def profile(self) -> None:
-        """One benchmark shape: the kernel and the fastest library baseline, each warmed up, then run once
-        inside its NVTX range (profile.RANGES), the only launches ncu profiles."""
+        """One benchmark shape: the kernel and the fastest library baseline (or the job's "beside"), each
+        warmed up, then run once inside its NVTX range (profile.RANGES), the only launches ncu profiles."""
         import torch
 
         from grader.grading import reference_of
@@ -201,7 +201,11 @@ class Worker:
         candidates, skipped = self.first_runs(libraries)
         timings = time_side_by_side(candidates, self.job["l2_bytes"], budget_s=0.5) if candidates else {}
         baselines_ms = {n: t.median_ms for n, t in timings.items()}
-        chosen = reference_of(baselines_ms)
+        beside = self.job.get("beside")
+        if beside is not None and beside not in candidates:
+            raise ValueError(f"--beside {beside}: no such baseline runs on this shape "
+                             f"(there are: {', '.join(candidates) or 'none'})")
+        chosen = (beside, baselines_ms[beside]) if beside else reference_of(baselines_ms)
         sides = {"kernel": ours}
         if chosen:
             sides["reference"] = candidates[chosen[0]]

@@ -118,6 +118,10 @@ def test_profile_takes_no_cases():
     assert_one_line_error(grader("stage0", "--profile", "--cases", "x10"), "--profile runs no correctness cases")
 
 
+def test_beside_needs_profile():
+    assert_one_line_error(grader("stage0", "--beside", "flash"), "--beside names the baseline")
+
+
 def test_profile_without_a_gpu_compiles_only_and_says_so():
     r = grader("stage0", "--profile", "1")
     assert r.returncode == 0, r.stdout + r.stderr
