@@ -198,8 +198,6 @@ def moe_layer_op(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Opti
                  w1: torch.Tensor, w2: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, topk_ids) of the MoE layer: see ops.moe_layer."""
     refuse("flashmoe::moe_layer", moe_layer_input_problem(x, router_weight, router_bias, w1, w2, top_k))
-    if router_bias is None:
-        router_bias = torch.zeros(router_weight.shape[1], dtype=torch.float32, device=x.device)
     out = torch.empty_like(x)
     topk_ids = torch.empty(x.shape[0], top_k, dtype=torch.int32, device=x.device)
     launch_fastest("moe_layer", {"dtype": MOE_DTYPES[x.dtype]}, x, router_weight, router_bias, w1, w2, top_k, out,

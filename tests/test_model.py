@@ -335,7 +335,7 @@ def test_stage10_forward_composes_the_model(shape, monkeypatch):
     launch captures this forward in a CUDA graph: GPU only.)"""
     from reference import moe
     from stages import ops
-    from stages.stage10_model import forward
+    from stages.stage10_model import forward, rope_tables
 
     def attention(q, k, v, causal=False, scale=None):
         assert q.shape[1] % k.shape[1] == 0 and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
@@ -351,7 +351,8 @@ def test_stage10_forward_composes_the_model(shape, monkeypatch):
     inputs = inputs_of(shape, "bfloat16", seed=11)
     saved = {n: t.clone() for n, t in inputs.items() if isinstance(t, torch.Tensor)}
     outputs = P.allocate_outputs(inputs)
-    forward(FakeKernels(), inputs["x"], M.weights_of(inputs), inputs["config"], outputs["hidden"])
+    forward(FakeKernels(), inputs["x"], M.weights_of(inputs), inputs["config"], outputs["hidden"],
+            rope_tables(inputs["x"], inputs["config"]))
     assert all(torch.equal(saved[n], inputs[n]) for n in saved)  # x and the weights untouched
     library = P.library_output(inputs)
     assert all(c.passed for c in P.check(outputs, P.reference(inputs), library))

@@ -54,14 +54,15 @@ def check_widths(config) -> None:
                          f"got hidden {hidden}, inter {inter}")
 
 
-def forward(kernels, x, weights, config, out):
-    """The model, launch by launch on the current stream: what the CUDA graph captures."""
+def forward(kernels, x, weights, config, out, rope):
+    """The model, launch by launch on the current stream: what the CUDA graph captures. `rope`: RoPE's (cos,
+    sin) tables for x's positions (rope_tables), made once outside the graph: they depend on no input."""
     from stages import ops  # the course's attention and MoE layer as ops (compiled on first use)
 
     L, H, KV, I, E = (config[k] for k in ("layers", "heads", "kv_heads", "inter", "experts"))
     B, S, hidden = x.shape
     D, T, eps = hidden // H, B * S, config["eps"]
-    cos, sin = rope_cos_sin(S, D, config["rope_theta"], x.dtype, x.device)
+    cos, sin = rope
     h = x.reshape(T, hidden).clone()  # the residual stream, updated in place (cuBLAS's addmm_, add_rmsnorm)
     normed = torch.empty_like(h)
     delta = None                      # the branch output still to add to h
@@ -78,6 +79,11 @@ def forward(kernels, x, weights, config, out):
             h.addmm_(swiglu(kernels, normed @ weights["w1"][l], I), weights["w2"][l])
             delta = None
     add_rmsnorm(kernels, h, delta, weights["norm"], out.view(T, hidden), eps)
+
+
+def rope_tables(x, config):
+    """RoPE's cos and sin [S, D] for x [B, S, hidden]: what every layer's rope_split reads."""
+    return rope_cos_sin(x.shape[1], x.shape[2] // config["heads"], config["rope_theta"], x.dtype, x.device)
 
 
 # The one captured forward: its key (what it was captured for), the graph, and the memory pool every capture
@@ -102,16 +108,17 @@ def launch(kernels, x, weights, config, out):
         torch._C._cuda_clearCublasWorkspaces()
         pool = _captured.get("pool") or torch.cuda.MemPool()  # lives as long as this module holds it
         _captured.clear()
+        rope = rope_tables(x, config)  # read by the graph at these addresses: kept with it
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # the warm-up: compiles and loads every kernel outside the capture
-            forward(kernels, x, weights, config, out)
+            forward(kernels, x, weights, config, out, rope)
         torch._C._cuda_clearCublasWorkspaces()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool.id, stream=stream):
-            forward(kernels, x, weights, config, out)
+            forward(kernels, x, weights, config, out, rope)
         torch.cuda.current_stream().wait_stream(stream)
-        _captured.update(key=key, graph=graph, pool=pool)
+        _captured.update(key=key, graph=graph, pool=pool, rope=rope)
     _captured["graph"].replay()
 
 

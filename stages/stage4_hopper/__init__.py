@@ -15,8 +15,9 @@ from stages.common.hopper import sm_count, tensor_map
 # What the launch uses, per head dimension, as attention.cu computes it (the grader checks each value
 # against the kernel): query rows per tile (2 consumer warpgroups × 64), keys per K/V tile, threads
 # (a producer warpgroup + 2 consumer warpgroups), the width of a TMA box (64 16-bit elements, the
-# 128-byte swizzle's) and its rows (tiles are copied as boxes of 64 rows: tma.cuh's load_tile), and dynamic shared memory: the Q tile, the K and V rings, the mbarriers and
-# 1 KB to align the tiles to 1024 bytes.
+# 128-byte swizzle's) and its rows (tiles are copied as boxes of 64 rows: tma.cuh's load_tile), and
+# dynamic shared memory: the Q tile, the K and V rings, the mbarriers and 1 KB to align the tiles to
+# 1024 bytes.
 GEOMETRY = {64: {"BLOCK_M": 128, "BLOCK_N": 192, "NUM_THREADS": 384, "ATOM_COLS": 64, "TILE_BOX_ROWS": 64,
                  "SHARED_BYTES": 164976},
             128: {"BLOCK_M": 128, "BLOCK_N": 128, "NUM_THREADS": 384, "ATOM_COLS": 64, "TILE_BOX_ROWS": 64,
@@ -25,8 +26,9 @@ PERSISTENT = 1  # one block per SM looping over query tiles (attention.cu's Sche
 
 
 def _tensor_map(x, box_rows: int, box_cols: int):
-    """A TMA descriptor over x [B, H, S, D] (K and V: [B, H_kv, S, D]) viewed as 3-D [B·H, S, D]: boxes of 1 × box_rows × box_cols with
-    the 128-byte swizzle. Rows past S inside a head read as zeros, so a box never mixes two heads."""
+    """A TMA descriptor over x [B, H, S, D] (K and V: [B, H_kv, S, D]) viewed as 3-D [B·H, S, D]: boxes of
+    1 × box_rows × box_cols with the 128-byte swizzle. Rows past S inside a head read as zeros, so a box
+    never mixes two heads."""
     batch, heads, seq, head_dim = x.shape
     return tensor_map(x.reshape(batch * heads, seq, head_dim), (1, box_rows, box_cols))
 
@@ -46,8 +48,8 @@ def launch(kernels, q, k, v, o, lse, scale, causal):
         grid = min(units, sm_count(q.device))
     o_batch_stride, o_head_stride, o_row_stride, _ = o.stride()  # any [B, H, S, D] view with d contiguous
     kernels.attention_fwd((grid,), (launched["NUM_THREADS"],), q_map, k_map, v_map, o, o_batch_stride,
-                          o_head_stride, o_row_stride, heads, lse, seq_q, seq_kv, scale, int(causal), batch * heads, PERSISTENT,
-                          group, smem=launched["SHARED_BYTES"])
+                          o_head_stride, o_row_stride, heads, lse, seq_q, seq_kv, scale, int(causal), batch * heads,
+                          PERSISTENT, group, smem=launched["SHARED_BYTES"])
 
 
 STAGE = Stage(

@@ -1,8 +1,8 @@
 """Stage 7 — the whole MoE layer: route, permute, grouped GEMMs, combine
 
-The layer from the course's kernels, in eight launches and no host synchronization: router logits,
-stage 5's top-k, offsets and permutation, a gather of the tokens into expert order, stage 6's two
-grouped GEMMs (SwiGLU fused into the first), stage 5's combine. sm_90a with stage 6's wgmma GEMMs;
+The layer from the course's kernels, in eight launches (nine when the router splits hidden) and no host
+synchronization: router logits, stage 5's top-k, offsets and permutation, a gather of the tokens into
+expert order, stage 6's two grouped GEMMs (SwiGLU fused into the first), stage 5's combine. sm_90a with stage 6's wgmma GEMMs;
 its mma_sync rung runs on sm_80 and newer with stage 6's mma_sync rung instead.
 """
 from functools import partial
@@ -23,9 +23,9 @@ ALPHA = 0.01          # the load-balancing loss's coefficient (stage 5 computes 
 ROUTER_THREADS = 256
 ROUTER_TOKENS = 64    # tokens per block
 ROUTER_K = 32         # hidden elements per shared-memory chunk: a split of hidden is whole chunks
-ROUTER_BLOCKS = 128   # router blocks aimed at: with fewer token tiles than that, hidden is split,
-MIN_SPLIT = 8 * ROUTER_K  # into parts of at least this many elements (8 chunks)
-SUM_THREADS = 256     # router_sum: a thread per logit
+ROUTER_BLOCKS = 256   # router blocks aimed at (two per SM): with fewer token tiles than that, hidden is split,
+MIN_SPLIT = ROUTER_K  # down to one chunk per block (a block's chunks are one memory round trip each)
+SUM_WARPS = 8         # router_sum: a warp per logit, 8 per block
 GATHER_THREADS = 128  # gather_rows: a block per row, any block size
 
 
@@ -37,23 +37,22 @@ def geometry(experts):
 
 
 def router_logits(kernels, x, wr, bias, logits) -> None:
-    """logits = x · wr + bias in fp32. Few tokens fill few blocks of 64: then hidden is split too, the
-    splits' partial sums written apart and added in order by router_sum (the same logits on every run)."""
+    """logits = x · wr + bias (None: no bias) in fp32. Few tokens fill few blocks of 64: then hidden is split
+    too, the splits' partial sums written apart and added in a fixed order by router_sum (the same logits on
+    every run)."""
     tokens, hidden = x.shape
     experts = wr.shape[1]
     token_tiles = -(-tokens // ROUTER_TOKENS)
     splits = max(1, min(ROUTER_BLOCKS // token_tiles, hidden // MIN_SPLIT))
     per_split = -(-hidden // (splits * ROUTER_K)) * ROUTER_K
     splits = -(-hidden // per_split)
-    if splits == 1:
-        kernels.router_logits((token_tiles, 1), (ROUTER_THREADS,), x, wr, bias, logits, tokens, hidden, experts,
-                              per_split)
-        return
-    partials = torch.empty(splits, tokens, experts, dtype=torch.float32, device=x.device)
+    bias = 0 if bias is None else bias  # 0: a null pointer
+    partials = logits if splits == 1 else torch.empty(splits, tokens, experts, dtype=torch.float32, device=x.device)
     kernels.router_logits((token_tiles, splits), (ROUTER_THREADS,), x, wr, bias, partials, tokens, hidden, experts,
                           per_split)
-    kernels.router_sum((-(-tokens * experts // SUM_THREADS),), (SUM_THREADS,), partials, bias, logits, tokens,
-                       experts, splits)
+    if splits > 1:
+        kernels.router_sum((-(-tokens * experts // SUM_WARPS),), (32 * SUM_WARPS,), partials, bias, logits, tokens,
+                           experts, splits)
 
 
 def route_tokens(kernels, x, wr, bias, top_k, block, topk_ids):

@@ -1,6 +1,7 @@
 // Stage 7 — the whole MoE layer from the course's kernels. sm_90a (stage 6's GEMMs).
 //
-// out = Σ_j w[t, j] · SwiGLU-FFN_{ids[t, j]}(x[t]), in eight launches and no host synchronization:
+// out = Σ_j w[t, j] · SwiGLU-FFN_{ids[t, j]}(x[t]), in eight launches (nine when the router splits) and no
+// host synchronization:
 //   router_logits      logits = x · Wr + bias in fp32                         (here; with few tokens,
 //   router_sum         split over hidden into partial sums, then their sum)
 //   moe_topk, moe_align, moe_scatter   top-k, padded offsets, permutation     (stage 5)
@@ -32,11 +33,11 @@ constexpr int ROUTER_K = 32;                            // hidden elements per s
 // elements [s·per_split, (s+1)·per_split). Thread (token group tg, expert group eg) accumulates tokens
 // 4tg .. 4tg+3 × experts eg, eg + 16, ... (EPT of them) -- a 4 × EPT register tile, as stage 1's -- over
 // chunks of 32 hidden elements staged in shared memory in fp32 (x transposed, so that a thread's 4
-// tokens are one float4). With one split (gridDim.y = 1) it writes logits + bias; with several, each
-// writes its partial sums to its own [tokens, E] slice of `out`, and router_sum adds them in order: a
-// few tokens (a 128-token prefill: 2 blocks of 64) would otherwise leave all but two SMs idle while
-// two blocks walk all of hidden, chunk after chunk. The order of the sum is fixed, so the logits, and
-// the routing, are the same on every run.
+// tokens are one float4). With one split (gridDim.y = 1) it writes logits + bias (a null bias adds
+// nothing); with several, each writes its partial sums to its own [tokens, E] slice of `out`, and
+// router_sum adds them: a few tokens (a 128-token prefill: 2 blocks of 64) would otherwise leave all but
+// two SMs idle while two blocks walk all of hidden, chunk after chunk, each chunk a round trip to
+// memory. The order of the sum is fixed, so the logits, and the routing, are the same on every run.
 struct RouterShared {
     float xs[ROUTER_K][ROUTER_TOKENS];  // x chunk, transposed
     float ws[ROUTER_K][MAX_EXPERTS];    // Wr chunk
@@ -84,7 +85,8 @@ __device__ void router_tile(const elem_t* __restrict__ x, const elem_t* __restri
 #pragma unroll
         for (int j = 0; j < EPT; ++j) {
             const int e = eg + 16 * j;
-            if (t < tokens && e < experts) logits[(size_t)t * experts + e] = acc[i][j] + (gridDim.y == 1 ? bias[e] : 0.0f);
+            if (t < tokens && e < experts)
+                logits[(size_t)t * experts + e] = acc[i][j] + (gridDim.y == 1 && bias ? bias[e] : 0.0f);
         }
     }
 }
@@ -104,35 +106,48 @@ router_logits(const elem_t* __restrict__ x, const elem_t* __restrict__ wr, const
     else router_tile<16>(x, wr, bias, out, tokens, hidden, experts, per_split, sh);
 }
 
-// logits[t, e] = bias[e] + the splits' partial sums of (t, e), added in split order: a thread per logit.
+// logits[t, e] = bias[e] + the splits' partial sums of (t, e): a warp per logit, lane l adding splits l,
+// l + 32, ... in order, then the 32 lane sums in a fixed tree (the shuffles), so that every run adds in
+// the same order; the lanes' loads are all in flight at once (a thread walking 128 splits would wait on
+// 128 loads one after the other).
 extern "C" __global__ void router_sum(const float* __restrict__ partials, const float* __restrict__ bias,
                                       float* __restrict__ logits, int tokens, int experts, int splits) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= tokens * experts) return;
+    const int i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (i >= tokens * experts) return;  // the whole warp: i is the same for its lanes
     float sum = 0.0f;
-    for (int s = 0; s < splits; ++s) sum += partials[(size_t)s * tokens * experts + i];
-    logits[i] = sum + bias[i % experts];
+    for (int s = lane; s < splits; s += 32) sum += partials[(size_t)s * tokens * experts + i];
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    if (lane == 0) logits[i] = sum + (bias ? bias[i % experts] : 0.0f);
 }
 // --8<-- [end:router]
 
 // --8<-- [start:gather]
 // The permutation applied: row r of x_perm is token source_token[r]'s x. A padding row (source_token
-// -1) repeats the nearest token-slot above it, the last of its segment: its outputs are never read,
-// but zeros there -- the obvious choice -- ran stage 6's tensor cores at half speed on the H100 (a
-// few all-zero rows in a tile; results/NOTES.md). One block per row of the capacity; the rows past
-// offsets[E] (unused this time) return at once. 16-byte vectors.
+// -1) repeats the first token-slot of its segment: its outputs are never read, but zeros there -- the
+// obvious choice -- ran stage 6's tensor cores at half speed on the H100 (a few all-zero rows in a
+// tile; results/NOTES.md). One block per row of the capacity; the rows past offsets[E] (unused this
+// time) return at once. 16-byte vectors.
 extern "C" __global__ void gather_rows(const elem_t* __restrict__ x, const int* __restrict__ source_token,
                                        const int* __restrict__ expert_offsets, int experts,
                                        elem_t* __restrict__ x_perm, int hidden) {
     const int row = blockIdx.x;
     if (row >= expert_offsets[experts]) return;
     // EXERCISE: copy token source_token[row]'s row of x into row `row` of x_perm, 8 elements (one
-    // uint4) per thread and step; a padding row (source_token -1) takes the token of the nearest row
-    // above it that has one (a segment starts with a token-slot, so the search stops inside it).
+    // uint4) per thread and step; a padding row (source_token -1) takes the token of its segment's
+    // first row, expert_offsets[e] for the expert e whose segment holds `row` (a segment starts with
+    // its token-slots; a binary search over the offsets, as stage 6's scheduler finds a tile's expert).
     // STUB: return;
-    int source = row;
-    while (source_token[source] < 0) --source;
-    const int token = source_token[source];
+    int token = source_token[row];
+    if (token < 0) {
+        int lo = 0, hi = experts - 1;  // the last e with expert_offsets[e] <= row (empty segments skipped)
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (expert_offsets[mid] <= row) lo = mid;
+            else hi = mid - 1;
+        }
+        token = source_token[expert_offsets[lo]];
+    }
     uint4* to = reinterpret_cast<uint4*>(x_perm + (size_t)row * hidden);
     const uint4* from = reinterpret_cast<const uint4*>(x + (size_t)token * hidden);
     for (int v = threadIdx.x; v < hidden / 8; v += blockDim.x) to[v] = from[v];
