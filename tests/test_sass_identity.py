@@ -51,8 +51,10 @@ GQA = "f3bbd5b"  # K, V with H_kv heads: stage 0 and 4 take the group size, stag
 BASES.update({name: GQA for name in ("stage0_naive", "stage1_tiled", "stage2_warp", "stage3_pipeline")})
 # Measured at 11f2b51: stages 4 and 9 copy tiles as 64-row TMA boxes (tma.cuh's load_tile), stage 7's
 # router splits hidden over blocks at small token counts, stage 8's dQ in 32 x 32 warp tiles.
-BASES.update({name: "11f2b51" for name in ("stage4_hopper", "stage7_moe_layer", "stage8_backward",
-                                            "stage9_hopper_backward")})
+BASES.update({name: "11f2b51" for name in ("stage4_hopper", "stage8_backward", "stage9_hopper_backward")})
+# Measured at 58fd728: stage 7's router down to one chunk per block (router_sum a warp per logit, a null
+# bias allowed), gather_rows' binary search for a padding row's token.
+BASES["stage7_moe_layer"] = "58fd728"
 LADDER = {"ladder/simt.cu": "stage6_grouped_gemm", "ladder/mma_sync.cu": "stage6_grouped_gemm"}
 FRESH_COMPILES = 3  # per side, after a mismatch
 
