@@ -15,7 +15,8 @@ USAGE = """python -m grader STAGE [STAGE ...] [options]   grade stages in turn (
 
 ARCH = re.compile(r"sm_(\d+)(a?)")  # sm_80, sm_90a: a GPU generation, "a" for its arch-specific features
 LOWEST_ARCH = 80                    # the course's kernels use cp.async, ldmatrix and bf16 mma.sync
-GPU_ONLY = ("cases", "shapes", "no_bench", "json", "seed", "trials", "budget", "timeout", "profile", "beside")  # options that only a GPU run uses
+# options that only a GPU run uses
+GPU_ONLY = ("cases", "shapes", "no_bench", "json", "seed", "trials", "budget", "timeout", "profile", "beside")
 
 
 def parser() -> argparse.ArgumentParser:
