@@ -18,8 +18,10 @@ constexpr int CONVERT_THREADS = 256;
 // inf where a row's true scores are all very negative (x10 inputs: LSE = -100), then inf × 0 = NaN
 // in dQ += dS K; capped, their p is finite and meets K's zero rows (their dK and dV are not written).
 // When `mask`, keys after the query are 0: key0 + g + 8(c/2) > m0 + 8n + 2t + c%2, i.e.
-// `ahead` + 8(c/2) - c%2 > 8n, with one per-thread term and compile-time constants (registers are scarce).
-template <int M_FRAGS>
+// `ahead` + 8(c/2) - c%2 > 8n, with one per-thread term and compile-time constants (registers are scarce);
+// AGAINST_CONSTANTS writes the same test as `ahead` > 8n - 8(c/2) + c%2 (which form ptxas allocates
+// better depends on the kernel around it: stage 8's MASK_AGAINST_CONSTANTS).
+template <int M_FRAGS, bool AGAINST_CONSTANTS = false>
 __device__ __forceinline__ void probabilities(float (&s)[M_FRAGS][4], const float* lse_log2, float scale_log2,
                                               bool mask, int key0, int m0, int lane) {
     const int ahead = key0 + lane / 4 - m0 - 2 * (lane % 4);
@@ -29,14 +31,18 @@ __device__ __forceinline__ void probabilities(float (&s)[M_FRAGS][4], const floa
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
             const float p = fast_exp2(fminf(s[n][c] * scale_log2 - (c % 2 ? lse.y : lse.x), 0.0f));
-            s[n][c] = mask && ahead + 8 * (c / 2) - c % 2 > 8 * n ? 0.0f : p;
+            s[n][c] = mask && (AGAINST_CONSTANTS ? ahead > 8 * n - 8 * (c / 2) + c % 2 : ahead + 8 * (c / 2) - c % 2 > 8 * n)
+                          ? 0.0f
+                          : p;
         }
     }
 }
 
 // Per query row: Δ = rowsum(dO ∘ O) in fp32 (the softmax's term of dS), the LSE times log2(e) (the
 // main kernel's exponentials are exp2), and a zeroed row of the fp32 dQ accumulator. Rows from
-// seq_q to seq_q_padded, the padding of the last query tile, get Δ = 0 and LSE = +inf (p = 0).
+// seq_q to seq_q_padded, the padding of the last query tile, get Δ = 0 and LSE = +inf (p = 0), and
+// their dQ rows are zeroed too: the accumulator has whole query tiles, so that the main kernels add
+// whole tiles to it without testing rows (the padding rows' sums are never converted).
 // HEAD_DIM / 8 threads per row, 8 elements each; a row's threads are consecutive lanes of one warp.
 extern "C" __global__ void __launch_bounds__(PREPROCESS_THREADS)
 attention_bwd_preprocess(const elem_t* __restrict__ o, const elem_t* __restrict__ d_o, const float* __restrict__ lse,
@@ -49,6 +55,10 @@ attention_bwd_preprocess(const elem_t* __restrict__ o, const elem_t* __restrict_
     const int row = (int)(padded_row % seq_q_padded);
     const bool valid = head < (size_t)pairs && row < seq_q;
     const size_t element = (head * seq_q + row) * HEAD_DIM + 8 * part;
+    if (head < (size_t)pairs) {
+        float4* dq8 = reinterpret_cast<float4*>(dq_accum + padded_row * HEAD_DIM + 8 * part);
+        dq8[0] = dq8[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
     float sum = 0.0f;
     if (valid) {
         const uint4 o8 = *reinterpret_cast<const uint4*>(o + element);
@@ -57,8 +67,6 @@ attention_bwd_preprocess(const elem_t* __restrict__ o, const elem_t* __restrict_
         const elem_t* dos = reinterpret_cast<const elem_t*>(&do8);
 #pragma unroll
         for (int i = 0; i < 8; ++i) sum += to_float(os[i]) * to_float(dos[i]);
-        float4* dq8 = reinterpret_cast<float4*>(dq_accum + element);
-        dq8[0] = dq8[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
 #pragma unroll
     for (int offset = THREADS_PER_ROW / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
@@ -68,18 +76,23 @@ attention_bwd_preprocess(const elem_t* __restrict__ o, const elem_t* __restrict_
     }
 }
 
-// dQ = scale · the fp32 accumulator, rounded to elem_t: 8 elements per thread.
+// dQ = scale · the fp32 accumulator, rounded to elem_t: 8 elements per thread, `groups` of 8 in the
+// accumulator (seq_q_padded rows per head); the padding rows' groups are skipped.
 extern "C" __global__ void __launch_bounds__(CONVERT_THREADS)
-attention_bwd_dq(const float* __restrict__ dq_accum, elem_t* __restrict__ dq, float scale, int groups) {
-    const int group = blockIdx.x * CONVERT_THREADS + threadIdx.x;  // of 8 elements
+attention_bwd_dq(const float* __restrict__ dq_accum, elem_t* __restrict__ dq, float scale, int groups, int seq_q,
+                 int seq_q_padded) {
+    constexpr int GROUPS_PER_ROW = HEAD_DIM / 8;
+    const int group = blockIdx.x * CONVERT_THREADS + threadIdx.x;
     if (group >= groups) return;
-    const size_t first = (size_t)group * 8;
-    const float4* from = reinterpret_cast<const float4*>(dq_accum + first);
+    const int padded_row = group / GROUPS_PER_ROW, part = group % GROUPS_PER_ROW;
+    const int head = padded_row / seq_q_padded, row = padded_row % seq_q_padded;
+    if (row >= seq_q) return;
+    const float4* from = reinterpret_cast<const float4*>(dq_accum + (size_t)group * 8);
     const float4 a = from[0], b = from[1];
     uint4 packed;
     packed.x = pack_pair<elem_t>(a.x * scale, a.y * scale);
     packed.y = pack_pair<elem_t>(a.z * scale, a.w * scale);
     packed.z = pack_pair<elem_t>(b.x * scale, b.y * scale);
     packed.w = pack_pair<elem_t>(b.z * scale, b.w * scale);
-    *reinterpret_cast<uint4*>(dq + first) = packed;
+    *reinterpret_cast<uint4*>(dq + ((size_t)head * seq_q + row) * HEAD_DIM + 8 * part) = packed;
 }

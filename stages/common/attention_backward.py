@@ -4,7 +4,7 @@ preprocess and dQ conversion, and their launches around each stage's main kernel
     workspace = backward_workspace(q, block_m)         the LSE in log2 units and Δ per query row, padded to
     preprocess(kernels, launched, o, d_o, lse, ws)     whole query tiles of block_m; dQ zeroed in fp32
     ... the stage's main kernel: dK, dV, and dQ summed into ws.dq_accum ...
-    convert_dq(kernels, launched, ws.dq_accum, dq, scale)   dQ = scale · the fp32 sum, in dq's dtype
+    convert_dq(kernels, launched, ws, dq, scale)       dQ = scale · the fp32 sum, in dq's dtype
 
 `launched` is the stage's geometry at this head dimension (ROWS_PER_PREPROCESS_BLOCK, PREPROCESS_THREADS,
 CONVERT_THREADS)."""
@@ -24,15 +24,15 @@ class Workspace:
     seq_q_padded: int        # query rows per head, a whole number of tiles
     lse_log2: torch.Tensor   # fp32 [B, H, seq_q_padded]
     delta: torch.Tensor      # fp32 [B, H, seq_q_padded]: Δ = rowsum(dO ∘ O)
-    dq_accum: torch.Tensor   # fp32, q's shape
+    dq_accum: torch.Tensor   # fp32 [B, H, seq_q_padded, D]: whole tiles, added to without a row test
 
 
 def backward_workspace(q: torch.Tensor, block_m: int) -> Workspace:
-    batch, heads, seq_q, _ = q.shape
+    batch, heads, seq_q, head_dim = q.shape
     seq_q_padded = blocks(seq_q, block_m) * block_m
     lse_log2 = torch.empty(batch, heads, seq_q_padded, dtype=torch.float32, device=q.device)
     return Workspace(seq_q_padded, lse_log2, torch.empty_like(lse_log2),
-                     torch.empty(q.shape, dtype=torch.float32, device=q.device))
+                     torch.empty(lse_log2.shape + (head_dim,), dtype=torch.float32, device=q.device))
 
 
 def preprocess(kernels, launched: dict, o, d_o, lse, ws: Workspace) -> None:
@@ -44,8 +44,9 @@ def preprocess(kernels, launched: dict, o, d_o, lse, ws: Workspace) -> None:
                                      ws.dq_accum, seq_q, ws.seq_q_padded, batch * heads)
 
 
-def convert_dq(kernels, launched: dict, dq_accum, dq, scale: float) -> None:
-    """dq = scale · dq_accum, rounded to dq's dtype: a thread per 8 elements."""
-    groups = dq.numel() // 8
+def convert_dq(kernels, launched: dict, ws: Workspace, dq, scale: float) -> None:
+    """dq = scale · ws.dq_accum's first seq_q rows of each head, rounded to dq's dtype: a thread per 8
+    elements of the accumulator."""
+    groups = ws.dq_accum.numel() // 8
     kernels.attention_bwd_dq((blocks(groups, launched["CONVERT_THREADS"]),), (launched["CONVERT_THREADS"],),
-                             dq_accum, dq, scale, groups)
+                             ws.dq_accum, dq, scale, groups, dq.shape[2], ws.seq_q_padded)

@@ -29,7 +29,7 @@ KERNELS = {
     "attention_bwd_preprocess": "const elem_t*, const elem_t*, const float*, float*, float*, float*, int, int, int",
     "attention_bwd": "const elem_t*, const elem_t*, const elem_t*, const elem_t*, const float*, const float*, float*, "
                      "elem_t*, elem_t*, int, int, int, float, int",
-    "attention_bwd_dq": "const float*, elem_t*, float, int",
+    "attention_bwd_dq": "const float*, elem_t*, float, int, int, int",
 }
 
 
@@ -52,7 +52,7 @@ def launch(kernels, q, k, v, o, lse, d_o, dq, dk, dv, scale, causal) -> None:
         kernels.attention_bwd((blocks(seq_kv, launched["BLOCK_N"]), q_.shape[0]), (launched["NUM_THREADS"],),
                               q_, k_, v_, do_, lse_, delta_, dqa_, dk_, dv_, seq_q, seq_kv, ws.seq_q_padded, scale,
                               int(causal), smem=launched["SHARED_BYTES"])
-    convert_dq(kernels, launched, ws.dq_accum, dq, scale)
+    convert_dq(kernels, launched, ws, dq, scale)
 
 
 STAGE = Stage(

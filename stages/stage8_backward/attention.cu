@@ -13,10 +13,11 @@
 //     dK += scale · dSᵀ Q             (BLOCK_N × D)
 //     dQ += scale · dS K              (BLOCK_M × D)  -- summed over every key tile: fp32 atomics
 //
-// The block computes the transposed products (keys as rows): each warp owns 16 keys, so Pᵀ and dSᵀ
-// come out of the mma accumulators already in the layout of the A operand of dV += Pᵀ dO and
-// dK += dSᵀ Q (mma.cuh, p_as_a_operand): no shuffle. dQ needs dS the other way round, with
-// queries as rows: dSᵀ goes through shared memory, and ldmatrix.trans reads it back transposed.
+// The block computes the transposed products (keys as rows): each warp owns 16 keys, so Pᵀ comes out
+// of the mma accumulators already in the layout of the A operand of dV += Pᵀ dO (mma.cuh,
+// p_as_a_operand): no shuffle. dSᵀ goes through shared memory: dQ needs it the other way round, with
+// queries as rows (ldmatrix.trans reads it back transposed), and dK += dSᵀ Q reads it back too, tiled
+// over the warps as 32 keys × D/2 each, so that each fragment of Q feeds two m16 tiles instead of one.
 //
 // Three kernels: attention_bwd_preprocess (Δ, the LSE in log2 units, a zeroed fp32 dQ), attention_bwd
 // (the loop above), attention_bwd_dq (the fp32 dQ scaled and rounded to elem_t). Tensors are
@@ -56,7 +57,22 @@ constexpr int DQ_ROWS = BLOCK_M * HEAD_DIM / (DQ_COLS * NUM_WARPS);
 constexpr int DQ_M_TILES = DQ_ROWS / 16;
 constexpr int DQ_FRAGS = DQ_COLS / 8;
 constexpr int DQ_WARPS_M = BLOCK_M / DQ_ROWS;       // warps along the queries
-constexpr int STAGING_BYTES = DQ_ROWS * DQ_COLS * 4;  // a warp's part of dQ in fp32 (add_to_dq)
+// dK += dSᵀ Q after the barrier that publishes dSᵀ, tiled 2-D as FlashAttention-2 tiles it: 4 warps along
+// the keys (DK_ROWS = 32 each) × 2 along d (DK_COLS = D/2 each). Per k-step of 16 queries a warp reads 2 A
+// fragments of dSᵀ and DK_COLS / 16 of Q for 2·DK_COLS / 8 mma: at D = 128, 24 ldmatrix a tile where a
+// warp's own 16 keys × D took 32 (at D = 64, 16 either way).
+constexpr int DK_WARPS_N = 4;
+constexpr int DK_ROWS = BLOCK_N / DK_WARPS_N;
+constexpr int DK_COLS = HEAD_DIM * DK_WARPS_N / NUM_WARPS;
+constexpr int DK_M_TILES = DK_ROWS / 16;
+constexpr int DK_FRAGS = DK_COLS / 8;
+// dQ is staged in fp32 one m16 tile of the warp's part at a time (add_to_dq): 2 KB per warp, 16 KB for the
+// block, in a buffer no warp reads after the barrier: this tile's dO at D = 128, the V tile at D = 64
+// (whose V is held in registers).
+constexpr int STAGING_BYTES = 16 * DQ_COLS * 4;
+// After the barrier, dK += dSᵀ Q then dQ += dS K at D = 128 (measured faster than the other order, H100);
+// dQ first at D = 64 (dK first spills there).
+constexpr bool DK_BEFORE_DQ = HEAD_DIM == 128;
 // Shared memory: [K][V][Q ring][dO ring][dSᵀ][LSE ring][Δ ring], all tiles swizzled (see stage 3).
 constexpr int ROW_BYTES = HEAD_DIM * 2;
 constexpr int KV_TILE_BYTES = BLOCK_N * ROW_BYTES;
@@ -69,7 +85,35 @@ constexpr int SHARED_BYTES = 2 * KV_TILE_BYTES + 2 * Q_STAGES * Q_TILE_BYTES + D
 static_assert(sizeof(elem_t) == 2, "ldmatrix and the chunk arithmetic assume 16-bit elements");
 static_assert(DQ_ROWS % 16 == 0 && BLOCK_M % DQ_ROWS == 0 && DQ_WARPS_M * (HEAD_DIM / DQ_COLS) == NUM_WARPS,
               "dQ's tiles divide among the warps");
-static_assert(NUM_WARPS / 2 * STAGING_BYTES <= Q_TILE_BYTES, "half the warps stage dQ in a Q buffer, half in a dO one");
+static_assert(NUM_WARPS * STAGING_BYTES <= (KV_IN_REGISTERS ? KV_TILE_BYTES : Q_TILE_BYTES), "dQ's staging fits");
+static_assert(DK_ROWS % 16 == 0 && DK_COLS % 16 == 0, "dK's warp tiles are whole 16 × 16 blocks");
+
+// The thread index, read through a volatile asm: a value ptxas cannot hoist out of the loop, so that
+// per-warp and per-lane addresses made from it (the dQ and dK products', the K and V fragments') are
+// recomputed by a few integer instructions per tile instead of being held across the loop (held, the
+// kernel spills at D = 128; load_tile_from_base, in swizzle.cuh, does the same). Unsigned and bounded, so
+// that lane = thread % 32 and warp = thread / 32 are a mask and a shift, not signed divisions.
+__device__ __forceinline__ unsigned unhoisted_thread() {
+    unsigned thread;
+    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(thread));
+    __builtin_assume(thread < NUM_THREADS);
+    return thread;
+}
+
+// Register allocation: ptxas fills all 255 registers of __launch_bounds__(256, 1) whatever the code, and
+// spills come and go with equivalent formulations of the same arithmetic; which ones it allocates without
+// spilling differs by head dimension and architecture (every combination compiled with NVRTC 13.0 and
+// 13.5: results/NOTES.md). Two choices are made per (D, architecture):
+//   MASK_AGAINST_CONSTANTS: the causal test compares one per-thread term with immediates (probabilities,
+//     attention_backward.cuh): fewer instructions at D = 128, more at D = 64;
+//   QUERY_LANE_UNHOISTED: the query tiles' ldmatrix addresses made from unhoisted_thread(), so that ptxas
+//     recomputes them instead of holding them: needed at D = 128 on sm_80, 80 more instructions a tile on sm_90.
+constexpr bool MASK_AGAINST_CONSTANTS = HEAD_DIM == 128;
+#if __CUDA_ARCH__ >= 900
+constexpr bool QUERY_LANE_UNHOISTED = false;
+#else
+constexpr bool QUERY_LANE_UNHOISTED = HEAD_DIM == 128;
+#endif
 
 // The addresses of swizzle<ROW> (swizzle.cuh: stage 3's swizzle; rows of 128 or 256 bytes here) for
 // ldmatrix, in two parts. A lane reads row lane_row + R, chunk lane_chunk + C of a tile, with R a
@@ -122,7 +166,8 @@ __device__ __forceinline__ void load_query_tile_async(const QueryTile& to, const
 }
 
 // The A operand of k-step kk (d columns 16·kk ..) of the warp's 16 rows of a K or V tile.
-__device__ __forceinline__ void load_row_fragment(unsigned (&a)[4], unsigned tile, int row0, int kk, int lane) {
+__device__ __forceinline__ void load_row_fragment(unsigned (&a)[4], unsigned tile, int row0, int kk) {
+    const int lane = (int)(unhoisted_thread() % 32);
     ldmatrix_x4(a, block_address<ROW_BYTES>(lane_address<ROW_BYTES>(tile, a_order_row(lane), a_order_chunk(lane)), row0,
                                             2 * kk));
 }
@@ -135,11 +180,12 @@ __device__ __forceinline__ void warp_rows_times_queries(float (&acc)[M_FRAGS][4]
                                                         int row0, unsigned query_tile, int lane) {
 #pragma unroll
     for (int n = 0; n < M_FRAGS; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    if (QUERY_LANE_UNHOISTED) lane = (int)(unhoisted_thread() % 32);
     const unsigned b_base = lane_address<ROW_BYTES>(query_tile, b_order_row(lane), b_order_chunk(lane));
 #pragma unroll
     for (int kk = 0; kk < D_STEPS; ++kk) {
         unsigned read[4];
-        if (!KV_IN_REGISTERS) load_row_fragment(read, rows_tile, row0, kk, lane);
+        if (!KV_IN_REGISTERS) load_row_fragment(read, rows_tile, row0, kk);
         const unsigned (&a)[4] = *(KV_IN_REGISTERS ? &held[kk % KV_HELD_STEPS] : &read);
 #pragma unroll
         for (int m16 = 0; m16 < M_STEPS; ++m16) {
@@ -151,11 +197,12 @@ __device__ __forceinline__ void warp_rows_times_queries(float (&acc)[M_FRAGS][4]
     }
 }
 
-// acc[16 × D] += xᵀ-rows · (a query tile of Q or dO): dV += Pᵀ dO or dK += dSᵀ Q. x holds the warp's
-// 16 keys × BLOCK_M queries as mma accumulators, which are, pairwise, the A operand over the queries
-// (p_as_a_operand); the query tile is the B operand, [query][d] = [k][n], read with ldmatrix.trans.
+// acc[16 × D] += xᵀ-rows · (a query tile): dV += Pᵀ dO. x holds the warp's 16 keys × BLOCK_M queries as
+// mma accumulators, which are, pairwise, the A operand over the queries (p_as_a_operand); the query tile
+// is the B operand, [query][d] = [k][n], read with ldmatrix.trans.
 __device__ __forceinline__ void warp_accumulate(float (&acc)[D_FRAGS][4], const float (&x)[M_FRAGS][4],
                                                 unsigned query_tile, int lane) {
+    if (QUERY_LANE_UNHOISTED) lane = (int)(unhoisted_thread() % 32);
     const unsigned b_base = lane_address<ROW_BYTES>(query_tile, a_order_row(lane), a_order_chunk(lane));
 #pragma unroll
     for (int k16 = 0; k16 < M_STEPS; ++k16) {
@@ -192,17 +239,19 @@ __device__ __forceinline__ void score_gradients(float (&dp)[M_FRAGS][4], const f
     }
 }
 
-// dSᵀ into shared memory, rounded to elem_t, for dQ = dS K: row = key, 16-byte chunks of 8 queries.
+// dSᵀ into shared memory, rounded to elem_t, for dQ = dS K and dK += dSᵀ Q: row = key, 16-byte chunks of
+// 8 queries. swizzle(row, n) = row·DS_ROW + (16n ^ 16(row % 8)), and 16(row % 8) are the only bits 4-6 of
+// the lane's address of chunk 0 (ds_tile is a multiple of 1024, 4·(lane % 4) < 16): chunk n is that
+// address XOR 16n, and row + 8 (the same row % 8) is 8·DS_ROW bytes on. One address per lane.
 __device__ __forceinline__ void store_score_gradients(unsigned ds_tile, const float (&ds)[M_FRAGS][4], int row0,
                                                       int lane) {
+    const unsigned lane_base = ds_tile + swizzle<DS_ROW_BYTES>(row0 + lane / 4, 0) + 4 * (lane % 4);
 #pragma unroll
     for (int n = 0; n < M_FRAGS; ++n)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const int row = row0 + lane / 4 + 8 * r;
             const unsigned pair = pack_pair<elem_t>(ds[n][2 * r], ds[n][2 * r + 1]);
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_tile + swizzle<DS_ROW_BYTES>(row, n) + 4 * (lane % 4)),
-                         "r"(pair)
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"((lane_base ^ (16 * n)) + 8 * r * DS_ROW_BYTES), "r"(pair)
                          : "memory");
         }
 }
@@ -217,71 +266,67 @@ __device__ __forceinline__ unsigned staging_offset(int row, int chunk) {
     return row * 128 + ((chunk ^ (2 * row % 8)) * 16);
 }
 
-// The thread index, read through a volatile asm: a value ptxas cannot hoist out of the loop, so that
-// the dQ product's per-warp and per-lane addresses are recomputed by a few integer instructions per tile
-// instead of being held across the loop (held, the kernel spills at D = 128; load_tile_from_base, in
-// swizzle.cuh, does the same).
-__device__ __forceinline__ int unhoisted_thread() {
-    unsigned thread;
-    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(thread));
-    return (int)thread;
-}
-
 // The warp's DQ_ROWS × DQ_COLS part of dQ, `acc` (mma accumulators, m16 tile mt in acc[mt]), added to the
-// fp32 dQ at `dq_block` (row stride HEAD_DIM), rows < rows only. Every key tile's block adds to the same
-// dQ, so the additions are atomic (in the L2). In the accumulator layout a thread holds pairs of columns
-// of 2 rows, and a warp's atomics would touch 8 rows' lines at a time, 8 bytes of each per lane pair; so
-// the tile goes through shared memory first (`staging`, STAGING_BYTES, at a multiple of 128) and is read
-// back as 16-byte pieces of whole rows: each instruction of the warp adds to 4 whole 128-byte lines. On
-// sm_90 one red.global.add.v4.f32 adds the 4 floats (a `red` is an atomic that returns nothing); before,
-// 4 atomicAdd. As for ldmatrix (lane_address), each lane computes one address for its stores and one for
-// its loads, and every access is an XOR and an immediate offset away: chunk 2n + t/2 of row g + 8r + 16mt
-// is the lane's chunk t/2 of row g with 32n XORed in (2n ^ 2(g % 4) = 2(n ^ g % 4)), 128·(8r + 16mt) on.
+// fp32 dQ at `dq_block` (row stride HEAD_DIM; whole tiles: the accumulator's padding rows take the padded
+// queries' sums, which are never read, so no row is tested and no add branches). Every key tile's block
+// adds to the same dQ, so the additions are atomic (in the L2). In the accumulator layout a thread holds
+// pairs of columns of 2 rows, and a warp's atomics would touch 8 rows' lines at a time, 8 bytes of each
+// per lane pair; so each m16 tile goes through shared memory first (`staging`, STAGING_BYTES, at a multiple
+// of 128) and is read back as 16-byte pieces of whole rows: each instruction of the warp adds to 4 whole
+// 128-byte lines. On sm_90 one red.global.add.v4.f32 adds the 4 floats (a `red` is an atomic that returns
+// nothing); before, 4 atomicAdd. As for ldmatrix (lane_address), each lane computes one address for its
+// stores, one for its loads and one pointer for its reds, and every access is an XOR and an immediate
+// offset away: chunk 2n + t/2 of row g + 8r is the lane's chunk t/2 of row g with 32n XORed in
+// (2n ^ 2(g % 4) = 2(n ^ g % 4)), 128·8r on.
 __device__ __forceinline__ void add_to_dq(float* dq_block, const float (&acc)[DQ_M_TILES][DQ_FRAGS][4], unsigned staging,
-                                          int rows, int lane) {
+                                          int lane) {
     constexpr int CHUNKS = DQ_COLS / 4, ROWS_PER_READ = 32 / CHUNKS;  // 16-byte chunks of a row; rows per load
     const unsigned to_stage = staging + staging_offset(lane / 4, lane % 4 / 2) + 8 * (lane % 2);
+    const unsigned from_stage = staging + staging_offset(lane / CHUNKS, lane % CHUNKS);
+    float* const lane_dq = dq_block + (unsigned)((lane / CHUNKS) * HEAD_DIM + 4 * (lane % CHUNKS));
 #pragma unroll
-    for (int mt = 0; mt < DQ_M_TILES; ++mt)
+    for (int mt = 0; mt < DQ_M_TILES; ++mt) {
+        if (mt > 0) __syncwarp();  // every lane has read the last tile back before it is overwritten
 #pragma unroll
         for (int n = 0; n < DQ_FRAGS; ++n)
 #pragma unroll
             for (int r = 0; r < 2; ++r)
-                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"((to_stage ^ (32 * n)) + 128 * (8 * r + 16 * mt)),
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"((to_stage ^ (32 * n)) + 128 * 8 * r),
                              "f"(acc[mt][n][2 * r]), "f"(acc[mt][n][2 * r + 1])
                              : "memory");
-    __syncwarp();
-    const unsigned from_stage = staging + staging_offset(lane / CHUNKS, lane % CHUNKS);
+        __syncwarp();
 #pragma unroll
-    for (int first = 0; first < DQ_ROWS; first += ROWS_PER_READ) {
-        const int row = first + lane / CHUNKS, chunk = lane % CHUNKS;
-        float4 x;
-        asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w)
-                     : "r"(from_stage + 128 * first)  // row % 4 = lane / CHUNKS % 4: first is a multiple of 4
-                     : "memory");
-        if (row >= rows) continue;
-        float* to = dq_block + (size_t)row * HEAD_DIM + 4 * chunk;
+        for (int first = 0; first < 16; first += ROWS_PER_READ) {
+            float4 x;
+            asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w)
+                         : "r"(from_stage + 128 * first)  // row % 4 = lane / CHUNKS % 4: first is a multiple of 4
+                         : "memory");
+            float* to = lane_dq + (16 * mt + first) * HEAD_DIM;
 #if __CUDA_ARCH__ >= 900
-        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(to), "f"(x.x), "f"(x.y), "f"(x.z), "f"(x.w)
-                     : "memory");
+            asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(to), "f"(x.x), "f"(x.y), "f"(x.z),
+                         "f"(x.w)
+                         : "memory");
 #else
-        atomicAdd(to, x.x);
-        atomicAdd(to + 1, x.y);
-        atomicAdd(to + 2, x.z);
-        atomicAdd(to + 3, x.w);
+            atomicAdd(to, x.x);
+            atomicAdd(to + 1, x.y);
+            atomicAdd(to + 2, x.z);
+            atomicAdd(to + 3, x.w);
 #endif
+        }
     }
 }
 
 // dQ of the query tile += dS K for the warp's share (queries from `row0`, d columns from `col0`), added to
 // the fp32 accumulator in global memory: every key tile's block adds its part, hence the atomics.
 __device__ __forceinline__ void accumulate_dq(float* dq_head, unsigned ds_tile, unsigned k_tile, const QueryTile& buffer,
-                                              int m0, int seq_q) {
-    const int thread = unhoisted_thread(), lane = thread % 32, warp = thread / 32;
+                                              int m0) {
+    const unsigned thread = unhoisted_thread();
+    const int lane = (int)(thread % 32), warp = (int)(thread / 32);
     const int row0 = (warp % DQ_WARPS_M) * DQ_ROWS, col0 = (warp / DQ_WARPS_M) * DQ_COLS;  // the warp's share
-    // Its staging area: a quarter of this tile's Q or dO buffer, which no warp reads any more.
-    const unsigned staging = (warp < NUM_WARPS / 2 ? buffer.q : buffer.d_o) + (warp % (NUM_WARPS / 2)) * STAGING_BYTES;
+    // Its staging area: an eighth of a buffer that no warp reads after the barrier (STAGING_BYTES).
+    const unsigned v_tile = k_tile + KV_TILE_BYTES;
+    const unsigned staging = (KV_IN_REGISTERS ? v_tile : buffer.d_o) + warp * STAGING_BYTES;
     float acc[DQ_M_TILES][DQ_FRAGS][4] = {};
     const unsigned a_base = lane_address<DS_ROW_BYTES>(ds_tile, b_order_row(lane), b_order_chunk(lane));
     const unsigned b_base = lane_address<ROW_BYTES>(k_tile, a_order_row(lane), a_order_chunk(lane));
@@ -302,21 +347,56 @@ __device__ __forceinline__ void accumulate_dq(float* dq_head, unsigned ds_tile, 
             }
         }
     }
-    add_to_dq(dq_head + (size_t)(m0 + row0) * HEAD_DIM + col0, acc, staging, seq_q - (m0 + row0), lane);
+    add_to_dq(dq_head + (size_t)(m0 + row0) * HEAD_DIM + col0, acc, staging, lane);
 }
 
-// The warp's 16 rows of dK or dV (times `factor`), rounded to elem_t; rows >= seq_kv are not written.
-__device__ __forceinline__ void write_rows(elem_t* head, const float (&acc)[D_FRAGS][4], float factor, int key0,
-                                           int seq_kv, int lane) {
+// dK += dSᵀ Q for the warp's DK_ROWS keys (from DK_ROWS·(warp % DK_WARPS_N)) × DK_COLS d columns (from
+// DK_COLS·(warp / DK_WARPS_N)), after the barrier that publishes dSᵀ. A = dSᵀ [key][query] = [m][k]:
+// ldmatrix in A order; B = Q [query][d] = [k][n]: ldmatrix.trans (as warp_accumulate reads dO). The warp's
+// offsets are folded into the lane bases (its first key a multiple of 8 rows; col0 / 8 + 2·d16 =
+// col0 / 8 ^ 2·d16), so every ldmatrix is one XOR and an immediate.
+__device__ __forceinline__ void accumulate_dk(float (&acc)[DK_M_TILES][DK_FRAGS][4], unsigned ds_tile, unsigned q_tile) {
+    const unsigned thread = unhoisted_thread();
+    const int lane = (int)(thread % 32), warp = (int)(thread / 32);
+    const int key_row0 = (warp % DK_WARPS_N) * DK_ROWS, col0 = (warp / DK_WARPS_N) * DK_COLS;
+    const unsigned a_base = lane_address<DS_ROW_BYTES>(ds_tile + key_row0 * DS_ROW_BYTES, a_order_row(lane),
+                                                       a_order_chunk(lane));
+    const unsigned b_base = lane_address<ROW_BYTES>(q_tile, a_order_row(lane), a_order_chunk(lane)) ^ (2 * col0);
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int key = key0 + lane / 4 + 8 * r;
-        if (key >= seq_kv) continue;
-        elem_t* row = head + (size_t)key * HEAD_DIM + 2 * (lane % 4);
+    for (int k16 = 0; k16 < M_STEPS; ++k16) {
+        unsigned a[DK_M_TILES][4];
 #pragma unroll
-        for (int n = 0; n < D_FRAGS; ++n)
-            *reinterpret_cast<unsigned*>(row + 8 * n) = pack_pair<elem_t>(acc[n][2 * r] * factor, acc[n][2 * r + 1] * factor);
+        for (int mt = 0; mt < DK_M_TILES; ++mt) ldmatrix_x4(a[mt], block_address<DS_ROW_BYTES>(a_base, 16 * mt, 2 * k16));
+#pragma unroll
+        for (int d16 = 0; d16 < DK_COLS / 16; ++d16) {
+            unsigned b[4];
+            ldmatrix_x4_trans(b, block_address<ROW_BYTES>(b_base, 16 * k16, 2 * d16));
+#pragma unroll
+            for (int mt = 0; mt < DK_M_TILES; ++mt) {
+                mma_m16n8k16<elem_t>(acc[mt][2 * d16], a[mt], b[0], b[1]);
+                mma_m16n8k16<elem_t>(acc[mt][2 * d16 + 1], a[mt], b[2], b[3]);
+            }
+        }
     }
+}
+
+// A warp's M_TILES × 16 rows of dK or dV from row `key0`, FRAGS × 8 columns from `col0` (mma accumulators,
+// times `factor`), rounded to elem_t; rows >= seq_kv are not written.
+template <int M_TILES, int FRAGS>
+__device__ __forceinline__ void write_rows(elem_t* head, const float (&acc)[M_TILES][FRAGS][4], float factor, int key0,
+                                           int col0, int seq_kv, int lane) {
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int key = key0 + 16 * mt + lane / 4 + 8 * r;
+            if (key >= seq_kv) continue;
+            elem_t* row = head + (size_t)key * HEAD_DIM + col0 + 2 * (lane % 4);
+#pragma unroll
+            for (int n = 0; n < FRAGS; ++n)
+                *reinterpret_cast<unsigned*>(row + 8 * n) =
+                    pack_pair<elem_t>(acc[mt][n][2 * r] * factor, acc[mt][n][2 * r + 1] * factor);
+        }
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
@@ -343,7 +423,7 @@ attention_bwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     const elem_t* do_head = d_o + head * seq_q * HEAD_DIM;
     const float* lse_head = lse_log2 + head * seq_q_padded;
     const float* delta_head = delta + head * seq_q_padded;
-    float* dq_head = dq_accum + head * seq_q * HEAD_DIM;
+    float* dq_head = dq_accum + head * seq_q_padded * HEAD_DIM;  // whole query tiles
 
     // Causal: queries before n0 see none of the block's keys; their tiles are skipped.
     const int first_tile = causal ? n0 / BLOCK_M : 0;
@@ -363,12 +443,13 @@ attention_bwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         __syncthreads();
 #pragma unroll
         for (int kk = 0; kk < KV_HELD_STEPS; ++kk) {
-            load_row_fragment(k_held[kk], k_tile, row0, kk, lane);
-            load_row_fragment(v_held[kk], v_tile, row0, kk, lane);
+            load_row_fragment(k_held[kk], k_tile, row0, kk);
+            load_row_fragment(v_held[kk], v_tile, row0, kk);
         }
     }
 
-    float dk_acc[D_FRAGS][4] = {}, dv_acc[D_FRAGS][4] = {};
+    float dk_acc[DK_M_TILES][DK_FRAGS][4] = {};  // accumulate_dk's tile
+    float dv_acc[1][D_FRAGS][4] = {};            // the warp's 16 keys × D
     const float scale_log2 = scale * LOG2E;
 
     for (int tile = first_tile; tile < end_tile; ++tile) {
@@ -387,17 +468,20 @@ attention_bwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         float s[M_FRAGS][4];
         warp_rows_times_queries(s, k_held, k_tile, row0, buffer.q, lane);                       // Sᵀ = K Qᵀ
         const bool on_diagonal = causal && m0 < n0 + row0 + 15;  // some key of the warp after some query
-        probabilities(s, lse_shared + lse_offset, scale_log2, on_diagonal, n0 + row0, m0, lane);  // Pᵀ
-        warp_accumulate(dv_acc, s, buffer.d_o, lane);                                           // dV += Pᵀ dO
+        probabilities<M_FRAGS, MASK_AGAINST_CONSTANTS>(s, lse_shared + lse_offset, scale_log2, on_diagonal,
+                                                       n0 + row0, m0, lane);                    // Pᵀ
+        warp_accumulate(dv_acc[0], s, buffer.d_o, lane);                                        // dV += Pᵀ dO
         float dp[M_FRAGS][4];
         warp_rows_times_queries(dp, v_held, v_tile, row0, buffer.d_o, lane);                    // dPᵀ = V dOᵀ
         score_gradients(dp, s, delta_shared + lse_offset, lane);                                // dSᵀ
-        warp_accumulate(dk_acc, dp, buffer.q, lane);                                            // dK += dSᵀ Q
         store_score_gradients(ds_tile, dp, row0, lane);
         __syncthreads();  // dSᵀ of every warp is in shared memory
-        accumulate_dq(dq_head, ds_tile, k_tile, buffer, m0, seq_q);                             // dQ += dS K
+        if (DK_BEFORE_DQ) accumulate_dk(dk_acc, ds_tile, buffer.q);                              // dK += dSᵀ Q
+        accumulate_dq(dq_head, ds_tile, k_tile, buffer, m0);                                    // dQ += dS K
+        if (!DK_BEFORE_DQ) accumulate_dk(dk_acc, ds_tile, buffer.q);
     }
 
-    write_rows(dk + head * seq_kv * HEAD_DIM, dk_acc, scale, n0 + row0, seq_kv, lane);
-    write_rows(dv + head * seq_kv * HEAD_DIM, dv_acc, 1.0f, n0 + row0, seq_kv, lane);
+    write_rows(dk + head * seq_kv * HEAD_DIM, dk_acc, scale, n0 + (warp % DK_WARPS_N) * DK_ROWS,
+               (warp / DK_WARPS_N) * DK_COLS, seq_kv, lane);
+    write_rows(dv + head * seq_kv * HEAD_DIM, dv_acc, 1.0f, n0 + row0, 0, seq_kv, lane);
 }

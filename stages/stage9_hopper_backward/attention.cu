@@ -78,6 +78,10 @@ constexpr int NUM_THREADS = (1 + CONSUMERS) * 128;    // + the producer warpgrou
 constexpr int CONSUMER_THREADS = CONSUMERS * 128;
 constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
 constexpr int ATOM_COLS = 64;                         // elements in a 128-byte swizzle row
+// The rows of the K and V maps' boxes (the launch builds the maps so): at D = 128 a whole tile of keys per
+// column block. Copied as two 64-row boxes instead, the tiles land the same, but ptxas lays out the
+// consumers' code differently and the kernel measured 1.8% slower (stage9.md).
+constexpr int KV_BOX_ROWS = HEAD_DIM == 128 ? BLOCK_N : TILE_BOX_ROWS;
 constexpr int COL_BLOCKS = HEAD_DIM / ATOM_COLS;      // 128-byte column blocks of a D-wide row
 constexpr int KV_TILE_BYTES = BLOCK_N * HEAD_DIM * 2;
 constexpr int Q_TILE_BYTES = BLOCK_M * HEAD_DIM * 2;
@@ -165,8 +169,8 @@ __device__ __forceinline__ void produce(const SharedMemory& shared, const BlockW
     tma_prefetch_map(v_map);
     tma_prefetch_map(do_map);
     mbarrier_arrive_expect_tx(shared.barrier(KV_FULL), 2 * KV_TILE_BYTES);
-    load_tile<BLOCK_N, HEAD_DIM>(shared.k_tile(), k_map, shared.barrier(KV_FULL), work.n0, work.kv_pair);
-    load_tile<BLOCK_N, HEAD_DIM>(shared.v_tile(), v_map, shared.barrier(KV_FULL), work.n0, work.kv_pair);
+    load_tile<BLOCK_N, HEAD_DIM, KV_BOX_ROWS>(shared.k_tile(), k_map, shared.barrier(KV_FULL), work.n0, work.kv_pair);
+    load_tile<BLOCK_N, HEAD_DIM, KV_BOX_ROWS>(shared.v_tile(), v_map, shared.barrier(KV_FULL), work.n0, work.kv_pair);
     int i = 0;  // query tiles issued so far
     for (int g = 0; g < work.group; ++g) {
         const int pair = work.query_pair(g);
@@ -190,20 +194,19 @@ __device__ __forceinline__ void produce(const SharedMemory& shared, const BlockW
 
 // --8<-- [start:dq_writer]
 // dQ's way to global memory: one thread adds each query tile's dQ, once both consumers have stored it in
-// buffer i % DQ_STAGES, to the fp32 accumulator with one bulk reduce-add of the tile's valid rows (the
-// rows of a tile are contiguous in [B, H, Sq, D]: one copy of rows·D·4 bytes), then hands the buffer
-// back as soon as the copy has read it. Waiting for that at once costs nothing: the consumers fill the
-// other buffer meanwhile.
+// buffer i % DQ_STAGES, to the fp32 accumulator with one bulk reduce-add of the whole tile (the rows of a
+// tile are contiguous in the accumulator, [B, H, seq_q_padded, D]: one copy of BLOCK_M·D·4 bytes; the
+// padding rows' sums are never read), then hands the buffer back as soon as the copy has read it. Waiting
+// for that at once costs nothing: the consumers fill the other buffer meanwhile.
 __device__ __forceinline__ void add_dq_tiles(const SharedMemory& shared, const BlockWork& work, float* dq_accum,
-                                             int seq_q) {
+                                             int seq_q_padded) {
     int i = 0;  // query tiles added so far
     for (int g = 0; g < work.group; ++g) {
-        float* dq_head = dq_accum + (size_t)work.query_pair(g) * seq_q * HEAD_DIM;
+        float* dq_head = dq_accum + (size_t)work.query_pair(g) * seq_q_padded * HEAD_DIM;
         for (int tile = work.first_tile; tile < work.end_tile; ++tile, ++i) {
             const int slot = i % DQ_STAGES, m0 = tile * BLOCK_M;
             mbarrier_wait(shared.barrier(DQ_FULL + slot), (i / DQ_STAGES) & 1);
-            const int rows = min(BLOCK_M, seq_q - m0);  // the padding rows of the last tile stay out
-            bulk_reduce_add_f32(dq_head + (size_t)m0 * HEAD_DIM, shared.dq_slot(slot), rows * HEAD_DIM * 4);
+            bulk_reduce_add_f32(dq_head + (size_t)m0 * HEAD_DIM, shared.dq_slot(slot), BLOCK_M * HEAD_DIM * 4);
             tma_store_commit();
             tma_store_wait_read<0>();
             mbarrier_arrive(shared.barrier(DQ_EMPTY + slot));
@@ -476,7 +479,7 @@ attention_bwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaM
     if (warpgroup == 0) {
         setmaxnreg_dec<PRODUCER_REGS>();
         if (threadIdx.x == 0) produce(shared, work, q_map, k_map, v_map, do_map, lse_log2, delta, seq_q_padded);
-        if (threadIdx.x == 32) add_dq_tiles(shared, work, dq_accum, seq_q);
+        if (threadIdx.x == 32) add_dq_tiles(shared, work, dq_accum, seq_q_padded);
     } else {
         setmaxnreg_inc<CONSUMER_REGS>();
         const size_t kv_head = (size_t)work.kv_pair * seq_kv * HEAD_DIM;
