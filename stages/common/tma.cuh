@@ -85,15 +85,14 @@ __device__ __forceinline__ void tma_prefetch_map(const TmaMap& map) {
 // head of 128 keys then needs no padded copy for a tile of 192 (stage 4 at D = 64).
 constexpr int TILE_BOX_ROWS = 64;  // the rows of the tensor maps' boxes, which the launches build
 
-// BOX_ROWS: the rows of `map`'s boxes, TILE_BOX_ROWS unless the launch built the map otherwise.
-template <int ROWS, int COLUMNS, int BOX_ROWS = TILE_BOX_ROWS>
+template <int ROWS, int COLUMNS>
 __device__ __forceinline__ void load_tile(unsigned tile, const TmaMap& map, unsigned full_barrier, int row0, int head) {
-    static_assert(ROWS % BOX_ROWS == 0 && COLUMNS % 64 == 0, "a tile is whole boxes");
+    static_assert(ROWS % TILE_BOX_ROWS == 0 && COLUMNS % 64 == 0, "a tile is whole boxes");
 #pragma unroll
     for (int b = 0; b < COLUMNS / 64; ++b)
 #pragma unroll
-        for (int r = 0; r < ROWS / BOX_ROWS; ++r)
-            tma_load_3d(tile + (b * ROWS + r * BOX_ROWS) * 128, map, full_barrier, b * 64, row0 + r * BOX_ROWS,
+        for (int r = 0; r < ROWS / TILE_BOX_ROWS; ++r)
+            tma_load_3d(tile + (b * ROWS + r * TILE_BOX_ROWS) * 128, map, full_barrier, b * 64, row0 + r * TILE_BOX_ROWS,
                         head);
 }
 // --8<-- [end:tile]

@@ -15,18 +15,19 @@ from stages.common.attention import MAX_GRID_YZ, by_head_dim, kv_group
 from stages.common.attention_backward import backward_workspace, blocks, convert_dq, preprocess
 from stages.common.hopper import tensor_map
 
-# What the launch uses, per head dimension, as attention.cu computes it (the grader checks each value against
-# the kernel): keys per block (2 consumer warpgroups × 64), query rows per tile, threads (a producer warpgroup +
-# 2 consumers), the width of a TMA box (64 16-bit elements, the 128-byte swizzle's) and its rows (tma.cuh's
-# load_tile; K's and V's: a whole tile at D = 128), dynamic shared memory (K, V, 2 buffers of Q and dO, 2 of
-# dSᵀ, the fp32 dQ buffers (2 of 64 queries at D = 128, 1 of 128 at D = 64), 2 of the LSE and Δ, the mbarriers,
-# 1 KB to align the tiles to 1024 bytes: at D = 128 all but 952 bytes of the 227 KB an H100 block may have); the
-# preprocess's rows per block and threads, the dQ conversion's threads (stages/common/attention_backward.cuh).
+# What the launch uses, per head dimension, as attention.cu computes it (the grader checks each value
+# against the kernel): keys per block (2 consumer warpgroups × 64), query rows per tile, threads (a
+# producer warpgroup + 2 consumers), the width of a TMA box (64 16-bit elements, the 128-byte
+# swizzle's) and its rows (tma.cuh's load_tile), dynamic shared memory (K, V, 2 buffers of Q and dO, 2
+# of dSᵀ, the fp32 dQ buffers (2 of 64 queries at D = 128, 1 of 128 at D = 64), 2 of the LSE and Δ, the
+# mbarriers, 1 KB to align the tiles to 1024 bytes: at D = 128 all but 952 bytes of the 227 KB an H100
+# block may have); the preprocess's rows per block and threads, the
+# dQ conversion's threads (stages/common/attention_backward.cuh).
 GEOMETRY = {64: {"BLOCK_N": 128, "BLOCK_M": 128, "NUM_THREADS": 384, "ATOM_COLS": 64, "TILE_BOX_ROWS": 64,
-                 "KV_BOX_ROWS": 64, "SHARED_BYTES": 199736,
+                 "SHARED_BYTES": 199736,
                  "ROWS_PER_PREPROCESS_BLOCK": 32, "PREPROCESS_THREADS": 256, "CONVERT_THREADS": 256},
             128: {"BLOCK_N": 128, "BLOCK_M": 64, "NUM_THREADS": 384, "ATOM_COLS": 64, "TILE_BOX_ROWS": 64,
-                  "KV_BOX_ROWS": 128, "SHARED_BYTES": 231496,
+                  "SHARED_BYTES": 231496,
                   "ROWS_PER_PREPROCESS_BLOCK": 16, "PREPROCESS_THREADS": 256, "CONVERT_THREADS": 256}}
 
 KERNELS = {
@@ -54,10 +55,7 @@ def launch(kernels, q, k, v, o, lse, d_o, dq, dk, dv, scale, causal) -> None:
     ws = backward_workspace(q, block_m)
     preprocess(kernels, launched, o, d_o, lse, ws)
     # TMA boxes of 64 rows (tma.cuh's load_tile copies a tile as several): heads of 64 rows or more need no pad
-    q_map, do_map = (_tensor_map(x, launched["TILE_BOX_ROWS"], box_cols) for x in (q, d_o))
-    # K and V in boxes of the rows the kernel copies them in (KV_BOX_ROWS; a head shorter than the box is
-    # padded into a zero-filled copy)
-    k_map, v_map = (_tensor_map(x, launched["KV_BOX_ROWS"], box_cols) for x in (k, v))
+    q_map, do_map, k_map, v_map = (_tensor_map(x, launched["TILE_BOX_ROWS"], box_cols) for x in (q, d_o, k, v))
     # A block per (128 keys, KV pair), walking the group's query heads. The tensor maps cover every pair:
     # launches of at most MAX_GRID_YZ KV pairs in grid.y, each told its first KV pair.
     kv_pairs = batch * k.shape[1]

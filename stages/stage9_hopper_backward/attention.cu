@@ -78,10 +78,6 @@ constexpr int NUM_THREADS = (1 + CONSUMERS) * 128;    // + the producer warpgrou
 constexpr int CONSUMER_THREADS = CONSUMERS * 128;
 constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
 constexpr int ATOM_COLS = 64;                         // elements in a 128-byte swizzle row
-// The rows of the K and V maps' boxes (the launch builds the maps so): at D = 128 a whole tile of keys per
-// column block. Copied as two 64-row boxes instead, the tiles land the same, but ptxas lays out the
-// consumers' code differently and the kernel measured 1.8% slower (stage9.md).
-constexpr int KV_BOX_ROWS = HEAD_DIM == 128 ? BLOCK_N : TILE_BOX_ROWS;
 constexpr int COL_BLOCKS = HEAD_DIM / ATOM_COLS;      // 128-byte column blocks of a D-wide row
 constexpr int KV_TILE_BYTES = BLOCK_N * HEAD_DIM * 2;
 constexpr int Q_TILE_BYTES = BLOCK_M * HEAD_DIM * 2;
@@ -169,8 +165,8 @@ __device__ __forceinline__ void produce(const SharedMemory& shared, const BlockW
     tma_prefetch_map(v_map);
     tma_prefetch_map(do_map);
     mbarrier_arrive_expect_tx(shared.barrier(KV_FULL), 2 * KV_TILE_BYTES);
-    load_tile<BLOCK_N, HEAD_DIM, KV_BOX_ROWS>(shared.k_tile(), k_map, shared.barrier(KV_FULL), work.n0, work.kv_pair);
-    load_tile<BLOCK_N, HEAD_DIM, KV_BOX_ROWS>(shared.v_tile(), v_map, shared.barrier(KV_FULL), work.n0, work.kv_pair);
+    load_tile<BLOCK_N, HEAD_DIM>(shared.k_tile(), k_map, shared.barrier(KV_FULL), work.n0, work.kv_pair);
+    load_tile<BLOCK_N, HEAD_DIM>(shared.v_tile(), v_map, shared.barrier(KV_FULL), work.n0, work.kv_pair);
     int i = 0;  // query tiles issued so far
     for (int g = 0; g < work.group; ++g) {
         const int pair = work.query_pair(g);
