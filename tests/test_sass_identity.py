@@ -49,9 +49,12 @@ def existed_at(commit: str, name: str) -> bool:
 BASES = {name: BEFORE_ONE_HOME for name in stages.stage_names() if existed_at(BEFORE_ONE_HOME, name)}
 GQA = "f3bbd5b"  # K, V with H_kv heads: stage 0 and 4 take the group size, stages 1-3 a 3-D grid (group, KV pairs)
 BASES.update({name: GQA for name in ("stage0_naive", "stage1_tiled", "stage2_warp", "stage3_pipeline")})
-# Measured at 11f2b51: stages 4 and 9 copy tiles as 64-row TMA boxes (tma.cuh's load_tile), stage 7's
-# router splits hidden over blocks at small token counts, stage 8's dQ in 32 x 32 warp tiles.
-BASES.update({name: "11f2b51" for name in ("stage4_hopper", "stage8_backward", "stage9_hopper_backward")})
+# Measured at 11f2b51: stage 4 copies tiles as 64-row TMA boxes (tma.cuh's load_tile).
+BASES["stage4_hopper"] = "11f2b51"
+# Measured at 5d3f505: stage 8's dK after the dSᵀ barrier, 2-D over the warps, dQ's accumulator padded to
+# whole query tiles; at 538c872: stage 9 adds whole tiles to that padded accumulator.
+BASES["stage8_backward"] = "5d3f505"
+BASES["stage9_hopper_backward"] = "538c872"
 # Measured at 58fd728: stage 7's router down to one chunk per block (router_sum a warp per logit, a null
 # bias allowed), gather_rows' binary search for a padding row's token.
 BASES["stage7_moe_layer"] = "58fd728"
