@@ -3,6 +3,7 @@
 dQ, dK and dV from Q, K, V, O, the LSE and dO, never storing P: one block per tile of 128 keys keeps
 its dK and dV in registers while it walks the query tiles, recomputing P from Q, K and the LSE; five
 mma.sync products per tile, fed by stage 3's cp.async ring; dQ summed over key tiles with fp32 atomics.
+Without a causal mask, the last wave's key tiles are split evenly over the SMs (the tail, attention.cu).
 
 Grouped-query attention (K, V with H_kv < H heads), for now in the launch, not the kernel: K and V are
 repeated to H heads, the kernel runs as for H_kv = H, and each KV head's dK and dV are the fp32 sums of its
@@ -14,6 +15,7 @@ import torch
 from stages import Goal, Stage
 from stages.common.attention import by_head_dim, head_slices, kv_group
 from stages.common.attention_backward import backward_workspace, blocks, convert_dq, preprocess
+from stages.common.hopper import sm_count  # cached per device; nothing Hopper-specific
 
 # What the launch uses, per head dimension, as attention.cu computes it (the grader checks each value
 # against the kernel): 8 warps × 16 keys per block, query tiles of 64 rows; dynamic shared memory, the
@@ -28,10 +30,22 @@ GEOMETRY = {64: {"BLOCK_N": 128, "BLOCK_M": 64, "NUM_THREADS": 256, "SHARED_BYTE
 KERNELS = {
     "attention_bwd_preprocess": "const elem_t*, const elem_t*, const float*, float*, float*, float*, int, int, int",
     "attention_bwd": "const elem_t*, const elem_t*, const elem_t*, const elem_t*, const float*, const float*, float*, "
-                     "elem_t*, elem_t*, int, int, int, float, int",
+                     "elem_t*, elem_t*, int, int, int, float, int, int",
+    "attention_bwd_tail": "const elem_t*, const elem_t*, const elem_t*, const elem_t*, const float*, const float*, "
+                          "float*, float*, int, int, int, float, int, int",
+    "attention_bwd_dkv_tail": "const float*, elem_t*, elem_t*, int, int, int",
     "attention_bwd_dq": "const float*, elem_t*, float, int, int, int",
 }
 
+
+def split_tiles(tiles: int, sms: int, causal: bool) -> tuple[int, int]:
+    """(full_tiles, tail_blocks): attention_bwd takes whole key tiles, one block per SM, for whole waves but
+    the last; attention_bwd_tail's tail_blocks (a wave) share the rest. Only without a causal mask (attention.cu,
+    "The tail"), and only when the tiles do not fill their last wave."""
+    waves, rest = divmod(tiles, sms)
+    if causal or rest == 0:
+        return tiles, 0
+    return max(waves - 1, 0) * sms, sms
 
 
 def launch(kernels, q, k, v, o, lse, d_o, dq, dk, dv, scale, causal) -> None:
@@ -47,11 +61,27 @@ def launch(kernels, q, k, v, o, lse, d_o, dq, dk, dv, scale, causal) -> None:
     launched = GEOMETRY[q.shape[-1]]
     ws = backward_workspace(q, launched["BLOCK_M"])
     preprocess(kernels, launched, o, d_o, lse, ws)
+    key_tiles = blocks(seq_kv, launched["BLOCK_N"])
+    sms = sm_count(q.device)
     for q_, k_, v_, do_, lse_, delta_, dqa_, dk_, dv_ in head_slices(q, k, v, d_o, ws.lse_log2, ws.delta, ws.dq_accum,
                                                                      dk, dv):
-        kernels.attention_bwd((blocks(seq_kv, launched["BLOCK_N"]), q_.shape[0]), (launched["NUM_THREADS"],),
-                              q_, k_, v_, do_, lse_, delta_, dqa_, dk_, dv_, seq_q, seq_kv, ws.seq_q_padded, scale,
-                              int(causal), smem=launched["SHARED_BYTES"])
+        tiles = q_.shape[0] * key_tiles
+        full_tiles, tail_blocks = split_tiles(tiles, sms, causal)
+        inputs = (q_, k_, v_, do_, lse_, delta_, dqa_)
+        if full_tiles:
+            kernels.attention_bwd((key_tiles, blocks(full_tiles, key_tiles)), (launched["NUM_THREADS"],), *inputs, dk_,
+                                  dv_, seq_q, seq_kv, ws.seq_q_padded, scale, int(causal), full_tiles,
+                                  smem=launched["SHARED_BYTES"])
+        if tail_blocks:  # dK's and dV's fp32 sums for the tail's key tiles, then rounded
+            dkv_tail = torch.zeros(2, tiles - full_tiles, launched["BLOCK_N"], q.shape[-1], dtype=torch.float32,
+                                   device=q.device)
+            kernels.attention_bwd_tail((tail_blocks,), (launched["NUM_THREADS"],), *inputs, dkv_tail, seq_q, seq_kv,
+                                       ws.seq_q_padded, scale, full_tiles, tiles - full_tiles,
+                                       smem=launched["SHARED_BYTES"])
+            groups = dkv_tail[0].numel() // 8
+            kernels.attention_bwd_dkv_tail((blocks(2 * groups, launched["CONVERT_THREADS"]),),
+                                           (launched["CONVERT_THREADS"],), dkv_tail, dk_, dv_, groups, full_tiles,
+                                           seq_kv)
     convert_dq(kernels, launched, ws, dq, scale)
 
 

@@ -19,10 +19,11 @@
 // queries as rows (ldmatrix.trans reads it back transposed), and dK += dSᵀ Q reads it back too, tiled
 // over the warps as 32 keys × D/2 each, so that each fragment of Q feeds two m16 tiles instead of one.
 //
-// Three kernels: attention_bwd_preprocess (Δ, the LSE in log2 units, a zeroed fp32 dQ), attention_bwd
-// (the loop above), attention_bwd_dq (the fp32 dQ scaled and rounded to elem_t). Tensors are
-// [B, H, S, D], contiguous; blockIdx.y walks the (batch, head) pairs. Causal masking is top-left
-// aligned, as in PyTorch: query i sees keys j <= i.
+// The kernels: attention_bwd_preprocess (Δ, the LSE in log2 units, a zeroed fp32 dQ), attention_bwd
+// (the loop above, a key tile per block), attention_bwd_tail (the same loop for the last wave's key tiles,
+// split evenly over the SMs; see "The tail" below) with attention_bwd_dkv_tail (their dK and dV from fp32
+// sums), and attention_bwd_dq (the fp32 dQ scaled and rounded to elem_t). Tensors are [B, H, S, D],
+// contiguous. Causal masking is top-left aligned, as in PyTorch: query i sees keys j <= i.
 #include "mma.cuh"
 #include "cp_async.cuh"
 #include "swizzle.cuh"  // stage 3's swizzle<ROW_BYTES> and cp.async copies of a tile
@@ -66,10 +67,13 @@ constexpr int DK_ROWS = BLOCK_N / DK_WARPS_N;
 constexpr int DK_COLS = HEAD_DIM * DK_WARPS_N / NUM_WARPS;
 constexpr int DK_M_TILES = DK_ROWS / 16;
 constexpr int DK_FRAGS = DK_COLS / 8;
+using DkAccumulator = float[DK_M_TILES][DK_FRAGS][4];  // a warp's DK_ROWS × DK_COLS of dK
+using DvAccumulator = float[1][D_FRAGS][4];           // a warp's 16 keys × D of dV
 // dQ is staged in fp32 one m16 tile of the warp's part at a time (add_to_dq): 2 KB per warp, 16 KB for the
 // block, in a buffer no warp reads after the barrier: this tile's dO at D = 128, the V tile at D = 64
 // (whose V is held in registers).
-constexpr int STAGING_BYTES = 16 * DQ_COLS * 4;
+constexpr int STAGING_ROWS = 16;
+constexpr int STAGING_BYTES = STAGING_ROWS * DQ_COLS * 4;
 // After the barrier, dK += dSᵀ Q then dQ += dS K at D = 128 (measured faster than the other order, H100);
 // dQ first at D = 64 (dK first spills there).
 constexpr bool DK_BEFORE_DQ = HEAD_DIM == 128;
@@ -278,8 +282,8 @@ __device__ __forceinline__ unsigned staging_offset(int row, int chunk) {
 // stores, one for its loads and one pointer for its reds, and every access is an XOR and an immediate
 // offset away: chunk 2n + t/2 of row g + 8r is the lane's chunk t/2 of row g with 32n XORed in
 // (2n ^ 2(g % 4) = 2(n ^ g % 4)), 128·8r on.
-__device__ __forceinline__ void add_to_dq(float* dq_block, const float (&acc)[DQ_M_TILES][DQ_FRAGS][4], unsigned staging,
-                                          int lane) {
+__device__ __forceinline__ void add_to_dq(float* dq_block, const float (&acc)[DQ_M_TILES][DQ_FRAGS][4],
+                                          unsigned staging, int lane) {
     constexpr int CHUNKS = DQ_COLS / 4, ROWS_PER_READ = 32 / CHUNKS;  // 16-byte chunks of a row; rows per load
     const unsigned to_stage = staging + staging_offset(lane / 4, lane % 4 / 2) + 8 * (lane % 2);
     const unsigned from_stage = staging + staging_offset(lane / CHUNKS, lane % CHUNKS);
@@ -296,7 +300,7 @@ __device__ __forceinline__ void add_to_dq(float* dq_block, const float (&acc)[DQ
                              : "memory");
         __syncwarp();
 #pragma unroll
-        for (int first = 0; first < 16; first += ROWS_PER_READ) {
+        for (int first = 0; first < STAGING_ROWS; first += ROWS_PER_READ) {
             float4 x;
             asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
                          : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w)
@@ -319,8 +323,8 @@ __device__ __forceinline__ void add_to_dq(float* dq_block, const float (&acc)[DQ
 
 // dQ of the query tile += dS K for the warp's share (queries from `row0`, d columns from `col0`), added to
 // the fp32 accumulator in global memory: every key tile's block adds its part, hence the atomics.
-__device__ __forceinline__ void accumulate_dq(float* dq_head, unsigned ds_tile, unsigned k_tile, const QueryTile& buffer,
-                                              int m0) {
+__device__ __forceinline__ void accumulate_dq(float* dq_head, unsigned ds_tile, unsigned k_tile,
+                                              const QueryTile& buffer, int m0) {
     const unsigned thread = unhoisted_thread();
     const int lane = (int)(thread % 32), warp = (int)(thread / 32);
     const int row0 = (warp % DQ_WARPS_M) * DQ_ROWS, col0 = (warp / DQ_WARPS_M) * DQ_COLS;  // the warp's share
@@ -355,7 +359,7 @@ __device__ __forceinline__ void accumulate_dq(float* dq_head, unsigned ds_tile, 
 // ldmatrix in A order; B = Q [query][d] = [k][n]: ldmatrix.trans (as warp_accumulate reads dO). The warp's
 // offsets are folded into the lane bases (its first key a multiple of 8 rows; col0 / 8 + 2·d16 =
 // col0 / 8 ^ 2·d16), so every ldmatrix is one XOR and an immediate.
-__device__ __forceinline__ void accumulate_dk(float (&acc)[DK_M_TILES][DK_FRAGS][4], unsigned ds_tile, unsigned q_tile) {
+__device__ __forceinline__ void accumulate_dk(DkAccumulator& acc, unsigned ds_tile, unsigned q_tile) {
     const unsigned thread = unhoisted_thread();
     const int lane = (int)(thread % 32), warp = (int)(thread / 32);
     const int key_row0 = (warp % DK_WARPS_N) * DK_ROWS, col0 = (warp / DK_WARPS_N) * DK_COLS;
@@ -366,7 +370,8 @@ __device__ __forceinline__ void accumulate_dk(float (&acc)[DK_M_TILES][DK_FRAGS]
     for (int k16 = 0; k16 < M_STEPS; ++k16) {
         unsigned a[DK_M_TILES][4];
 #pragma unroll
-        for (int mt = 0; mt < DK_M_TILES; ++mt) ldmatrix_x4(a[mt], block_address<DS_ROW_BYTES>(a_base, 16 * mt, 2 * k16));
+        for (int mt = 0; mt < DK_M_TILES; ++mt)
+            ldmatrix_x4(a[mt], block_address<DS_ROW_BYTES>(a_base, 16 * mt, 2 * k16));
 #pragma unroll
         for (int d16 = 0; d16 < DK_COLS / 16; ++d16) {
             unsigned b[4];
@@ -399,11 +404,45 @@ __device__ __forceinline__ void write_rows(elem_t* head, const float (&acc)[M_TI
         }
 }
 
-extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
-attention_bwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
-              const elem_t* __restrict__ d_o, const float* __restrict__ lse_log2, const float* __restrict__ delta,
-              float* __restrict__ dq_accum, elem_t* __restrict__ dk, elem_t* __restrict__ dv, int seq_q, int seq_kv,
-              int seq_q_padded, float scale, int causal) {
+// The same rows added to the fp32 sums of a tail tile (`tile`: BLOCK_N rows of HEAD_DIM, whole: no row is
+// tested), two floats per reduction, in the L2 as dQ's are.
+template <int M_TILES, int FRAGS>
+__device__ __forceinline__ void add_rows(float* tile, const float (&acc)[M_TILES][FRAGS][4], float factor, int row0,
+                                         int col0, int lane) {
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float* row = tile + (row0 + 16 * mt + lane / 4 + 8 * r) * HEAD_DIM + col0 + 2 * (lane % 4);
+#pragma unroll
+            for (int n = 0; n < FRAGS; ++n) {
+                const float x = acc[mt][n][2 * r] * factor, y = acc[mt][n][2 * r + 1] * factor;
+#if __CUDA_ARCH__ >= 900
+                asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(row + 8 * n), "f"(x), "f"(y) : "memory");
+#else
+                atomicAdd(row + 8 * n, x);
+                atomicAdd(row + 8 * n + 1, y);
+#endif
+            }
+        }
+}
+
+// The kernel's arguments that every key tile uses.
+struct Tensors {
+    const elem_t *q, *k, *v, *d_o;
+    const float *lse_log2, *delta;
+    float* dq_accum;
+    int seq_q, seq_kv, seq_q_padded;
+    float scale;
+    int causal;
+};
+
+// One key tile's part of the backward: the tile of BLOCK_N keys from n0 of (batch, head) pair `head`,
+// against its query tiles first_tile .. end_tile - 1 (the loop of the header comment). What becomes of
+// its dK and dV is the caller's: finish(dk_acc, dv_acc), in accumulate_dk's and the warp's own layouts.
+template <typename Finish>
+__device__ __forceinline__ void key_tile_backward(const Tensors& x, size_t head, int n0, int first_tile, int end_tile,
+                                                  Finish finish) {
     extern __shared__ __align__(1024) unsigned char shared_bytes[];  // tiles at multiples of their row size
     const unsigned k_tile = shared_address(shared_bytes);
     const unsigned v_tile = k_tile + KV_TILE_BYTES;
@@ -416,25 +455,19 @@ attention_bwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     const float* delta_shared = reinterpret_cast<const float*>(shared_bytes + (delta_ring - k_tile));
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int n0 = blockIdx.x * BLOCK_N;     // the block's first key
     const int row0 = 16 * warp;              // the warp's first key in the tile
-    const size_t head = blockIdx.y;
-    const elem_t* q_head = q + head * seq_q * HEAD_DIM;
-    const elem_t* do_head = d_o + head * seq_q * HEAD_DIM;
-    const float* lse_head = lse_log2 + head * seq_q_padded;
-    const float* delta_head = delta + head * seq_q_padded;
-    float* dq_head = dq_accum + head * seq_q_padded * HEAD_DIM;  // whole query tiles
-
-    // Causal: queries before n0 see none of the block's keys; their tiles are skipped.
-    const int first_tile = causal ? n0 / BLOCK_M : 0;
-    const int end_tile = (seq_q + BLOCK_M - 1) / BLOCK_M;
+    const elem_t* q_head = x.q + head * x.seq_q * HEAD_DIM;
+    const elem_t* do_head = x.d_o + head * x.seq_q * HEAD_DIM;
+    const float* lse_head = x.lse_log2 + head * x.seq_q_padded;
+    const float* delta_head = x.delta + head * x.seq_q_padded;
+    float* dq_head = x.dq_accum + head * x.seq_q_padded * HEAD_DIM;  // whole query tiles
 
     // Prologue: K and V, and the first query tile, in one commit group.
-    load_tile_async<BLOCK_N>(k_tile, k + (head * seq_kv + n0) * HEAD_DIM, seq_kv - n0);
-    load_tile_async<BLOCK_N>(v_tile, v + (head * seq_kv + n0) * HEAD_DIM, seq_kv - n0);
+    load_tile_async<BLOCK_N>(k_tile, x.k + (head * x.seq_kv + n0) * HEAD_DIM, x.seq_kv - n0);
+    load_tile_async<BLOCK_N>(v_tile, x.v + (head * x.seq_kv + n0) * HEAD_DIM, x.seq_kv - n0);
     if (first_tile < end_tile)
         load_query_tile_async(query_buffer(q_ring, do_ring, lse_ring, delta_ring, first_tile), q_head, do_head,
-                              lse_head, delta_head, first_tile * BLOCK_M, seq_q);
+                              lse_head, delta_head, first_tile * BLOCK_M, x.seq_q);
     cp_async_commit();
 
     unsigned k_held[KV_HELD_STEPS][4], v_held[KV_HELD_STEPS][4];
@@ -448,9 +481,9 @@ attention_bwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         }
     }
 
-    float dk_acc[DK_M_TILES][DK_FRAGS][4] = {};  // accumulate_dk's tile
-    float dv_acc[1][D_FRAGS][4] = {};            // the warp's 16 keys × D
-    const float scale_log2 = scale * LOG2E;
+    DkAccumulator dk_acc = {};  // accumulate_dk's tile
+    DvAccumulator dv_acc = {};  // the warp's 16 keys × D
+    const float scale_log2 = x.scale * LOG2E;
 
     for (int tile = first_tile; tile < end_tile; ++tile) {
         cp_async_wait<0>();  // this tile's copies have landed (issued during the last iteration)
@@ -459,7 +492,7 @@ attention_bwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         // as accumulate_dq's staging area).
         if (tile + 1 < end_tile)
             load_query_tile_async(query_buffer(q_ring, do_ring, lse_ring, delta_ring, tile + 1), q_head, do_head,
-                                  lse_head, delta_head, (tile + 1) * BLOCK_M, seq_q);
+                                  lse_head, delta_head, (tile + 1) * BLOCK_M, x.seq_q);
         cp_async_commit();
 
         const QueryTile buffer = query_buffer(q_ring, do_ring, lse_ring, delta_ring, tile);
@@ -467,7 +500,7 @@ attention_bwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         const int lse_offset = (tile % Q_STAGES) * BLOCK_M;
         float s[M_FRAGS][4];
         warp_rows_times_queries(s, k_held, k_tile, row0, buffer.q, lane);                       // Sᵀ = K Qᵀ
-        const bool on_diagonal = causal && m0 < n0 + row0 + 15;  // some key of the warp after some query
+        const bool on_diagonal = x.causal && m0 < n0 + row0 + 15;  // some key of the warp after some query
         probabilities<M_FRAGS, MASK_AGAINST_CONSTANTS>(s, lse_shared + lse_offset, scale_log2, on_diagonal,
                                                        n0 + row0, m0, lane);                    // Pᵀ
         warp_accumulate(dv_acc[0], s, buffer.d_o, lane);                                        // dV += Pᵀ dO
@@ -481,7 +514,147 @@ attention_bwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         if (!DK_BEFORE_DQ) accumulate_dk(dk_acc, ds_tile, buffer.q);
     }
 
-    write_rows(dk + head * seq_kv * HEAD_DIM, dk_acc, scale, n0 + (warp % DK_WARPS_N) * DK_ROWS,
-               (warp / DK_WARPS_N) * DK_COLS, seq_kv, lane);
-    write_rows(dv + head * seq_kv * HEAD_DIM, dv_acc, 1.0f, n0 + row0, 0, seq_kv, lane);
+    finish(dk_acc, dv_acc);
+}
+
+// What becomes of a whole key tile's dK and dV (key_tile_backward's finish): rounded to elem_t and written
+// (rows past seq_kv are not); dk and dv point at the block's (batch, head) pair.
+struct WriteRows {
+    elem_t *dk, *dv;
+    float scale;
+    int n0, seq_kv;
+    __device__ void operator()(const DkAccumulator& dk_acc, const DvAccumulator& dv_acc) const {
+        const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+        write_rows(dk, dk_acc, scale, n0 + (warp % DK_WARPS_N) * DK_ROWS, (warp / DK_WARPS_N) * DK_COLS, seq_kv, lane);
+        write_rows(dv, dv_acc, 1.0f, n0 + 16 * warp, 0, seq_kv, lane);
+    }
+};
+
+// A whole key tile per block: blockIdx.x the key tile, blockIdx.y the (batch, head) pair. The key tiles
+// from full_tiles on (numbered t = pair · gridDim.x + key tile) are attention_bwd_tail's.
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
+attention_bwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
+              const elem_t* __restrict__ d_o, const float* __restrict__ lse_log2, const float* __restrict__ delta,
+              float* __restrict__ dq_accum, elem_t* __restrict__ dk, elem_t* __restrict__ dv, int seq_q, int seq_kv,
+              int seq_q_padded, float scale, int causal, int full_tiles) {
+    if (blockIdx.y * gridDim.x + blockIdx.x >= full_tiles) return;
+    const Tensors x{q, k, v, d_o, lse_log2, delta, dq_accum, seq_q, seq_kv, seq_q_padded, scale, causal};
+    const int n0 = blockIdx.x * BLOCK_N;
+    const size_t head = blockIdx.y;
+    // Causal: queries before n0 see none of the block's keys; their tiles are skipped.
+    key_tile_backward(x, head, n0, causal ? n0 / BLOCK_M : 0, (seq_q + BLOCK_M - 1) / BLOCK_M,
+                      WriteRows{dk + head * seq_kv * HEAD_DIM, dv + head * seq_kv * HEAD_DIM, scale, n0, seq_kv});
+}
+
+// The tail. One block per SM, `tiles` blocks of equally long key tiles (a non-causal launch) run in
+// ceil(tiles / SMs) waves, the last one nearly empty when tiles is a little over a multiple of the SMs:
+// 4,096 tiles on 132 SMs are 31 full waves and 4 blocks, a 32nd wave for 3% of the work. So the launch
+// gives whole key tiles to the first full_tiles blocks of attention_bwd, whole waves of them but one, and
+// leaves the last wave's tiles and the partial one's to attention_bwd_tail: one wave of blocks that share
+// their units (a key tile against one query tile) evenly, stream-K style (as CUTLASS splits a GEMM's k loop
+// over the SMs). A tail block's run of units may start and end inside key tiles; it adds each key tile's
+// dK and dV to fp32 sums, converted by attention_bwd_dkv_tail. (Causal launches keep whole tiles: their
+// tiles' lengths differ, so their blocks end raggedly anyway, and a tail launch waits for the last one.)
+
+// A tail block's key tile of the moment, in shared memory: the block's loop reads these values after each
+// key tile (read_shared) instead of holding them in registers across the loop over query tiles.
+struct TailTile {
+    int head, n0;                // its (batch, head) pair and first key
+    int first_m, end_m;          // its query tiles, first_m .. end_m - 1
+    int t, last, run_end_m;      // its number in the launch; the run's last key tile and the query tile it ends at
+    int key_tiles, query_tiles;  // per head
+};
+
+// A tail block's first key tile. Its run is units [begin, end) of the launch's, numbered key tile by key
+// tile (unit u is query tile u % query_tiles of key tile u / query_tiles); `last` < `t` when the run is
+// empty (more tail blocks than units).
+__device__ __forceinline__ TailTile first_tail_tile(const Tensors& x, int full_tiles, int tail_tiles) {
+    const int key_tiles = (x.seq_kv + BLOCK_N - 1) / BLOCK_N, query_tiles = (x.seq_q + BLOCK_M - 1) / BLOCK_M;
+    const long long units = (long long)tail_tiles * query_tiles, base = (long long)full_tiles * query_tiles;
+    const long long begin = base + units * blockIdx.x / gridDim.x, end = base + units * (blockIdx.x + 1) / gridDim.x;
+    const int t = (int)(begin / query_tiles), last = (int)((end - 1) / query_tiles);
+    const int run_end_m = (int)(end - (long long)last * query_tiles);
+    return {t / key_tiles, t % key_tiles * BLOCK_N, (int)(begin % query_tiles), t == last ? run_end_m : query_tiles,
+            t, begin < end ? last : t - 1, run_end_m, key_tiles, query_tiles};
+}
+
+__device__ __forceinline__ TailTile next_tail_tile(const TailTile& now) {
+    const int t = now.t + 1;
+    return {t / now.key_tiles, t % now.key_tiles * BLOCK_N, 0, t == now.last ? now.run_end_m : now.query_tiles, t,
+            now.last, now.run_end_m, now.key_tiles, now.query_tiles};
+}
+
+// A volatile read: ptxas neither hoists it out of a loop nor keeps its value in a register across one.
+__device__ __forceinline__ int read_shared(const int& value) {
+    return *static_cast<const volatile int*>(&value);
+}
+
+// The same, broadcast from lane 0: ptxas then knows the value is the same in every lane (as CUTLASS's
+// canonical_warp_idx_sync does for the warp index) and may hold it in a uniform register, which the
+// 255 vector registers of the loop over query tiles do not pay for.
+__device__ __forceinline__ int read_uniform(const int& value) {
+    return __shfl_sync(0xffffffffu, read_shared(value), 0);
+}
+
+// ... and a tail block's part of one: added to the tile's fp32 sums in dkv_tail ([2][tail_tiles][BLOCK_N][HEAD_DIM]:
+// dK's, then dV's), which the blocks sharing the tile add to. Everything is read or made here, after the loop,
+// so that nothing is held in registers across it (held, the tail kernel spills at D = 128).
+struct AddToTail {
+    float* dkv_tail;
+    const TailTile* tile;
+    int full_tiles, tail_tiles;
+    float scale;
+    __device__ void operator()(const DkAccumulator& dk_acc, const DvAccumulator& dv_acc) const {
+        const unsigned thread = unhoisted_thread();
+        const int lane = (int)(thread % 32), warp = (int)(thread / 32);
+        float* dk_sums = dkv_tail + (size_t)(read_shared(tile->t) - full_tiles) * BLOCK_N * HEAD_DIM;
+        add_rows(dk_sums, dk_acc, scale, (warp % DK_WARPS_N) * DK_ROWS, (warp / DK_WARPS_N) * DK_COLS, lane);
+        add_rows(dk_sums + (size_t)tail_tiles * BLOCK_N * HEAD_DIM, dv_acc, 1.0f, 16 * warp, 0, lane);
+    }
+};
+
+// The tail's blocks, gridDim.x of them, each on its run of key tiles full_tiles .. full_tiles + tail_tiles - 1
+// (non-causal), adding each tile's dK and dV to dkv_tail.
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
+attention_bwd_tail(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
+                   const elem_t* __restrict__ d_o, const float* __restrict__ lse_log2, const float* __restrict__ delta,
+                   float* __restrict__ dq_accum, float* __restrict__ dkv_tail, int seq_q, int seq_kv, int seq_q_padded,
+                   float scale, int full_tiles, int tail_tiles) {
+    const Tensors x{q, k, v, d_o, lse_log2, delta, dq_accum, seq_q, seq_kv, seq_q_padded, scale, /*causal=*/0};
+    __shared__ TailTile tile;
+    if (threadIdx.x == 0) tile = first_tail_tile(x, full_tiles, tail_tiles);
+    __syncthreads();
+    while (read_shared(tile.t) <= read_shared(tile.last)) {
+        const int first_m = read_uniform(tile.first_m), end_m = read_uniform(tile.end_m);
+        if (first_m < end_m)
+            key_tile_backward(x, read_uniform(tile.head), read_uniform(tile.n0), first_m, end_m,
+                              AddToTail{dkv_tail, &tile, full_tiles, tail_tiles, scale});
+        __syncthreads();  // every warp is done with this key tile: its K, V, query buffers and `tile`
+        if (threadIdx.x == 0) tile = next_tail_tile(tile);
+        __syncthreads();
+    }
+}
+
+// dK and dV of the tail's key tiles from their fp32 sums (attention_bwd_tail's dkv_tail, scaled already),
+// rounded to elem_t: 8 elements per thread, `groups` of 8 in dK's sums then as many in dV's; rows past
+// seq_kv are not written. Tile s of the tail is key tile full_tiles + s of the launch.
+extern "C" __global__ void __launch_bounds__(CONVERT_THREADS)
+attention_bwd_dkv_tail(const float* __restrict__ dkv_tail, elem_t* __restrict__ dk, elem_t* __restrict__ dv,
+                       int groups, int full_tiles, int seq_kv) {
+    constexpr int GROUPS_PER_ROW = HEAD_DIM / 8;
+    const int group = blockIdx.x * CONVERT_THREADS + threadIdx.x;
+    if (group >= 2 * groups) return;
+    const int in_dk = group % groups;  // the same group of dK's sums
+    const int tail_row = in_dk / GROUPS_PER_ROW, part = in_dk % GROUPS_PER_ROW;
+    const long long t = full_tiles + tail_row / BLOCK_N;
+    const int key_tiles = (seq_kv + BLOCK_N - 1) / BLOCK_N;
+    const long long head = t / key_tiles;
+    const int key = (int)(t % key_tiles) * BLOCK_N + tail_row % BLOCK_N;
+    if (key >= seq_kv) return;
+    const float4* from = reinterpret_cast<const float4*>(dkv_tail + (size_t)group * 8);
+    const float4 a = from[0], b = from[1];
+    const uint4 packed = {pack_pair<elem_t>(a.x, a.y), pack_pair<elem_t>(a.z, a.w), pack_pair<elem_t>(b.x, b.y),
+                          pack_pair<elem_t>(b.z, b.w)};
+    elem_t* to = group < groups ? dk : dv;
+    *reinterpret_cast<uint4*>(to + ((size_t)head * seq_kv + key) * HEAD_DIM + 8 * part) = packed;
 }
