@@ -51,9 +51,9 @@ GQA = "f3bbd5b"  # K, V with H_kv heads: stage 0 and 4 take the group size, stag
 BASES.update({name: GQA for name in ("stage0_naive", "stage1_tiled", "stage2_warp", "stage3_pipeline")})
 # Measured at 11f2b51: stage 4 copies tiles as 64-row TMA boxes (tma.cuh's load_tile).
 BASES["stage4_hopper"] = "11f2b51"
-# Measured at 5d3f505: stage 8's dK after the dSᵀ barrier, 2-D over the warps, dQ's accumulator padded to
-# whole query tiles; at 538c872: stage 9 adds whole tiles to that padded accumulator.
-BASES["stage8_backward"] = "5d3f505"
+# Measured at da22e03: stage 8's loop as one function (key_tile_backward) and the stream-K tail kernel;
+# at 538c872: stage 9 adds whole tiles to the padded dQ accumulator.
+BASES["stage8_backward"] = "da22e03"
 BASES["stage9_hopper_backward"] = "538c872"
 # Measured at 58fd728: stage 7's router down to one chunk per block (router_sum a warp per logit, a null
 # bias allowed), gather_rows' binary search for a padding row's token.
