@@ -11,6 +11,7 @@ USAGE = """python -m grader STAGE [STAGE ...] [options]   grade stages in turn (
        python -m grader all [options]       grade every stage and rung this GPU runs (instructors: --json results/<gpu>.json)
        python -m grader list                the stages, the architectures each needs, their last recorded grade
        python -m grader init STAGE [STAGE ...]  write exercise copies to workspace/ (graded from then on)
+       python -m grader ops [--json FILE]   the ops (stages/ops.py) as a model calls them, beside PyTorch's
        python -m grader STAGE --profile [SHAPE]  Nsight Compute, beside the reference, on one benchmark shape"""
 
 ARCH = re.compile(r"sm_(\d+)(a?)")  # sm_80, sm_90a: a GPU generation, "a" for its arch-specific features
@@ -305,6 +306,22 @@ def grade_one(stage, args, gpu) -> tuple[dict | None, int]:
     return result, 1 if result.get("correctness", {}).get("failed") else 0
 
 
+def cmd_ops(json_path: Path | None) -> int:
+    """python -m grader ops: grader/ops_benchmark.py on this GPU, its figures under "ops" of --json."""
+    from grader import device, ops_benchmark, results
+    from grader.report import console
+
+    gpu, why = device.probe()
+    if gpu is None:
+        return fail(f"ops needs a GPU ({why})")
+    console.print(f"The course's ops as a model calls them, beside PyTorch, on the {gpu.name}:")
+    measured = ops_benchmark.run(report=console.print)
+    if json_path:
+        results.add_ops(json_path, gpu.name, results.provenance(gpu), measured)
+        console.print(f"written under \"ops\" in {json_path}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.command in ("list", "all") and args.stages:
@@ -315,6 +332,8 @@ def main(argv=None) -> int:
         return cmd_list()
     if args.command == "init":
         return cmd_init(args.stages, args.force)
+    if args.command == "ops":
+        return cmd_ops(args.json)
     if args.command == "all":
         return grade(None, args)
     return grade([args.command, *args.stages], args)

@@ -114,8 +114,8 @@ def write(path: Path, gpu_name: str, prov: dict, stage_results: dict) -> None:
     data = {"gpu": gpu_name, "provenance": prov, "stages": {}}
     if path.exists():
         old = json.loads(path.read_text())
-        if old.get("gpu") == gpu_name:
-            data["stages"] = old.get("stages", {})
+        if old.get("gpu") == gpu_name:  # the stages' entries and the rest ("ops") are kept
+            data = {**old, "provenance": prov, "stages": old.get("stages", {})}
     for key, entry in stage_results.items():  # a profile of the same source stays valid: kept
         old_entry = data["stages"].get(key) or {}
         if "profile" not in entry and "profile" in old_entry and old_entry.get("source_sha256") == entry.get("source_sha256"):
@@ -143,4 +143,16 @@ def add_profile(path: Path, gpu_name: str, stage_key: str, profile: dict) -> Non
         raise ValueError(f"{path} has no results for {stage_key} on {gpu_name}, to put its profile in: grade it "
                          f"first (python -m grader {stage_key} --json {path})")
     entry["profile"] = profile
+    path.write_text(json.dumps(data, indent=1, default=float) + "\n")
+
+
+def add_ops(path: Path, gpu_name: str, prov: dict, measured: dict) -> None:
+    """Put `python -m grader ops`'s figures under "ops" of a results file (with the provenance they were
+    measured with), leaving the stages' entries as they were; ValueError (one line) for another GPU's file."""
+    path = Path(path)
+    data = json.loads(path.read_text()) if path.exists() else {"gpu": gpu_name, "provenance": prov, "stages": {}}
+    if data.get("gpu") != gpu_name:
+        raise ValueError(f"{path} holds results of {data.get('gpu')}, not of this {gpu_name}")
+    data["ops"] = {"provenance": prov, **measured}
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, default=float) + "\n")

@@ -165,12 +165,22 @@ def with_rungs(name: str) -> list[Stage]:
     return [load(name), *rungs(load(name).name)]
 
 
+def declared_problem(name: str) -> str | None:
+    """The problem a stage's folder declares as a literal (`problem="attention"` in its __init__.py), read
+    without importing it; None where it is set elsewhere (stages 1-3: fused_stage)."""
+    found = set(re.findall(r'\bproblem="(\w+)"', (STAGES_DIR / name / "__init__.py").read_text()))
+    return found.pop() if len(found) == 1 else None
+
+
 def fastest_stage(problem: str, gpu) -> tuple[Stage, str]:
     """(the fastest stage or rung solving `problem` that `gpu` runs, the arch to compile it for): the
     highest-numbered stage first, each stage's own kernel before the rungs of its ladder, top down (a
     rung is the stage with an earlier stage's technique: it runs where the stage's own kernel may not).
-    gpu is anything with a name, major and minor (torch.cuda.get_device_properties())."""
+    gpu is anything with a name, major and minor (torch.cuda.get_device_properties()). Stages that
+    declare another problem are not imported (stage 11 would bring torch.distributed along)."""
     for name in reversed(stage_names()):
+        if declared_problem(name) not in (None, problem):
+            continue
         for stage in with_rungs(name):
             if stage.problem == problem:
                 try:

@@ -5,6 +5,10 @@
     o.backward(grad)                           # q.grad, k.grad, v.grad by the course's backward kernel
     out = ops.moe_layer(x, router_weight, w1, w2, top_k, router_bias=None)  # forward only
 
+q, k and v may be any views whose last dimension is contiguous: a model's [B, S, H, D] projections
+seen as [B, H, S, D] (`x.view(B, S, H, D).transpose(1, 2)`), slices of a fused QKV projection. On an
+H100 or H200 the kernels read them where they lie, and the gradients come back in the inputs' layout.
+
 They are `torch.library` custom ops (namespace "flashmoe"), each with a fake implementation (the
 output shapes and dtypes alone), so that `torch.compile(fullgraph=True)` and `make_fx` trace a model
 that calls them; the attention has autograd through the course's backward stage:
@@ -17,17 +21,23 @@ Each op returns new tensors and mutates none of its inputs. `ops.attention` and 
 inputs the kernels do not take with one ValueError, in one line, before anything is launched (the ops
 check again when called directly).
 
+The host cost of a call is what a model pays on every layer, so eager calls on plain CUDA tensors skip
+the custom ops' dispatch, tens of microseconds a call: ops.attention goes through a torch.autograd.Function
+(or straight to the launch where no gradient is wanted) whose forward and backward run the very launches
+the custom ops run. Under torch.compile, make_fx, FakeTensorMode or any other dispatch mode, the custom ops
+are called, as tracing needs. (docs/pytorch.md measures each piece of a call.)
+
 Each problem runs the fastest course stage this GPU runs (`stages.fastest_stage`): the highest-numbered stage
 solving it, or the highest rung of that stage's ladder, that compiles for the GPU. The forward
 attention: stage 4 on sm_90a (an H100 or H200), stage 3 elsewhere; its backward: stage 9 on sm_90a,
-stage 8 elsewhere; the MoE layer: stage 7 on sm_90a, stage 7's mma_sync rung elsewhere. A stage is compiled on first use for the
-inputs' dtype (and head dimension), with the -D macros the grader uses, into the compile cache on disk
-(stages/common/compiler.py); the process keeps its kernels and launches them on the caller's tensors
-and current stream.
+stage 8 elsewhere; the MoE layer: stage 7 on sm_90a, stage 7's mma_sync rung elsewhere. A stage is compiled
+on first use for the variant the inputs need (the problem's `variant`: dtype, head dimension), with the
+-D macros the grader uses, into the compile cache on disk (stages/common/compiler.py); the process keeps
+its kernels and launches them through the problem's own `run_stage`, the call the grader makes, on the
+caller's tensors and current stream. Only the stages that run are imported.
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional
 
@@ -35,18 +45,18 @@ import torch
 
 import reference
 import stages
-from stages import fastest_stage
 from stages.common.compiler import compile_cubin
 from stages.common.launcher import KernelSet
 from stages.common.moe import MAX_EXPERTS, MAX_TOP_K
 
-ATTENTION = reference.load("attention")  # the problem the forward stages solve: its dtypes and head dims
+ATTENTION = reference.load("attention")  # the problems the ops solve: their dtypes, head dims, run_stage
+ATTENTION_BACKWARD = reference.load("attention_backward")
+MOE_LAYER = reference.load("moe_layer")
 DTYPES = {getattr(torch, name): name for name in ATTENTION.dtypes}
 HEAD_DIMS = ATTENTION.parameters["D"]
-MOE_LAYER = reference.load("moe_layer")  # the problem stage 7 solves
 MOE_DTYPES = {getattr(torch, name): name for name in MOE_LAYER.dtypes}
 MOE_MIN_DIM = 64   # hidden and inter: multiples of 8 (16-byte rows, TMA strides), at least a 64-wide tile
-ALIGNMENT = 16     # bytes: the kernels load 16-byte vectors (cp.async, TMA) from each tensor's start
+ALIGNMENT = 16     # bytes: the kernels load 16-byte vectors (cp.async, TMA) from each tensor's start and row
 
 
 # ================================================================ attention
@@ -55,14 +65,58 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
               scale: float | None = None) -> torch.Tensor:
     """softmax(scale · q kᵀ [causal mask]) v, differentiable: reference/attention.py's problem (the causal
     mask top-left aligned, as PyTorch's); scale defaults to 1/√D. q [B, H, Sq, D], k and v [B, H_kv, Skv, D]
-    with H_kv dividing H (grouped-query attention: query head h uses KV head h // (H / H_kv)),
-    contiguous, all float16 or all bfloat16, D 64 or 128, on one CUDA GPU. The output lies in memory as
-    [B, Sq, H, D], as PyTorch's flash SDPA returns it, so that a model's output projection reads
+    with H_kv dividing H (grouped-query attention: query head h uses KV head h // (H / H_kv)), any strides
+    with D contiguous, all float16 or all bfloat16, D 64 or 128, on one CUDA GPU. The output lies in memory
+    as [B, Sq, H, D], as PyTorch's flash SDPA returns it, so that a model's output projection reads
     o.transpose(1, 2).reshape(B, Sq, H·D) with no copy."""
     refuse("ops.attention", attention_input_problem(q, k, v))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    o, _ = attention_forward(q, k, v, bool(causal), scale)
-    return o
+    causal = bool(causal)
+    if not plain_eager(q, k, v):
+        return attention_forward(q, k, v, causal, scale)[0]
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _Attention.apply(q, k, v, causal, scale)
+    return forward_launch(q, k, v, causal, scale)[0]
+
+
+def plain_eager(*tensors) -> bool:
+    """Plain CUDA tensors in eager mode: no torch.compile or make_fx tracing, no fake tensors, no dispatch
+    mode that should see the custom ops."""
+    return not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack() and \
+        all(type(t) is torch.Tensor for t in tensors)
+
+
+class _Attention(torch.autograd.Function):
+    """ops.attention's autograd in eager mode: the custom ops' launches, without their dispatch."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale):
+        o, lse = forward_launch(q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale = causal, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, grad_o):
+        return *backward_launch(grad_o, *ctx.saved_tensors, ctx.causal, ctx.scale), None, None
+
+
+def forward_launch(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) by the fastest forward stage, for inputs already checked."""
+    o = output_like(q)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    launch_fastest(ATTENTION, dict(q=q, k=k, v=v, scale=scale, causal=causal), dict(o=o, lse=lse))
+    return o, lse
+
+
+def backward_launch(grad_o, q, k, v, o, lse, causal: bool, scale: float):
+    """(dq, dk, dv) by the fastest backward stage, in the layouts of q, k and v where they are dense."""
+    if strides_problem({"grad_o": grad_o}):  # e.g. the gradient of o.sum(), one value expanded: made dense
+        grad_o = grad_o.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    launch_fastest(ATTENTION_BACKWARD, dict(q=q, k=k, v=v, o=o, lse=lse, do=grad_o, scale=scale, causal=causal),
+                   dict(dq=dq, dk=dk, dv=dv))
+    return dq, dk, dv
 
 
 @torch.library.custom_op("flashmoe::attention_forward", mutates_args=())
@@ -71,10 +125,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     """(o, lse): the attention and each query row's log-sum-exp of its scaled scores (natural log, fp32
     [B, H, Sq]), what the backward recomputes the probabilities from."""
     refuse("flashmoe::attention_forward", attention_input_problem(q, k, v))
-    o = output_like(q)
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    launch_fastest("attention", attention_variant(q), q, k, v, o, lse, scale, causal)
-    return o, lse
+    return forward_launch(q, k, v, causal, scale)
 
 
 @attention_forward.register_fake
@@ -92,14 +143,9 @@ def output_like(q: torch.Tensor) -> torch.Tensor:
 def attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                        lse: torch.Tensor, causal: bool,
                        scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) for the output's gradient grad_o and the forward's o (any strides), from o and lse."""
+    """(dq, dk, dv) for the output's gradient grad_o (any strides) and the forward's o and lse."""
     refuse("flashmoe::attention_backward", attention_backward_input_problem(grad_o, q, k, v, o, lse))
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    # grad_o may be any view (the gradient of o.sum() is one expanded value), o is the forward's [B, S, H, D]
-    # buffer: the kernels read both dense.
-    launch_fastest("attention_backward", attention_variant(q), q, k, v, o.contiguous(), lse, grad_o.contiguous(), dq,
-                   dk, dv, scale, causal)
-    return dq, dk, dv
+    return backward_launch(grad_o, q, k, v, o, lse, causal, scale)
 
 
 @attention_backward.register_fake
@@ -124,10 +170,6 @@ def _attention_gradients(ctx, grad_o, grad_lse):
 attention_forward.register_autograd(_attention_gradients, setup_context=_save_for_attention_backward)
 
 
-def attention_variant(q) -> dict:
-    return {"dtype": DTYPES[q.dtype], "D": q.shape[-1]}
-
-
 def check_attention_inputs(q, k, v) -> None:
     """ValueError, in one line, for inputs the course's kernels do not take (before anything is launched)."""
     refuse("ops.attention", attention_input_problem(q, k, v))
@@ -135,24 +177,28 @@ def check_attention_inputs(q, k, v) -> None:
 
 def attention_input_problem(q, k, v) -> str | None:
     """What is wrong with q, k, v for the kernels, in words; None if nothing. The GPU is checked last,
-    so that the rest can be checked (and tested) on tensors of any device."""
+    so that the rest can be checked (and tested) on tensors of any device. The words are made only for
+    a problem: this runs on every call."""
     tensors = {"q": q, "k": k, "v": v}
-    if not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return "q, k and v must be tensors"
-    shapes = ", ".join(f"{name} {list(t.shape)}" for name, t in tensors.items())
-    if not all(t.dim() == 4 for t in tensors.values()) or k.shape != v.shape or \
+    if not (q.dim() == k.dim() == v.dim() == 4) or k.shape != v.shape or \
             (k.shape[0], k.shape[3]) != (q.shape[0], q.shape[3]):
-        return f"expected q [B, H, Sq, D], k and v [B, H_kv, Skv, D]; got {shapes}"
+        return f"expected q [B, H, Sq, D], k and v [B, H_kv, Skv, D]; got {shapes_of(tensors)}"
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        return f"the KV heads H_kv must divide the query heads H (grouped-query attention); got {shapes}"
+        return f"the KV heads H_kv must divide the query heads H (grouped-query attention); got {shapes_of(tensors)}"
     if 0 in q.shape or 0 in k.shape:
-        return f"every dimension must be at least 1; got {shapes}"
+        return f"every dimension must be at least 1; got {shapes_of(tensors)}"
     if q.dtype not in DTYPES or not q.dtype == k.dtype == v.dtype:
         dtypes = ", ".join(f"{name} {t.dtype}" for name, t in tensors.items())
         return f"q, k and v must all be {' or all '.join(DTYPES.values())}; got {dtypes}"
     if q.shape[-1] not in HEAD_DIMS:
         return f"the head dimension D must be one of {HEAD_DIMS}; got {q.shape[-1]}"
-    return layout_problem(tensors) or device_problem(tensors)
+    return strides_problem(tensors) or device_problem(tensors)
+
+
+def shapes_of(tensors: dict) -> str:
+    return ", ".join(f"{name} {list(t.shape)}" for name, t in tensors.items())
 
 
 def attention_backward_input_problem(grad_o, q, k, v, o, lse) -> str | None:
@@ -167,8 +213,9 @@ def attention_backward_input_problem(grad_o, q, k, v, o, lse) -> str | None:
     if grad_o.dtype != q.dtype or o.dtype != q.dtype or lse.dtype != torch.float32:
         return (f"expected grad_o and o of q's dtype {q.dtype} and lse float32; got {grad_o.dtype}, {o.dtype}, "
                 f"{lse.dtype}")
-    # grad_o and o may have any strides: the op makes them dense.
-    return layout_problem({"lse": lse}) or device_problem({"q": q, "grad_o": grad_o, "o": o, "lse": lse})
+    # grad_o may have any strides (the op makes others dense); o and lse are the forward's.
+    return strides_problem({"o": o}) or layout_problem({"lse": lse}) or \
+        device_problem({"q": q, "grad_o": grad_o, "o": o, "lse": lse})
 
 
 # ================================================================ the MoE layer
@@ -189,8 +236,19 @@ def moe_layer(x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor, w2
     No autograd: the course has no backward for the layer, so a backward through `out` raises PyTorch's
     "no autograd formula was registered" error (the forward runs even on weights that require grad)."""
     refuse("ops.moe_layer", moe_layer_input_problem(x, router_weight, router_bias, w1, w2, top_k))
-    out, topk_ids = moe_layer_op(x, router_weight, router_bias, w1, w2, int(top_k))
+    grad_wanted = torch.is_grad_enabled() and any(t.requires_grad for t in (x, router_weight, w1, w2))
+    run = moe_launch if plain_eager(x, router_weight, w1, w2) and not grad_wanted else moe_layer_op
+    out, topk_ids = run(x, router_weight, router_bias, w1, w2, int(top_k))
     return (out, topk_ids) if return_topk_ids else out
+
+
+def moe_launch(x, router_weight, router_bias, w1, w2, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, topk_ids) by the fastest MoE layer stage, for inputs already checked."""
+    out = torch.empty_like(x)
+    topk_ids = torch.empty(x.shape[0], top_k, dtype=torch.int32, device=x.device)
+    launch_fastest(MOE_LAYER, dict(x=x, wr=router_weight, bias=router_bias, w1=w1, w2=w2, top_k=top_k),
+                   dict(out=out, topk_ids=topk_ids))
+    return out, topk_ids
 
 
 @torch.library.custom_op("flashmoe::moe_layer", mutates_args=())
@@ -198,18 +256,12 @@ def moe_layer_op(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Opti
                  w1: torch.Tensor, w2: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, topk_ids) of the MoE layer: see ops.moe_layer."""
     refuse("flashmoe::moe_layer", moe_layer_input_problem(x, router_weight, router_bias, w1, w2, top_k))
-    out = torch.empty_like(x)
-    topk_ids = torch.empty(x.shape[0], top_k, dtype=torch.int32, device=x.device)
-    launch_fastest("moe_layer", {"dtype": MOE_DTYPES[x.dtype]}, x, router_weight, router_bias, w1, w2, top_k, out,
-                   topk_ids)
-    return out, topk_ids
+    return moe_launch(x, router_weight, router_bias, w1, w2, top_k)
 
 
 @moe_layer_op.register_fake
 def _(x, router_weight, router_bias, w1, w2, top_k):
     return torch.empty_like(x), x.new_empty((x.shape[0], top_k), dtype=torch.int32)
-
-
 def moe_layer_input_problem(x, router_weight, router_bias, w1, w2, top_k) -> str | None:
     """What is wrong with the MoE layer's inputs for stage 7, in words; None if nothing (the GPU last)."""
     tensors = {"x": x, "router_weight": router_weight, "w1": w1, "w2": w2}
@@ -256,6 +308,24 @@ def layout_problem(tensors: dict) -> str | None:
     if strided := [name for name, t in tensors.items() if not t.is_contiguous()]:
         names = ", ".join(tensors)
         return f"{names} must be contiguous (.contiguous() makes a copy that is); not: {', '.join(strided)}"
+    return alignment_problem(tensors)
+
+
+def strides_problem(tensors: dict) -> str | None:
+    """Each tensor's last dimension contiguous and its other strides whole 16-byte units, from a 16-byte
+    aligned start: what TMA and the kernels' 16-byte row accesses need. A model's [B, S, H, D] views
+    and slices of a fused projection are; a dimension of one element may have any stride."""
+    def fits(t):
+        return t.stride(-1) == 1 and all(size == 1 or stride * t.element_size() % ALIGNMENT == 0
+                                         for size, stride in zip(t.shape[:-1], t.stride()[:-1]))
+    if strided := [name for name, t in tensors.items() if not fits(t)]:
+        return (f"each tensor's last dimension must be contiguous and its other strides multiples of "
+                f"{ALIGNMENT} bytes (.contiguous() makes a copy that is); not: {', '.join(strided)} (strides "
+                f"{', '.join(str(tensors[n].stride()) for n in strided)})")
+    return alignment_problem(tensors)
+
+
+def alignment_problem(tensors: dict) -> str | None:
     if torch.compiler.is_compiling():  # Dynamo cannot trace storage_offset(): the op checks it when it runs
         return None
     if unaligned := [name for name, t in tensors.items() if t.storage_offset() * t.element_size() % ALIGNMENT]:
@@ -265,36 +335,41 @@ def layout_problem(tensors: dict) -> str | None:
 
 
 def device_problem(tensors: dict) -> str | None:
-    devices = {t.device for t in tensors.values()}
-    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+    first = next(iter(tensors.values())).device
+    if first.type != "cuda" or any(t.device != first for t in tensors.values()):
         names = ", ".join(tensors)
         return f"{names} must be on one CUDA GPU; got {', '.join(f'{n} on {t.device}' for n, t in tensors.items())}"
     return None
 
 
-def launch_fastest(problem: str, variant: dict, *args) -> None:
-    """stage.launch(kernels, *args) of the fastest stage of `problem` on the GPU of args[0], its kernels
-    compiled for `variant`, the problem's {"dtype": name, parameter: value} (the parameters the stage
-    specializes on are compiled in)."""
-    device = args[0].device
-    stage, arch = fastest_stage_on(problem, device.index)
-    defines = tuple(sorted(stage.defines(variant).items()))
-    with torch.cuda.device(device):  # so that the current stream, which the launch uses, is that GPU's
-        stage.launch(kernels_for(stage.key, arch, defines, device.index), *args)
+_LOADED: dict = {}  # (problem, GPU, variant values) -> (stage, its KernelSet on that GPU)
 
 
-@functools.cache
+def launch_fastest(problem, inputs: dict, outputs: dict) -> None:
+    """problem.run_stage (the grader's call) of the fastest stage solving `problem` on the GPU of its
+    primary input, compiled for the variant the inputs need (problem.variant: dtype, head dimension)."""
+    device = inputs[problem.primary_input].device
+    variant = problem.variant(inputs)
+    key = (problem.name, device.index, *variant.values())
+    stage, kernels = _LOADED.get(key) or _load(key, problem, device.index, variant)
+    if device.index == torch.cuda.current_device():
+        problem.run_stage(stage, kernels, inputs, outputs)
+    else:  # the current stream, which the launch uses, must be that GPU's
+        with torch.cuda.device(device):
+            problem.run_stage(stage, kernels, inputs, outputs)
+
+
 def fastest_stage_on(problem: str, device_index: int) -> tuple[stages.Stage, str]:
-    return fastest_stage(problem, torch.cuda.get_device_properties(device_index))
+    return stages.fastest_stage(problem, torch.cuda.get_device_properties(device_index))
 
 
-@functools.cache
-def kernels_for(stage_key: str, arch: str, defines: tuple, device_index: int) -> KernelSet:
-    """A stage's (or rung's) kernels for one variant's -D macros, compiled (or read from the disk cache)
-    and loaded on one GPU."""
+def _load(key: tuple, problem, device_index: int, variant: dict) -> tuple:
+    """The fastest stage's kernels for one variant's -D macros, compiled (or read from the disk cache) and
+    loaded on one GPU."""
     from cuda.core import Device
 
-    stage = stages.load(stage_key)
-    cubin = compile_cubin(stage.source_path, arch, dict(defines))
+    stage, arch = fastest_stage_on(problem.name, device_index)
+    cubin = compile_cubin(stage.source_path, arch, stage.defines(variant))
     Device(device_index).set_current()  # as the grader's worker does: PyTorch's own (primary) context
-    return KernelSet(cubin.path, stage.kernels)
+    _LOADED[key] = stage, KernelSet(cubin.path, stage.kernels)
+    return _LOADED[key]

@@ -19,6 +19,7 @@ import reference
 from reference import moe
 from reference.attention import causal_mask, sdpa
 from reference.tolerance import relative_to_library
+import stages
 from stages import ops
 
 ATTENTION = reference.load("attention")
@@ -42,8 +43,10 @@ BAD_INPUTS = {
     "mixed dtypes": (lambda: (meta(1, 2, 8, 64), meta(1, 2, 8, 64, dtype=torch.bfloat16), meta(1, 2, 8, 64)),
                      "float16 or all bfloat16"),
     "D = 96": (lambda: (meta(1, 2, 8, 96),) * 3, "must be one of (64, 128); got 96"),
-    "a transposed k": (lambda: (meta(1, 2, 8, 64), meta(1, 8, 2, 64).transpose(1, 2), meta(1, 2, 8, 64)),
-                       "contiguous (.contiguous() makes a copy that is); not: k"),
+    "a k whose D is strided": (lambda: (meta(1, 2, 8, 64), meta(1, 2, 64, 8).transpose(2, 3), meta(1, 2, 8, 64)),
+                               "last dimension must be contiguous and its other strides multiples of 16 bytes"),
+    "rows of 65 elements": (lambda: (meta(1, 2, 8, 65)[..., :64], meta(1, 2, 8, 64), meta(1, 2, 8, 64)),
+                            "(.contiguous() makes a copy that is); not: q (strides (1040, 520, 65, 1))"),
     "an unaligned v": (lambda: (meta(1, 2, 8, 64), meta(1, 2, 8, 64), meta(1 + 2 * 8 * 64)[1:].view(1, 2, 8, 64)),
                        "16-byte aligned (.clone() makes a copy that does); not: v"),
     "CPU tensors": (lambda: (torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16),) * 3, "must be on one CUDA GPU"),
@@ -64,14 +67,14 @@ def test_inputs_the_kernels_do_not_take_are_refused_in_one_line(what, monkeypatc
 @pytest.mark.parametrize("gpu,stage,arch", [(H100, "stage4_hopper", "sm_90a"), (A100, "stage3_pipeline", "sm_80"),
                                             (L4, "stage3_pipeline", "sm_89")])
 def test_the_forward_is_the_fastest_stage_the_gpu_runs(gpu, stage, arch):
-    chosen, chosen_arch = ops.fastest_stage("attention", gpu)
+    chosen, chosen_arch = stages.fastest_stage("attention", gpu)
     assert (chosen.name, chosen_arch) == (stage, arch)
 
 
 def test_a_problem_no_stage_runs_here_is_a_one_line_error():
     turing = SimpleNamespace(name="Tesla T4", major=7, minor=5)
     with pytest.raises(RuntimeError, match=r"^no course stage solves attention on this GPU \(Tesla T4, sm_75\)$"):
-        ops.fastest_stage("attention", turing)
+        stages.fastest_stage("attention", turing)
 
 
 # ---------------------------------------------------------------- the autograd plumbing, without a GPU
@@ -88,26 +91,25 @@ def scores_of(q, k, scale, causal):
     return scores.masked_fill(causal_mask(q.shape[2], k.shape[2], q.device), float("-inf")) if causal else scores
 
 
-def math_launches(problem, variant, q, *rest):
-    """Stands in for launch_fastest: the kernels' contract in PyTorch math. The backward recomputes P from
-    the O and LSE the forward wrote (as a FlashAttention backward does), so that both must reach it."""
-    if problem == "moe_layer":
-        x, (wr, bias, w1, w2, top_k, out, topk_ids) = q, rest
-        layer = dict(x=x, wr=wr, bias=bias, w1=w1, w2=w2)
-        topk_ids.copy_(moe.topk_exact(moe.router_logits(x, wr, bias), top_k)[0])
-        out.copy_(moe.layer_reference(layer, top_k, dtype=torch.float32))
+def math_launches(problem, inputs, outputs):
+    """Stands in for launch_fastest: the kernels' contract in PyTorch math, on the problem's inputs and
+    outputs (run_stage's dicts). The backward recomputes P from the O and LSE the forward wrote (as a
+    FlashAttention backward does), so that both must reach it."""
+    i = inputs
+    if problem.name == "moe_layer":
+        layer = {n: i[n] for n in ("x", "wr", "bias", "w1", "w2")}
+        outputs["topk_ids"].copy_(moe.topk_exact(moe.router_logits(i["x"], i["wr"], i["bias"]), i["top_k"])[0])
+        outputs["out"].copy_(moe.layer_reference(layer, i["top_k"], dtype=torch.float32))
         return
-    wide = torch.promote_types(q.dtype, torch.float32)  # 16-bit inputs: the math in fp32, as the kernels'
-    if problem == "attention":
-        k, v, o, lse, scale, causal = rest
-        q, k, v = q.to(wide), k.to(wide), v.to(wide)
+    wide = torch.promote_types(i["q"].dtype, torch.float32)  # 16-bit inputs: the math in fp32, as the kernels'
+    q, k, v, scale, causal = i["q"].to(wide), i["k"].to(wide), i["v"].to(wide), i["scale"], i["causal"]
+    if problem.name == "attention":
         scores = scores_of(q, k, scale, causal)
-        lse.copy_(torch.logsumexp(scores, dim=-1))
-        o.copy_(torch.softmax(scores, dim=-1) @ v)
+        outputs["lse"].copy_(torch.logsumexp(scores, dim=-1))
+        outputs["o"].copy_(torch.softmax(scores, dim=-1) @ v)
         return
-    k, v, o, lse, grad_o, dq, dk, dv, scale, causal = rest
-    assert grad_o.is_contiguous() and o.is_contiguous(), "the backward kernel was given a strided gradient or O"
-    q, k, v, o, grad_o = q.to(wide), k.to(wide), v.to(wide), o.to(wide), grad_o.to(wide)
+    o, lse, grad_o = i["o"].to(wide), i["lse"], i["do"].to(wide)
+    dq, dk, dv = outputs["dq"], outputs["dk"], outputs["dv"]
     p = torch.exp(scores_of(q, k, scale, causal) - lse[..., None])
     grad_p = grad_o @ v.transpose(-1, -2)
     grad_scores = p * (grad_p - (grad_o * o).sum(-1, keepdim=True)) * scale  # softmax's backward, through O
@@ -120,7 +122,6 @@ def math_launches(problem, variant, q, *rest):
 def test_backward_gets_what_forward_saved_and_returns_the_gradients_in_order(causal, monkeypatch):
     monkeypatch.setattr(ops, "launch_fastest", math_launches)
     monkeypatch.setattr(ops, "refuse", lambda who, problem: None)  # float64 on the CPU: the kernels' math in it
-    monkeypatch.setattr(ops, "attention_variant", lambda q: {})
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, seq, 64, generator=gen, dtype=torch.float64) for seq in (13, 21, 21))
     grad_o = torch.randn(2, 13, 3, 64, generator=gen, dtype=torch.float64).transpose(1, 2)  # strided
@@ -128,6 +129,47 @@ def test_backward_gets_what_forward_saved_and_returns_the_gradients_in_order(cau
     torch_math = gradients(lambda q, k, v: torch.softmax(scores_of(q, k, 0.3, causal), -1) @ v, q, k, v, grad_o)
     for name, mine, expected in zip(("dq", "dk", "dv"), ours, torch_math):
         torch.testing.assert_close(mine, expected, rtol=1e-5, atol=1e-5, msg=name)  # the LSE is fp32
+
+
+def model_views_of(B, H, Hkv, S, D, layout, dtype=torch.float64, device="cpu", gen=None):
+    """q, k, v as models hand them to attention, [B, H, S, D] views of: "bshd", [B, S, H, D] projections;
+    "fused", one fused QKV projection [B, S, (H + 2·H_kv)·D] sliced per head group."""
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=dtype, device=device) if gen else \
+            torch.empty(*shape, dtype=dtype, device=device)
+    if layout == "bshd":
+        return [randn(B, S, heads, D).transpose(1, 2) for heads in (H, Hkv, Hkv)]
+    fused = randn(B, S, (H + 2 * Hkv) * D).view(B, S, H + 2 * Hkv, D)
+    return [t.transpose(1, 2) for t in (fused[:, :, :H], fused[:, :, H:H + Hkv], fused[:, :, H + Hkv:])]
+
+
+@pytest.mark.parametrize("layout", ["bshd", "fused"])
+def test_the_layouts_models_hand_over_are_accepted(layout):
+    q, k, v = model_views_of(2, 8, 2, 33, 64, layout, dtype=torch.bfloat16, device="meta")
+    assert not q.is_contiguous()
+    assert "CUDA" in ops.attention_input_problem(q, k, v)  # only the device is refused here
+
+
+@pytest.mark.parametrize("layout", ["bshd", "fused"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_eager_calls_skip_the_custom_ops_and_agree_with_them(layout, causal, monkeypatch):
+    """ops.attention on plain tensors in eager mode runs the launches through a torch.autograd.Function, not
+    the custom ops (whose dispatch costs tens of µs a call); its output and gradients are the custom ops'."""
+    monkeypatch.setattr(ops, "launch_fastest", math_launches)
+    monkeypatch.setattr(ops, "refuse", lambda who, problem: None)
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = model_views_of(2, 4, 4, 21, 64, layout, gen=gen)  # no GQA: math_launches has none
+    grad_o = torch.randn(2, 21, 4, 64, generator=gen, dtype=torch.float64).transpose(1, 2)
+    through_ops = gradients(lambda q, k, v: torch.ops.flashmoe.attention_forward(q, k, v, causal, 0.3)[0],
+                            q, k, v, grad_o)
+    monkeypatch.setattr(ops, "attention_forward", lambda *a: pytest.fail("eager call went through the custom op"))
+    monkeypatch.setattr(ops, "attention_backward", lambda *a: pytest.fail("eager call went through the custom op"))
+    eager = gradients(lambda q, k, v: ops.attention(q, k, v, causal=causal, scale=0.3), q, k, v, grad_o)
+    for name, mine, expected in zip(("dq", "dk", "dv"), eager, through_ops):
+        torch.testing.assert_close(mine, expected, rtol=0, atol=0, msg=name)
+    with torch.no_grad():
+        o = ops.attention(q, k, v, causal=causal, scale=0.3)
+    torch.testing.assert_close(o, torch.ops.flashmoe.attention_forward(q, k, v, causal, 0.3)[0], rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- the MoE layer's inputs and stage, without a GPU
@@ -198,14 +240,14 @@ def test_the_ops_check_their_inputs_when_called_directly(monkeypatch):
                                           (A100, "stage7_moe_layer:mma_sync", "sm_80"),
                                           (L4, "stage7_moe_layer:mma_sync", "sm_89")])
 def test_the_moe_layer_is_stage_7_or_its_rung_where_wgmma_is_missing(gpu, key, arch):
-    chosen, chosen_arch = ops.fastest_stage("moe_layer", gpu)
+    chosen, chosen_arch = stages.fastest_stage("moe_layer", gpu)
     assert (chosen.key, chosen_arch) == (key, arch)
 
 
 @pytest.mark.parametrize("gpu,stage,arch", [(H100, "stage9_hopper_backward", "sm_90a"),
                                             (A100, "stage8_backward", "sm_80")])
 def test_the_backward_is_stage_9_on_hopper_and_stage_8_elsewhere(gpu, stage, arch):
-    chosen, chosen_arch = ops.fastest_stage("attention_backward", gpu)
+    chosen, chosen_arch = stages.fastest_stage("attention_backward", gpu)
     assert (chosen.name, chosen_arch) == (stage, arch)
 
 
@@ -391,6 +433,60 @@ def test_grouped_query_gradients_pass_the_tolerance_rule(B, H, Hkv, Sq, Skv, D, 
     assert all(c.passed for c in checks), failures(checks)
 
 
+# Models' layouts: [B, S, H, D] projections and a fused QKV projection, seen as [B, H, S, D]; GQA, odd lengths.
+VIEW_SHAPES = [(2, 8, 2, 239, 64, True, "bfloat16", "bshd"), (1, 6, 3, 100, 128, False, "float16", "fused"),
+               (3, 4, 4, 77, 64, False, "float16", "bshd"), (1, 32, 8, 333, 128, True, "bfloat16", "fused")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,H,Hkv,S,D,causal,dtype,layout", VIEW_SHAPES)
+def test_model_views_pass_the_tolerance_rule_and_get_gradients_in_their_layout(B, H, Hkv, S, D, causal, dtype,
+                                                                               layout):
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = model_views_of(B, H, Hkv, S, D, layout, dtype=getattr(torch, dtype), device="cuda", gen=gen)
+    scale = D ** -0.5
+    grad_o = torch.randn(B, S, H, D, generator=gen, device="cuda", dtype=q.dtype).transpose(1, 2)
+    inputs = dict(q=q, k=k, v=v, scale=scale, causal=causal)
+    o = ops.attention(q, k, v, causal=causal, scale=scale)
+    check = relative_to_library("o", o, ATTENTION.reference(inputs)["o"], sdpa(inputs))
+    assert check.passed, failures([check])
+    ours = gradients(lambda q, k, v: ops.attention(q, k, v, causal=causal, scale=scale), q, k, v, grad_o)
+    library = gradients(lambda q, k, v: sdpa(dict(q=q, k=k, v=v, scale=scale, causal=causal)), q, k, v, grad_o)
+    exact = gradients(lambda q, k, v: ATTENTION.reference(dict(q=q, k=k, v=v, scale=scale, causal=causal))["o"],
+                      q.double(), k.double(), v.double(), grad_o.double())
+    checks = [relative_to_library(name, *grads) for name, *grads in zip(("dq", "dk", "dv"), ours, exact, library)]
+    assert all(c.passed for c in checks), failures(checks)
+    if layout == "bshd":  # dense views: the gradients come back in the same layout, ready for the projections
+        assert [g.stride() for g in ours] == [t.stride() for t in (q, k, v)]
+
+
+@pytest.mark.gpu
+def test_a_forward_and_backward_of_model_views_launches_no_copy():
+    """On Hopper the kernels read and write [B, S, H, D] views where they lie: the CUDA kernels of one
+    forward + backward are the course's own (a copy or elementwise kernel would be a layout fixed up)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the strided kernels are stages 4 and 9 (sm_90a); elsewhere stage 3 and 8 copy")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    leaves = [torch.randn(2, 300, heads, 64, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_()
+              for heads in (8, 2, 2)]
+    grad_o = torch.randn(2, 300, 8, 64, generator=gen, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+
+    def step():
+        ops.attention(*(t.transpose(1, 2) for t in leaves), causal=True).backward(grad_o)
+
+    step()
+    for t in leaves:
+        t.grad = None
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        step()
+        torch.cuda.synchronize()
+    kernels = {e.name for e in trace.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    assert kernels == {"attention_fwd", "attention_bwd_preprocess", "attention_bwd", "attention_bwd_dq"}, kernels
+
+
 def test_grouped_query_inputs_are_accepted():
     problem = ops.attention_input_problem(meta(2, 32, 8, 64), meta(2, 8, 9, 64), meta(2, 8, 9, 64))
     assert problem is None or ("H_kv" not in problem and "expected q" not in problem)  # only the device is refused here
@@ -559,12 +655,12 @@ def test_the_moe_layer_passes_its_problems_rule(case):
 
 @pytest.mark.gpu
 def test_inputs_changed_in_place_are_read_again():
-    """A short K or V (fewer rows than a TMA box) is read through a padded copy that is cached with its
-    descriptor: a tensor changed in place (a KV cache) must still be read as it is now, not as it was."""
+    """A short K or V (fewer rows than a TMA box, read past its end as zeros) through a descriptor cached for
+    its layout: a tensor changed in place (a KV cache) must be read as it is now, not as it was."""
     from stages.stage4_hopper import GEOMETRY
     inputs = inputs_of(1, 4, 40, 40, 64, True, "float16")
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
-    assert k.shape[2] < GEOMETRY[64]["TILE_BOX_ROWS"], "K and V shorter than stage 4's box: the padded copy"
+    assert k.shape[2] < GEOMETRY[64]["TILE_BOX_ROWS"], "K and V shorter than stage 4's box"
     ops.attention(q, k, v, causal=True)
     k.mul_(-1.5)
     v.add_(1.0)

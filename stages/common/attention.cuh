@@ -26,3 +26,16 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 
 // log2(e): kernels that compute exp(x) as exp2(x * LOG2E) use the fast ex2 instruction.
 #define LOG2E 1.4426950408889634f
+
+// Rows of a [B, H, S, D] tensor of any strides with D contiguous -- a dense one, a model's [B, S, H, D]
+// buffer seen as [B, H, S, D], a slice of a fused QKV projection: row s of (batch, head) pair
+// p = b·heads + h at data + b·batch_stride + h·head_stride + s·row_stride (in elements).
+template <typename T>
+struct HeadRows {
+    T* data;
+    long long batch_stride, head_stride;
+    int row_stride, heads;
+    __device__ T* row(int pair, int s) const {
+        return data + (pair / heads) * batch_stride + (pair % heads) * head_stride + (long long)s * row_stride;
+    }
+};

@@ -44,8 +44,11 @@ __device__ __forceinline__ void probabilities(float (&s)[M_FRAGS][4], const floa
 // their dQ rows are zeroed too: the accumulator has whole query tiles, so that the main kernels add
 // whole tiles to it without testing rows (the padding rows' sums are never converted).
 // HEAD_DIM / 8 threads per row, 8 elements each; a row's threads are consecutive lanes of one warp.
+// O and dO may have any strides (a model's [B, S, H, D] buffers); the fp32 vectors are dense.
 extern "C" __global__ void __launch_bounds__(PREPROCESS_THREADS)
-attention_bwd_preprocess(const elem_t* __restrict__ o, const elem_t* __restrict__ d_o, const float* __restrict__ lse,
+attention_bwd_preprocess(const elem_t* __restrict__ o, long long o_batch_stride, long long o_head_stride,
+                         int o_row_stride, const elem_t* __restrict__ d_o, long long do_batch_stride,
+                         long long do_head_stride, int do_row_stride, int heads, const float* __restrict__ lse,
                          float* __restrict__ lse_log2, float* __restrict__ delta, float* __restrict__ dq_accum,
                          int seq_q, int seq_q_padded, int pairs) {
     constexpr int THREADS_PER_ROW = HEAD_DIM / 8;
@@ -54,15 +57,16 @@ attention_bwd_preprocess(const elem_t* __restrict__ o, const elem_t* __restrict_
     const size_t head = padded_row / seq_q_padded;
     const int row = (int)(padded_row % seq_q_padded);
     const bool valid = head < (size_t)pairs && row < seq_q;
-    const size_t element = (head * seq_q + row) * HEAD_DIM + 8 * part;
     if (head < (size_t)pairs) {
         float4* dq8 = reinterpret_cast<float4*>(dq_accum + padded_row * HEAD_DIM + 8 * part);
         dq8[0] = dq8[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
     float sum = 0.0f;
     if (valid) {
-        const uint4 o8 = *reinterpret_cast<const uint4*>(o + element);
-        const uint4 do8 = *reinterpret_cast<const uint4*>(d_o + element);
+        const HeadRows<const elem_t> o_rows{o, o_batch_stride, o_head_stride, o_row_stride, heads};
+        const HeadRows<const elem_t> do_rows{d_o, do_batch_stride, do_head_stride, do_row_stride, heads};
+        const uint4 o8 = *reinterpret_cast<const uint4*>(o_rows.row((int)head, row) + 8 * part);
+        const uint4 do8 = *reinterpret_cast<const uint4*>(do_rows.row((int)head, row) + 8 * part);
         const elem_t* os = reinterpret_cast<const elem_t*>(&o8);
         const elem_t* dos = reinterpret_cast<const elem_t*>(&do8);
 #pragma unroll
@@ -77,9 +81,10 @@ attention_bwd_preprocess(const elem_t* __restrict__ o, const elem_t* __restrict_
 }
 
 // dQ = scale · the fp32 accumulator, rounded to elem_t: 8 elements per thread, `groups` of 8 in the
-// accumulator (seq_q_padded rows per head); the padding rows' groups are skipped.
+// accumulator (seq_q_padded rows per head); the padding rows' groups are skipped. dq has any strides.
 extern "C" __global__ void __launch_bounds__(CONVERT_THREADS)
-attention_bwd_dq(const float* __restrict__ dq_accum, elem_t* __restrict__ dq, float scale, int groups, int seq_q,
+attention_bwd_dq(const float* __restrict__ dq_accum, elem_t* __restrict__ dq, long long dq_batch_stride,
+                 long long dq_head_stride, int dq_row_stride, int heads, float scale, int groups, int seq_q,
                  int seq_q_padded) {
     constexpr int GROUPS_PER_ROW = HEAD_DIM / 8;
     const int group = blockIdx.x * CONVERT_THREADS + threadIdx.x;
@@ -94,5 +99,6 @@ attention_bwd_dq(const float* __restrict__ dq_accum, elem_t* __restrict__ dq, fl
     packed.y = pack_pair<elem_t>(a.z * scale, a.w * scale);
     packed.z = pack_pair<elem_t>(b.x * scale, b.y * scale);
     packed.w = pack_pair<elem_t>(b.z * scale, b.w * scale);
-    *reinterpret_cast<uint4*>(dq + ((size_t)head * seq_q + row) * HEAD_DIM + 8 * part) = packed;
+    const HeadRows<elem_t> dq_rows{dq, dq_batch_stride, dq_head_stride, dq_row_stride, heads};
+    *reinterpret_cast<uint4*>(dq_rows.row(head, row) + 8 * part) = packed;
 }

@@ -6,6 +6,7 @@ preprocess and dQ conversion, and their launches around each stage's main kernel
     ... the stage's main kernel: dK, dV, and dQ summed into ws.dq_accum ...
     convert_dq(kernels, launched, ws, dq, scale)       dQ = scale · the fp32 sum, in dq's dtype
 
+O, dO and dQ may have any strides with D contiguous (`head_strides`); the workspace is dense.
 `launched` is the stage's geometry at this head dimension (ROWS_PER_PREPROCESS_BLOCK, PREPROCESS_THREADS,
 CONVERT_THREADS)."""
 from __future__ import annotations
@@ -17,6 +18,12 @@ import torch
 
 def blocks(n: int, per_block: int) -> int:
     return -(-n // per_block)
+
+
+def head_strides(x: torch.Tensor) -> tuple:
+    """(x, batch stride, head stride, row stride) of a [B, H, S, D] tensor with D contiguous: how the
+    kernels' HeadRows (attention.cuh) take it."""
+    return (x, *x.stride()[:3])
 
 
 @dataclass
@@ -40,8 +47,8 @@ def preprocess(kernels, launched: dict, o, d_o, lse, ws: Workspace) -> None:
     batch, heads, seq_q, _ = o.shape
     rows = batch * heads * ws.seq_q_padded
     kernels.attention_bwd_preprocess((blocks(rows, launched["ROWS_PER_PREPROCESS_BLOCK"]),),
-                                     (launched["PREPROCESS_THREADS"],), o, d_o, lse, ws.lse_log2, ws.delta,
-                                     ws.dq_accum, seq_q, ws.seq_q_padded, batch * heads)
+                                     (launched["PREPROCESS_THREADS"],), *head_strides(o), *head_strides(d_o), heads,
+                                     lse, ws.lse_log2, ws.delta, ws.dq_accum, seq_q, ws.seq_q_padded, batch * heads)
 
 
 def convert_dq(kernels, launched: dict, ws: Workspace, dq, scale: float) -> None:
@@ -49,4 +56,4 @@ def convert_dq(kernels, launched: dict, ws: Workspace, dq, scale: float) -> None
     elements of the accumulator."""
     groups = ws.dq_accum.numel() // 8
     kernels.attention_bwd_dq((blocks(groups, launched["CONVERT_THREADS"]),), (launched["CONVERT_THREADS"],),
-                             ws.dq_accum, dq, scale, groups, dq.shape[2], ws.seq_q_padded)
+                             ws.dq_accum, *head_strides(dq), dq.shape[1], scale, groups, dq.shape[2], ws.seq_q_padded)

@@ -18,7 +18,9 @@ def fused_launch(geometry: dict[int, dict[str, int]]):
     def launch(kernels, q, k, v, o, lse, scale, causal) -> None:
         launched = geometry[q.shape[-1]]
         seq_q, seq_kv, group = q.shape[2], k.shape[2], kv_group(q, k)
-        # These kernels write a dense [B, H, S, D]; an O of another layout (ops' [B, S, H, D] buffer) gets a copy.
+        # These kernels read and write dense [B, H, S, D]: other layouts (a model's [B, S, H, D] views, ops'
+        # [B, S, H, D] output buffer) are copied; stage 4, on Hopper, reads and writes them where they lie.
+        q, k, v = (x.contiguous() for x in (q, k, v))
         dense = o if o.is_contiguous() else torch.empty_like(q)
         # B·H_kv in grid.z: at most 65,535 KV pairs a launch, each with its whole group of query heads
         for q_, o_, lse_, k_, v_ in head_slices(q, dense, lse, kv=(k, v), group=group,

@@ -1,48 +1,78 @@
-"""What the Hopper stages' launches share: TMA descriptors (tensor maps) built by cuda.core, and the
-number of SMs a persistent grid fills."""
+"""What the Hopper stages' launches share: TMA descriptors (tensor maps), and the number of SMs a
+persistent grid fills."""
 from __future__ import annotations
 
-import importlib
+import ctypes
 
 import torch
-import torch.nn.functional as F
 
-_MAPS: dict = {}  # (address, shape, strides, dtype, box) -> (TensorMapDescriptor, what it keeps alive)
+from stages.common.launcher import TMA_MAP_BYTES
+
+_MAPS: dict = {}  # (shape, strides, dtype, box) -> _Descriptor
 _SMS: dict = {}   # device index -> number of SMs
+MAX_CACHED_MAPS = 256  # layouts, not tensors: a model has a few per layer shape
 
 
-def tensor_map(x: torch.Tensor, box: tuple[int, int, int]):
-    """A TMA descriptor over the 3-D, 16-bit tensor x: boxes of box[0] × box[1] × box[2] elements
-    (outermost first, as x's dimensions), the innermost 64 wide at most, with the 128-byte swizzle.
-    Elements outside x read as zeros. Encoding costs host time, so descriptors are cached.
+class _Descriptor:
+    """A CUtensorMap encoded once for a layout, and the address it describes now."""
 
-    cuda.core refuses a box longer than the tensor: a dimension shorter than the box is padded with
-    zeros first, into a copy that the cache keeps with its descriptor (attention's short sequences;
-    never for a buffer a kernel writes). The copy is refreshed from x on every call: x may have
-    changed in place since (a KV cache, a buffer a CUDA graph refills), and the kernel must read it now."""
-    from cuda.core.utils import StridedMemoryView
+    def __init__(self, x: torch.Tensor, box: tuple):
+        from cuda.bindings import driver
 
-    key = (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, tuple(box))
-    if key in _MAPS:
-        descriptor, kept = _MAPS[key]
-        if kept:  # (x, its padded copy)
-            kept[1][tuple(slice(0, n) for n in x.shape)].copy_(x)
-        return descriptor
-    short = [max(0, b - n) for b, n in zip(box, x.shape)]
-    source = F.pad(x, [p for s in reversed(short) for p in (0, s)]) if any(short) else x
-    tm = importlib.import_module("cuda.core._tensor_map")
-    data_type = tm.TensorMapDataType.BFLOAT16 if x.dtype == torch.bfloat16 else tm.TensorMapDataType.FLOAT16
-    # Through DLPack as int16 (NumPy, which cuda.core maps dtypes through, has no bfloat16); the
-    # element type the tensor map records is given explicitly.
-    view = StridedMemoryView.from_any_interface(source.view(torch.int16), stream_ptr=-1)
-    descriptor = view.as_tensor_map(box_dim=tuple(box), data_type=data_type, swizzle=tm.TensorMapSwizzle.SWIZZLE_128B)
-    if len(_MAPS) >= 16:  # a few launches' worth
-        _MAPS.clear()
-    # A descriptor holds an address, shapes and strides, nothing of the contents: any tensor with
-    # the same ones may use it. Except a padded copy's: that entry keeps x and the copy alive, so
-    # that no other tensor gets x's address while it is cached.
-    _MAPS[key] = (descriptor, (x, source) if source is not x else ())
+        self.map, self.address = _encode(driver, x, box), x.data_ptr()
+
+    def at(self, address: int) -> bytes:
+        """The descriptor's 128 bytes, pointed at `address` (same layout, another tensor): the driver
+        rewrites the address field in place, far cheaper than encoding anew."""
+        if address != self.address:
+            from cuda.bindings import driver
+
+            _check(driver.cuTensorMapReplaceAddress(self.map, address)[0], "cuTensorMapReplaceAddress")
+            self.address = address
+        return ctypes.string_at(self.map.getPtr(), TMA_MAP_BYTES)
+
+
+def tensor_map(x: torch.Tensor, box: tuple[int, ...]) -> bytes:
+    """A TMA descriptor over the 16-bit tensor x, of up to 5 dimensions with any strides but a contiguous
+    innermost one (16-byte aligned start and strides): boxes of `box` elements (outermost first, as x's
+    dimensions; the innermost 64 wide at most), with the 128-byte swizzle. Elements outside x read as
+    zeros, a box longer than x too. As the 128 bytes a kernel's `const __grid_constant__ TmaMap` takes.
+
+    Encoding a descriptor costs tens of microseconds, so one is encoded per layout (shape, strides,
+    dtype, box) and re-pointed at each call's tensor: nothing of the contents is in it."""
+    key = (x.shape, x.stride(), x.dtype, box)
+    descriptor = _MAPS.get(key)
+    if descriptor is None:
+        if len(_MAPS) >= MAX_CACHED_MAPS:
+            _MAPS.clear()
+        descriptor = _MAPS[key] = _Descriptor(x, box)
+    return descriptor.at(x.data_ptr())
+
+
+def _encode(driver, x: torch.Tensor, box: tuple):
+    """cuTensorMapEncodeTiled over x: dimensions and box innermost first, strides in bytes of the outer ones."""
+    if x.stride(-1) != 1 or x.element_size() != 2:
+        raise ValueError(f"a tensor map needs 16-bit elements and a contiguous last dimension; got {x.dtype}, "
+                         f"strides {x.stride()}")
+    types = driver.CUtensorMapDataType
+    data_type = types.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if x.dtype == torch.bfloat16 else \
+        types.CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+    rank = x.dim()
+    err, descriptor = driver.cuTensorMapEncodeTiled(
+        data_type, rank, x.data_ptr(), list(reversed(x.shape)), [s * 2 for s in reversed(x.stride()[:-1])],
+        list(reversed(box)), [1] * rank, driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_NONE,
+        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    _check(err, f"cuTensorMapEncodeTiled (shape {list(x.shape)}, strides {list(x.stride())}, box {list(box)})")
     return descriptor
+
+
+def _check(err, what: str) -> None:
+    from cuda.bindings import driver
+
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{what}: {err.name}")
 
 
 def sm_count(device: torch.device) -> int:

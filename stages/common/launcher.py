@@ -1,5 +1,5 @@
 """Launch NVRTC-compiled kernels on PyTorch tensors: in the grader's worker process, and in the
-course's PyTorch ops (stages/ops.py).
+course's PyTorch ops (stages/ops.py). One path serves both, so the grader times what a model runs.
 
 A stage's launch function receives a `KernelSet` and calls its kernels by name:
 
@@ -7,11 +7,21 @@ A stage's launch function receives a `KernelSet` and calls its kernels by name:
 
 Each argument is passed as the C signature the stage declares says (the grader checks those against
 the kernels at compile time): a tensor as its device pointer, a Python int as an `int` or a `long
-long`, a float as a `float`; a wrong number of arguments is an error before the launch. Launches go to
-PyTorch's current stream, so CUDA events recorded by PyTorch time them.
+long`, a float as a `float`, a TmaMap as its 128 bytes (stages/common/hopper.py's tensor_map); a wrong
+number of arguments is an error before the launch. Launches go to PyTorch's current stream, so CUDA
+events recorded by PyTorch time them, and CUDA graphs capture them.
+
+The host cost of a launch is what a model pays on every call, and a small kernel's GPU time is a few
+microseconds, so a launch does only what changed: each kernel keeps one packed parameter buffer (a
+slot of 8 bytes per scalar or pointer, 128 per tensor map) and the array of pointers into it that
+cuLaunchKernel takes; a call writes the arguments into the buffer with one struct.pack_into and makes
+one driver call. Geometry checks and the LaunchRecord run once per (grid, block, shared memory). A
+KernelSet launches from one thread at a time (its buffers are reused).
 """
 from __future__ import annotations
 
+import ctypes
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +31,7 @@ import torch
 STATIC_SHARED_LIMIT = 48 * 1024  # above this a kernel must opt in to more dynamic shared memory
 GRID_LIMITS = (2**31 - 1, 65535, 65535)  # blocks along x, y, z (the limits of every sm_80+ GPU)
 MAX_THREADS_PER_BLOCK = 1024
+TMA_MAP_BYTES = 128  # a CUtensorMap
 
 
 class LaunchGeometryError(ValueError):
@@ -45,15 +56,11 @@ def check_shared_memory(name: str, smem: int, limit: int, gpu: str) -> None:
                                   f"most {limit:,}: this configuration of the stage needs a GPU with more (an A100 or H100)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LaunchRecord:
     grid: tuple
     block: tuple
     smem: int
-
-
-# C parameter types -> how a Python value is passed as one (anything else, e.g. a TmaMap, goes as it is)
-SCALARS = {"int": np.int32, "unsigned": np.uint32, "long long": np.int64, "size_t": np.uint64, "float": np.float32}
 
 
 def parameter_types(signature: str) -> list[str]:
@@ -65,29 +72,64 @@ def parameter_types(signature: str) -> list[str]:
     return types
 
 
-def _as_kernel_arg(value, c_type: str):
-    if isinstance(value, torch.Tensor):
-        return np.uint64(value.data_ptr())   # a device pointer
-    if c_type == "pointer":
-        return np.uint64(value)              # a raw address (0: a null pointer)
-    if c_type in SCALARS:
-        return SCALARS[c_type](value)
-    return value                             # e.g. a TensorMapDescriptor, passed by value
+def _address(value) -> int:
+    """A tensor's device pointer, or a raw address (None or 0: a null pointer)."""
+    return value.data_ptr() if isinstance(value, torch.Tensor) else int(value or 0)
+
+
+# C parameter type -> (its slot in the packed buffer as a struct format, how a Python value becomes it).
+# Every slot is 8 bytes, or a tensor map's 128: the driver copies each parameter from its own address.
+SLOTS = {"pointer": ("Q", _address), "int": ("i4x", int), "unsigned": ("I4x", int), "long long": ("q", int),
+         "size_t": ("Q", int), "float": ("f4x", float), "TmaMap": (f"{TMA_MAP_BYTES}s", bytes)}
+
+
+class PackedParameters:
+    """One kernel's parameters, packed for cuLaunchKernel: `pack(args)` writes them, `pointers` is the
+    address of the void* array the driver reads them through."""
+
+    def __init__(self, types: list[str]):
+        unknown = [t for t in types if t not in SLOTS]
+        if unknown:
+            raise TypeError(f"no way to pass a parameter of type {unknown[0]!r} (known: {', '.join(SLOTS)})")
+        self.count = len(types)
+        self.converters = tuple(SLOTS[t][1] for t in types)
+        self._struct = struct.Struct("<" + "".join(SLOTS[t][0] for t in types))
+        self._buffer = ctypes.create_string_buffer(max(self._struct.size, 1))
+        offsets, offset = [], 0
+        for t in types:
+            offsets.append(offset)
+            offset += struct.calcsize("<" + SLOTS[t][0])
+        base = ctypes.addressof(self._buffer)
+        self._array = (ctypes.c_void_p * max(self.count, 1))(*(base + o for o in offsets))
+        self.pointers = ctypes.addressof(self._array)
+
+    def pack(self, args: tuple) -> None:
+        self._struct.pack_into(self._buffer, 0, *[convert(a) for convert, a in zip(self.converters, args)])
+
+    def raw(self) -> bytes:
+        """The packed bytes (for tests)."""
+        return self._buffer.raw[:self._struct.size]
+
+
+def current_stream_handle(device_index: int) -> int:
+    """PyTorch's current stream on a GPU, as the driver's handle; torch.cuda.current_stream() would build a
+    Stream object per call, which costs a launch's worth of host time."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device_index) if raw else torch.cuda.current_stream(device_index).cuda_stream
 
 
 class KernelSet:
     def __init__(self, cubin: Path, kernels: dict[str, str]):
-        """The kernels of a cubin, by name -> C parameter list (a stage's `kernels`)."""
+        """The kernels of a cubin, by name -> C parameter list (a stage's `kernels`), on the current GPU."""
         from cuda.core import Device, ObjectCode
 
         self._device = Device()
         module = ObjectCode.from_cubin(Path(cubin).read_bytes())
         self._kernels = {name: module.get_kernel(name) for name in kernels}
-        self._types = {name: parameter_types(signature) for name, signature in kernels.items()}
+        self._parameters = {name: PackedParameters(parameter_types(signature)) for name, signature in kernels.items()}
         self._smem_raised: dict[str, int] = {}
-        self._streams: dict[int, object] = {}   # cuda.core Stream per PyTorch stream handle
-        self._configs: dict[tuple, object] = {}  # LaunchConfig per (grid, block, smem)
-        self.launches: dict[str, LaunchRecord] = {}
+        self._records: dict[tuple, LaunchRecord] = {}  # (name, grid, block, smem) -> its checked record
+        self.launches: dict[str, LaunchRecord] = {}    # each kernel's last launch (the grader's occupancy)
 
     def __getattr__(self, name: str):
         if name.startswith("_") or name not in self._kernels:
@@ -99,27 +141,29 @@ class KernelSet:
         return launch
 
     def _launch(self, name, grid, block, args, smem):
-        from cuda.core import LaunchConfig, Stream, launch
+        from cuda.bindings import driver
 
-        kernel, types = self._kernels[name], self._types[name]
-        if len(args) != len(types):
-            raise TypeError(f"{name} takes {len(types)} arguments ({', '.join(types)}); the launch gave {len(args)}")
+        parameters = self._parameters[name]
+        if len(args) != parameters.count:
+            raise TypeError(f"{name} takes {parameters.count} arguments; the launch gave {len(args)}")
+        record = self._records.get((name, grid, block, smem)) or self._check(name, grid, block, smem)
+        parameters.pack(args)
+        (err,) = driver.cuLaunchKernel(self._kernels[name].handle, *grid, *block, smem,
+                                       current_stream_handle(self._device.device_id), parameters.pointers, 0)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"CUDA error launching {name}: {err.name}")
+        self.launches[name] = record
+
+    def _check(self, name, grid, block, smem) -> LaunchRecord:
+        """The first launch of a geometry: its limits checked, the kernel's shared memory raised if needed."""
+        check_geometry(name, grid, block)
         if smem > STATIC_SHARED_LIMIT and self._smem_raised.get(name, 0) < smem:
             properties = self._device.properties
             check_shared_memory(name, smem, properties.max_shared_memory_per_block_optin, self._device.name)
-            self._raise_smem_limit(kernel, smem)
+            self._raise_smem_limit(self._kernels[name], smem)
             self._smem_raised[name] = smem
-        # Both objects are cached: building them on every launch costs more host time than a
-        # small kernel takes on the GPU, and the timings would measure Python.
-        handle = torch.cuda.current_stream().cuda_stream
-        if handle not in self._streams:
-            self._streams[handle] = Stream.from_handle(handle)
-        if (grid, block, smem) not in self._configs:
-            check_geometry(name, grid, block)
-            self._configs[grid, block, smem] = LaunchConfig(grid=grid, block=block, shmem_size=smem)
-        launch(self._streams[handle], self._configs[grid, block, smem], kernel,
-               *(_as_kernel_arg(a, t) for a, t in zip(args, types)))
-        self.launches[name] = LaunchRecord(grid, block, smem)
+        record = self._records[name, grid, block, smem] = LaunchRecord(grid, block, smem)
+        return record
 
     def _raise_smem_limit(self, kernel, smem: int) -> None:
         from cuda.bindings import driver

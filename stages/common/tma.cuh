@@ -69,31 +69,41 @@ __device__ __forceinline__ void tma_load_3d(unsigned dst, const TmaMap& map, uns
         : "memory");
 }
 
+// The same for a 4-D tensor: (column, row, head, batch) of attention's [B, H, S, D] tensors, whose
+// tensor maps carry each dimension's stride, so that a model's [B, S, H, D] views need no copy.
+__device__ __forceinline__ void tma_load_4d(unsigned dst, const TmaMap& map, unsigned bar, int c0, int c1, int c2,
+                                            int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+        :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+        : "memory");
+}
+
 __device__ __forceinline__ void tma_prefetch_map(const TmaMap& map) {
     asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<unsigned long long>(&map)) : "memory");
 }
 // --8<-- [end:tma_ptx]
 
 // --8<-- [start:tile]
-// A tile of rows [row0, row0 + ROWS) × COLUMNS elements of head `head` of a [heads, rows, columns]
-// tensor (attention's Q, K, V, dO; stages 4 and 9) into shared memory at `tile`: column block b (64
-// elements, the 128 bytes a 128-byte-swizzled box may be wide) at tile + b·ROWS·128, so that every
-// block is an array of swizzle atoms (8 rows × 128 bytes, 1024-byte aligned) -- the layout wgmma's
-// descriptors describe. Each block is copied as boxes of TILE_BOX_ROWS rows, one after the other
-// (the swizzle depends on the address only, so they compose into the layout one box would make).
-// Not one box of the whole tile, because a tensor map's box may not be longer than the tensor: a
-// head of 128 keys then needs no padded copy for a tile of 192 (stage 4 at D = 64).
+// A tile of rows [row0, row0 + ROWS) × COLUMNS elements of (batch, head) of a [batch, heads, rows,
+// columns] tensor of any strides (attention's Q, K, V, dO; stages 4 and 9) into shared memory at
+// `tile`: column block b (64 elements, the 128 bytes a 128-byte-swizzled box may be wide) at
+// tile + b·ROWS·128, so that every block is an array of swizzle atoms (8 rows × 128 bytes, 1024-byte
+// aligned) -- the layout wgmma's descriptors describe. Each block is copied as boxes of TILE_BOX_ROWS
+// rows, one after the other (the swizzle depends on the address only, so they compose into the layout
+// one box would make), which keeps a tensor map's box no longer than a short head's rows.
 constexpr int TILE_BOX_ROWS = 64;  // the rows of the tensor maps' boxes, which the launches build
 
 template <int ROWS, int COLUMNS>
-__device__ __forceinline__ void load_tile(unsigned tile, const TmaMap& map, unsigned full_barrier, int row0, int head) {
+__device__ __forceinline__ void load_tile(unsigned tile, const TmaMap& map, unsigned full_barrier, int row0, int head,
+                                          int batch) {
     static_assert(ROWS % TILE_BOX_ROWS == 0 && COLUMNS % 64 == 0, "a tile is whole boxes");
 #pragma unroll
     for (int b = 0; b < COLUMNS / 64; ++b)
 #pragma unroll
         for (int r = 0; r < ROWS / TILE_BOX_ROWS; ++r)
-            tma_load_3d(tile + (b * ROWS + r * TILE_BOX_ROWS) * 128, map, full_barrier, b * 64, row0 + r * TILE_BOX_ROWS,
-                        head);
+            tma_load_4d(tile + (b * ROWS + r * TILE_BOX_ROWS) * 128, map, full_barrier, b * 64, row0 + r * TILE_BOX_ROWS,
+                        head, batch);
 }
 // --8<-- [end:tile]
 

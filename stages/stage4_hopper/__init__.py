@@ -5,8 +5,9 @@ memory, through a ring of mbarrier-guarded slots; two consumer warpgroups multip
 from shared memory, P·V with P from registers) and take turns on the tensor cores (ping-pong), each
 overlapping its softmax with its own P·V product.
 
-The tensor maps TMA needs are built here, on the host, by cuda.core (`as_tensor_map`) and passed by
-value to the kernel as `const __grid_constant__` parameters.
+The tensor maps TMA needs are built on the host (stages/common/hopper.py), 4-D over q, k and v with
+their own strides, so that a model's [B, S, H, D] views are read where they lie, and passed by value to
+the kernel as `const __grid_constant__` parameters.
 """
 from stages import Goal, Stage
 from stages.common.attention import by_head_dim, kv_group
@@ -26,11 +27,10 @@ PERSISTENT = 1  # one block per SM looping over query tiles (attention.cu's Sche
 
 
 def _tensor_map(x, box_rows: int, box_cols: int):
-    """A TMA descriptor over x [B, H, S, D] (K and V: [B, H_kv, S, D]) viewed as 3-D [B·H, S, D]: boxes of
-    1 × box_rows × box_cols with the 128-byte swizzle. Rows past S inside a head read as zeros, so a box
+    """A TMA descriptor over x [B, H, S, D] (K and V: [B, H_kv, S, D]), any strides with D contiguous:
+    boxes of 1 × 1 × box_rows × box_cols with the 128-byte swizzle. Rows past S read as zeros, so a box
     never mixes two heads."""
-    batch, heads, seq, head_dim = x.shape
-    return tensor_map(x.reshape(batch * heads, seq, head_dim), (1, box_rows, box_cols))
+    return tensor_map(x, (1, 1, box_rows, box_cols))
 
 
 def launch(kernels, q, k, v, o, lse, scale, causal):

@@ -239,7 +239,8 @@ __device__ __forceinline__ void init_barriers(const SharedMemory& shared) {
 // --8<-- [start:warp_specialization]
 // The producer: one thread issues every copy, Q of each query tile and its K/V tiles into the ring.
 __device__ __forceinline__ void produce(const SharedMemory& shared, const Schedule& schedule, const TmaMap& q_map,
-                                        const TmaMap& k_map, const TmaMap& v_map, int seq_kv, int causal, int group) {
+                                        const TmaMap& k_map, const TmaMap& v_map, int seq_kv, int causal, int heads,
+                                        int group) {
     tma_prefetch_map(q_map);
     tma_prefetch_map(k_map);
     tma_prefetch_map(v_map);
@@ -248,12 +249,13 @@ __device__ __forceinline__ void produce(const SharedMemory& shared, const Schedu
     int ring = 0, q_loads = 0;
     for (int unit = blockIdx.x; unit < schedule.num_units; unit += gridDim.x) {
         for (int half = 0; half < schedule.tiles_in(unit); ++half, ++q_loads) {
-            const int m0 = schedule.m0(unit, half), head = schedule.head(unit);
+            const int m0 = schedule.m0(unit, half), pair = schedule.head(unit);
+            const int batch = pair / heads, head = pair % heads;
             const int kv_head = head / group;  // grouped-query attention: group query heads share one KV head
             // One Q buffer: wait until both consumers' last Q·Kᵀ of the previous query tile is done.
             mbarrier_wait(shared.barrier(Q_EMPTY), (q_loads & 1) ^ 1);
             mbarrier_arrive_expect_tx(shared.barrier(Q_FULL), Q_TILE_BYTES);
-            load_tile<BLOCK_M, HEAD_DIM>(shared.q_tile(), q_map, shared.barrier(Q_FULL), m0, head);
+            load_tile<BLOCK_M, HEAD_DIM>(shared.q_tile(), q_map, shared.barrier(Q_FULL), m0, head, batch);
             const int num_tiles = kv_tiles(m0, seq_kv, causal);
             for (int tile = 0; tile < num_tiles; ++tile, ++ring) {
                 const int stage = ring % KV_STAGES;
@@ -262,16 +264,19 @@ __device__ __forceinline__ void produce(const SharedMemory& shared, const Schedu
                 // EXERCISE: fill ring slot `stage` with K, then V, of `tile`. K: tell its full barrier how
                 // many bytes are coming (mbarrier_arrive_expect_tx -- the producer's one arrival, and
                 // KV_TILE_BYTES: rows past seq_kv are zero-filled and counted too), then issue the TMA copy
-                // (load_tile<BLOCK_N, HEAD_DIM>) of rows tile·BLOCK_N onwards of KV head `kv_head`, completing on that same
-                // barrier. V: wait for its own empty barrier as K's was waited for above, then the same.
+                // (load_tile<BLOCK_N, HEAD_DIM>) of rows tile·BLOCK_N onwards of KV head `kv_head` of `batch`,
+                // completing on that same barrier. V: wait for its own empty barrier as K's was waited for
+                // above, then the same.
                 // STUB: mbarrier_arrive_expect_tx(shared.barrier(K_FULL + stage), 0);  // arrives but loads nothing:
                 // STUB: mbarrier_wait(shared.barrier(V_EMPTY + stage), parity ^ 1);   // wrong results, no hang
                 // STUB: mbarrier_arrive_expect_tx(shared.barrier(V_FULL + stage), 0);
                 mbarrier_arrive_expect_tx(shared.barrier(K_FULL + stage), KV_TILE_BYTES);
-                load_tile<BLOCK_N, HEAD_DIM>(shared.k_slot(stage), k_map, shared.barrier(K_FULL + stage), tile * BLOCK_N, kv_head);
+                load_tile<BLOCK_N, HEAD_DIM>(shared.k_slot(stage), k_map, shared.barrier(K_FULL + stage),
+                                             tile * BLOCK_N, kv_head, batch);
                 mbarrier_wait(shared.barrier(V_EMPTY + stage), parity ^ 1);
                 mbarrier_arrive_expect_tx(shared.barrier(V_FULL + stage), KV_TILE_BYTES);
-                load_tile<BLOCK_N, HEAD_DIM>(shared.v_slot(stage), v_map, shared.barrier(V_FULL + stage), tile * BLOCK_N, kv_head);
+                load_tile<BLOCK_N, HEAD_DIM>(shared.v_slot(stage), v_map, shared.barrier(V_FULL + stage),
+                                             tile * BLOCK_N, kv_head, batch);
                 // END EXERCISE
             }
         }
@@ -407,7 +412,7 @@ attention_fwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaM
     const int warpgroup = threadIdx.x / 128;
     if (warpgroup == 0) {
         setmaxnreg_dec<PRODUCER_REGS>();  // the producer keeps 24 registers per thread
-        if (threadIdx.x == 0) produce(shared, schedule, q_map, k_map, v_map, seq_kv, causal, group);
+        if (threadIdx.x == 0) produce(shared, schedule, q_map, k_map, v_map, seq_kv, causal, heads, group);
     } else {
         setmaxnreg_inc<CONSUMER_REGS>();  // 240 per thread for S, P and O
         const Output out{o, o_batch_stride, o_head_stride, o_row_stride, heads};

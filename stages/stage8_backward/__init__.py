@@ -9,6 +9,10 @@ Grouped-query attention (K, V with H_kv < H heads), for now in the launch, not t
 repeated to H heads, the kernel runs as for H_kv = H, and each KV head's dK and dV are the fp32 sums of its
 group's, rounded once more. (The kernel's own way, a block per key tile of one KV head walking its group's
 query heads with dK, dV in registers, spilled at D = 128 in every variant tried so far.)
+
+The preprocess and the dQ conversion take O, dO and dQ of any strides; the main kernels read Q, K, V, dO
+and write dK, dV dense [B, H, S, D], so the launch makes dense copies of others (a model's [B, S, H, D]
+views): stage 9, on Hopper, reads and writes them where they lie.
 """
 import torch
 
@@ -28,13 +32,14 @@ GEOMETRY = {64: {"BLOCK_N": 128, "BLOCK_M": 64, "NUM_THREADS": 256, "SHARED_BYTE
                   "ROWS_PER_PREPROCESS_BLOCK": 16, "PREPROCESS_THREADS": 256, "CONVERT_THREADS": 256}}
 
 KERNELS = {
-    "attention_bwd_preprocess": "const elem_t*, const elem_t*, const float*, float*, float*, float*, int, int, int",
+    "attention_bwd_preprocess": "const elem_t*, long long, long long, int, const elem_t*, long long, long long, int, "
+                                "int, const float*, float*, float*, float*, int, int, int",
     "attention_bwd": "const elem_t*, const elem_t*, const elem_t*, const elem_t*, const float*, const float*, float*, "
                      "elem_t*, elem_t*, int, int, int, float, int, int",
     "attention_bwd_tail": "const elem_t*, const elem_t*, const elem_t*, const elem_t*, const float*, const float*, "
                           "float*, float*, int, int, int, float, int, int",
     "attention_bwd_dkv_tail": "const float*, elem_t*, elem_t*, int, int, int",
-    "attention_bwd_dq": "const float*, elem_t*, float, int, int, int",
+    "attention_bwd_dq": "const float*, elem_t*, long long, long long, int, int, float, int, int, int",
 }
 
 
@@ -49,6 +54,13 @@ def split_tiles(tiles: int, sms: int, causal: bool) -> tuple[int, int]:
 
 
 def launch(kernels, q, k, v, o, lse, d_o, dq, dk, dv, scale, causal) -> None:
+    q, k, v, d_o = (x.contiguous() for x in (q, k, v, d_o))
+    if not (dk.is_contiguous() and dv.is_contiguous()):  # the main kernels write dense rows
+        dense_dk, dense_dv = torch.empty_like(k), torch.empty_like(v)
+        launch(kernels, q, k, v, o, lse, d_o, dq, dense_dk, dense_dv, scale, causal)
+        dk.copy_(dense_dk)
+        dv.copy_(dense_dv)
+        return
     group = kv_group(q, k)  # query heads per KV head
     if group > 1:  # GQA: the kernel on K, V repeated to H heads, dK and dV summed over each group
         dk_heads, dv_heads = (torch.empty(q.shape[:2] + k.shape[2:], dtype=k.dtype, device=k.device) for _ in "kv")

@@ -9,10 +9,13 @@ the producer warpgroup issues. Stage 8's preprocess and dQ conversion, unchanged
 
 Grouped-query attention in the kernel: a block owns 128 keys of one KV head and walks the query tiles of
 every query head of its group, dK and dV summed in its registers.
+
+Q, K, V, O, dO and dQ, dK, dV may have any strides with D contiguous (a model's [B, S, H, D] views): the
+tensor maps and the kernels' row addresses carry them, so nothing is copied.
 """
 from stages import Goal, Stage
 from stages.common.attention import MAX_GRID_YZ, by_head_dim, kv_group
-from stages.common.attention_backward import backward_workspace, blocks, convert_dq, preprocess
+from stages.common.attention_backward import backward_workspace, blocks, convert_dq, head_strides, preprocess
 from stages.common.hopper import tensor_map
 
 # What the launch uses, per head dimension, as attention.cu computes it (the grader checks each value
@@ -31,19 +34,20 @@ GEOMETRY = {64: {"BLOCK_N": 128, "BLOCK_M": 128, "NUM_THREADS": 384, "ATOM_COLS"
                   "ROWS_PER_PREPROCESS_BLOCK": 16, "PREPROCESS_THREADS": 256, "CONVERT_THREADS": 256}}
 
 KERNELS = {
-    "attention_bwd_preprocess": "const elem_t*, const elem_t*, const float*, float*, float*, float*, int, int, int",
+    "attention_bwd_preprocess": "const elem_t*, long long, long long, int, const elem_t*, long long, long long, int, "
+                                "int, const float*, float*, float*, float*, int, int, int",
     "attention_bwd": "const TmaMap, const TmaMap, const TmaMap, const TmaMap, const float*, const float*, float*, "
-                     "elem_t*, elem_t*, int, int, int, float, int, int, int",
-    "attention_bwd_dq": "const float*, elem_t*, float, int, int, int",
+                     "elem_t*, long long, long long, int, elem_t*, long long, long long, int, int, int, int, int, "
+                     "float, int, int, int",
+    "attention_bwd_dq": "const float*, elem_t*, long long, long long, int, int, float, int, int, int",
 }
 
 
 
 def _tensor_map(x, box_rows: int, box_cols: int):
-    """A TMA descriptor over x [B, H, S, D] (K and V: [B, H_kv, S, D]) viewed as 3-D [B·H, S, D]: boxes of
-    1 × box_rows × box_cols with the 128-byte swizzle; rows past S inside a head read as zeros (stage 4's)."""
-    batch, heads, seq, head_dim = x.shape
-    return tensor_map(x.reshape(batch * heads, seq, head_dim), (1, box_rows, box_cols))
+    """A TMA descriptor over x [B, H, S, D] (K and V: [B, H_kv, S, D]), any strides with D contiguous: boxes
+    of 1 × 1 × box_rows × box_cols with the 128-byte swizzle; rows past S read as zeros (stage 4's)."""
+    return tensor_map(x, (1, 1, box_rows, box_cols))
 
 
 def launch(kernels, q, k, v, o, lse, d_o, dq, dk, dv, scale, causal) -> None:
@@ -54,16 +58,17 @@ def launch(kernels, q, k, v, o, lse, d_o, dq, dk, dv, scale, causal) -> None:
     # Workspace, as stage 8's (the producer copies a tile's LSE and Δ whole: padded to whole tiles).
     ws = backward_workspace(q, block_m)
     preprocess(kernels, launched, o, d_o, lse, ws)
-    # TMA boxes of 64 rows (tma.cuh's load_tile copies a tile as several): heads of 64 rows or more need no pad
+    # TMA boxes of 64 rows (tma.cuh's load_tile copies a tile as several)
     q_map, do_map, k_map, v_map = (_tensor_map(x, launched["TILE_BOX_ROWS"], box_cols) for x in (q, d_o, k, v))
     # A block per (128 keys, KV pair), walking the group's query heads. The tensor maps cover every pair:
     # launches of at most MAX_GRID_YZ KV pairs in grid.y, each told its first KV pair.
-    kv_pairs = batch * k.shape[1]
+    kv_heads = k.shape[1]
+    kv_pairs = batch * kv_heads
     for kv_pair0 in range(0, kv_pairs, MAX_GRID_YZ):
         kernels.attention_bwd((blocks(seq_kv, block_n), min(MAX_GRID_YZ, kv_pairs - kv_pair0)),
                               (launched["NUM_THREADS"],), q_map, k_map, v_map, do_map, ws.lse_log2, ws.delta,
-                              ws.dq_accum, dk, dv, seq_q, seq_kv, ws.seq_q_padded, scale, int(causal), group,
-                              kv_pair0, smem=launched["SHARED_BYTES"])
+                              ws.dq_accum, *head_strides(dk), *head_strides(dv), kv_heads, seq_q, seq_kv,
+                              ws.seq_q_padded, scale, int(causal), group, kv_pair0, smem=launched["SHARED_BYTES"])
     convert_dq(kernels, launched, ws, dq, scale)
 
 

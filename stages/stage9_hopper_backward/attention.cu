@@ -137,8 +137,11 @@ struct SharedMemory {
 // group - 1 (= b·H + h_kv·group + g, the heads that share KV head h_kv). Producer and consumers walk
 // them in the same order, head by head, counting the tiles (i) for the ring's slots and phases.
 struct BlockWork {
-    int kv_pair, n0, group, first_tile, end_tile;
-    __device__ int query_pair(int g) const { return kv_pair * group + g; }
+    int kv_pair, kv_heads, n0, group, first_tile, end_tile;
+    __device__ int query_pair(int g) const { return kv_pair * group + g; }  // in the dense LSE, Δ and dQ sums
+    __device__ int batch() const { return kv_pair / kv_heads; }             // the tensor maps' coordinates
+    __device__ int kv_head() const { return kv_pair % kv_heads; }
+    __device__ int query_head(int g) const { return kv_head() * group + g; }
 };
 
 __device__ __forceinline__ void init_barriers(const SharedMemory& shared) {
@@ -165,11 +168,11 @@ __device__ __forceinline__ void produce(const SharedMemory& shared, const BlockW
     tma_prefetch_map(v_map);
     tma_prefetch_map(do_map);
     mbarrier_arrive_expect_tx(shared.barrier(KV_FULL), 2 * KV_TILE_BYTES);
-    load_tile<BLOCK_N, HEAD_DIM>(shared.k_tile(), k_map, shared.barrier(KV_FULL), work.n0, work.kv_pair);
-    load_tile<BLOCK_N, HEAD_DIM>(shared.v_tile(), v_map, shared.barrier(KV_FULL), work.n0, work.kv_pair);
+    load_tile<BLOCK_N, HEAD_DIM>(shared.k_tile(), k_map, shared.barrier(KV_FULL), work.n0, work.kv_head(), work.batch());
+    load_tile<BLOCK_N, HEAD_DIM>(shared.v_tile(), v_map, shared.barrier(KV_FULL), work.n0, work.kv_head(), work.batch());
     int i = 0;  // query tiles issued so far
     for (int g = 0; g < work.group; ++g) {
-        const int pair = work.query_pair(g);
+        const int pair = work.query_pair(g), head = work.query_head(g);
         const float* lse_head = lse_log2 + (size_t)pair * seq_q_padded;
         const float* delta_head = delta + (size_t)pair * seq_q_padded;
         for (int tile = work.first_tile; tile < work.end_tile; ++tile, ++i) {
@@ -179,8 +182,8 @@ __device__ __forceinline__ void produce(const SharedMemory& shared, const BlockW
             mbarrier_wait(shared.barrier(Q_EMPTY + slot), parity ^ 1);  // slot free (a fresh barrier: at once)
             // Rows past seq_q are zero-filled and counted; the LSE and Δ are padded to whole tiles.
             mbarrier_arrive_expect_tx(full, 2 * Q_TILE_BYTES + 2 * VECTOR_BYTES);
-            load_tile<BLOCK_M, HEAD_DIM>(shared.q_slot(slot), q_map, full, m0, pair);
-            load_tile<BLOCK_M, HEAD_DIM>(shared.do_slot(slot), do_map, full, m0, pair);
+            load_tile<BLOCK_M, HEAD_DIM>(shared.q_slot(slot), q_map, full, m0, head, work.batch());
+            load_tile<BLOCK_M, HEAD_DIM>(shared.do_slot(slot), do_map, full, m0, head, work.batch());
             bulk_load(shared.lse_slot(slot), lse_head + m0, VECTOR_BYTES, full);
             bulk_load(shared.delta_slot(slot), delta_head + m0, VECTOR_BYTES, full);
         }
@@ -347,14 +350,15 @@ __device__ __forceinline__ void hand_over_dq(const SharedMemory& shared, float (
     mbarrier_arrive(shared.barrier(DQ_FULL + slot));
 }
 
-// The warp's 16 rows of dK or dV (times `factor`), rounded to elem_t; rows >= seq_kv are not written.
-__device__ __forceinline__ void write_rows(elem_t* head, const float (&acc)[D_FRAGS][4], float factor, int key0,
-                                           int seq_kv, int lane) {
+// The warp's 16 rows of dK or dV (times `factor`) of KV pair kv_pair, rounded to elem_t; rows >= seq_kv are
+// not written.
+__device__ __forceinline__ void write_rows(const HeadRows<elem_t>& rows, int kv_pair, const float (&acc)[D_FRAGS][4],
+                                           float factor, int key0, int seq_kv, int lane) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int key = key0 + lane / 4 + 8 * r;
         if (key >= seq_kv) continue;
-        elem_t* row = head + (size_t)key * HEAD_DIM + 2 * (lane % 4);
+        elem_t* row = rows.row(kv_pair, key) + 2 * (lane % 4);
 #pragma unroll
         for (int n = 0; n < D_FRAGS; ++n)
             *reinterpret_cast<unsigned*>(row + 8 * n) = pack_pair<elem_t>(acc[n][2 * r] * factor, acc[n][2 * r + 1] * factor);
@@ -368,7 +372,8 @@ __device__ __forceinline__ void write_rows(elem_t* head, const float (&acc)[D_FR
 // consumer reached only after its dQ of tile i - 2 -- the last reader of that buffer -- had completed
 // (wgmma_wait<0> before it). So one barrier per tile suffices.
 __device__ __forceinline__ void consume(const SharedMemory& shared, const BlockWork& work, int consumer,
-                                        elem_t* dk_head, elem_t* dv_head, int seq_kv, float scale, int causal) {
+                                        const HeadRows<elem_t>& dk_rows, const HeadRows<elem_t>& dv_rows, int seq_kv,
+                                        float scale, int causal) {
     const int lane = threadIdx.x % 32, warp_in_group = threadIdx.x / 32 % 4;
     const int row0 = consumer * CONSUMER_KEYS + warp_in_group * 16;  // the warp's first key in the block
     const int key0 = work.n0 + row0;
@@ -445,28 +450,31 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const BlockW
         }
     }
 
-    write_rows(dk_head, dk, scale, key0, seq_kv, lane);
-    write_rows(dv_head, dv, 1.0f, key0, seq_kv, lane);
+    write_rows(dk_rows, work.kv_pair, dk, scale, key0, seq_kv, lane);
+    write_rows(dv_rows, work.kv_pair, dv, 1.0f, key0, seq_kv, lane);
 }
 // --8<-- [end:consumer]
 
 // --8<-- [start:kernel]
 // A block per (tile of 128 keys, KV pair kv_pair0 + blockIdx.y): a producer warpgroup that gives its
 // registers away and copies (tiles in, dQ out), two consumer warpgroups that take them and compute. `group` query heads
-// share each KV head (1 without GQA); a launch covers at most 65,535 KV pairs (grid.y), from kv_pair0.
+// share each KV head (1 without GQA); a launch covers at most 65,535 KV pairs (grid.y), from kv_pair0. The
+// tensor maps and dK, dV carry their tensors' strides: a model's [B, S, H, D] views are read and written
+// where they lie.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 attention_bwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
               const __grid_constant__ TmaMap v_map, const __grid_constant__ TmaMap do_map,
               const float* __restrict__ lse_log2, const float* __restrict__ delta, float* __restrict__ dq_accum,
-              elem_t* __restrict__ dk, elem_t* __restrict__ dv, int seq_q, int seq_kv, int seq_q_padded, float scale,
-              int causal, int group, int kv_pair0) {
+              elem_t* __restrict__ dk, long long dk_batch_stride, long long dk_head_stride, int dk_row_stride,
+              elem_t* __restrict__ dv, long long dv_batch_stride, long long dv_head_stride, int dv_row_stride,
+              int kv_heads, int seq_q, int seq_kv, int seq_q_padded, float scale, int causal, int group, int kv_pair0) {
     extern __shared__ __align__(1024) unsigned char shared_raw[];
     // TMA's 128-byte swizzle and the descriptors' base offset 0 assume 1024-byte-aligned tiles.
     const unsigned raw = shared_address(shared_raw), base = (raw + 1023) & ~1023u;
     const SharedMemory shared{base, shared_raw + (base - raw)};
     const int n0 = blockIdx.x * BLOCK_N;  // the block's first key
     // Causal: queries before n0 see none of the block's keys; their tiles are skipped (in every head).
-    const BlockWork work{kv_pair0 + (int)blockIdx.y, n0, group, causal ? n0 / BLOCK_M : 0,
+    const BlockWork work{kv_pair0 + (int)blockIdx.y, kv_heads, n0, group, causal ? n0 / BLOCK_M : 0,
                          (seq_q + BLOCK_M - 1) / BLOCK_M};
     if (threadIdx.x == 0) init_barriers(shared);
     __syncthreads();
@@ -478,8 +486,9 @@ attention_bwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaM
         if (threadIdx.x == 32) add_dq_tiles(shared, work, dq_accum, seq_q_padded);
     } else {
         setmaxnreg_inc<CONSUMER_REGS>();
-        const size_t kv_head = (size_t)work.kv_pair * seq_kv * HEAD_DIM;
-        consume(shared, work, warpgroup - 1, dk + kv_head, dv + kv_head, seq_kv, scale, causal);
+        const HeadRows<elem_t> dk_rows{dk, dk_batch_stride, dk_head_stride, dk_row_stride, kv_heads};
+        const HeadRows<elem_t> dv_rows{dv, dv_batch_stride, dv_head_stride, dv_row_stride, kv_heads};
+        consume(shared, work, warpgroup - 1, dk_rows, dv_rows, seq_kv, scale, causal);
     }
 }
 // --8<-- [end:kernel]

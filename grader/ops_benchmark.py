@@ -1,0 +1,357 @@
+"""`python -m grader ops [--json results/<gpu>.json]`: the course's ops as people use them, beside PyTorch.
+
+The grader times a stage's kernels alone; a model pays more: the host time of every call (Python,
+checks, descriptors, launches) and the layouts it hands over. This measures that, on the GPU at hand:
+
+- attention: ops.attention forward and backward on the [B, H, S, D] views of [B, S, H, D] projections
+  that a Hugging Face Llama hands over (GQA, bf16, causal), beside SDPA on the same views: host µs per
+  call, ms per call in a loop, and the CUDA kernels one forward + backward launches (copies counted);
+- the host time of one forward and one backward call, piece by piece (checks, allocations, dispatch,
+  tensor maps, launches);
+- tiny: the specification's small shapes (fp16, D 64, forward), course ms per call against SDPA's;
+- moe_layer: ops.moe_layer's host µs and ms per call beside PyTorch's grouped-GEMM layer;
+- models: a transformers Llama (forward + backward) with the course's attention registered, beside the
+  same model on SDPA and on eager attention; a Mixtral MoE block's forward on ops.moe_layer beside the
+  block's own (needs transformers: `pip install -e ".[models]"`, skipped with the reason where absent).
+
+Timings are medians over rounds that alternate the contenders (side by side); "ms" is wall time per call
+of a loop of calls ended by a synchronization, what a training loop sees whichever of the host and the
+GPU is slower.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+ROUNDS = 5          # side-by-side rounds; each value is the median over them
+LOOP_CALLS = 20     # calls per timed loop
+HOST_CALLS = 30     # calls whose host time is taken one by one
+
+# (B, H, H_kv, S, D): the shapes a Llama-style model calls attention at (bf16, causal)
+ATTENTION_SHAPES = [(2, 32, 8, 2048, 64), (1, 32, 8, 4096, 128), (8, 32, 8, 512, 64), (8, 16, 16, 512, 64)]
+TINY_SHAPES = [(1, 1, 128), (8, 4, 128), (32, 8, 128), (32, 8, 256)]  # (B, H, S): D 64, fp16, forward
+MOE_TOKENS = (128, 4096)  # ops.moe_layer at a decode-sized and a prefill-sized batch (Mixtral's layer)
+MOE_SHAPE = dict(hidden=4096, inter=14336, experts=8, top_k=2)
+LLAMA = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4, num_attention_heads=32,
+             num_key_value_heads=8, vocab_size=32000)
+MODEL_BATCHES = [(2, 2048), (8, 512)]  # (batch, sequence)
+COURSE = "course"  # the name the course's attention is registered under in transformers (not "flash…")
+
+
+def median(values) -> float:
+    return float(statistics.median(values))
+
+
+def sync_ms(step, calls: int = LOOP_CALLS) -> float:
+    """Wall ms per call of `calls` calls of step(), ended by a synchronization (one warm call first)."""
+    step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / calls
+
+
+def side_by_side(steps: dict, calls: int = LOOP_CALLS) -> dict:
+    """{name: median ms per call} over ROUNDS rounds, each timing every step in turn."""
+    rounds = {name: [] for name in steps}
+    for _ in range(ROUNDS):
+        for name, step in steps.items():
+            rounds[name].append(sync_ms(step, calls))
+    return {name: median(times) for name, times in rounds.items()}
+
+
+def host_us(call, before=None, calls: int = HOST_CALLS) -> float:
+    """Median host µs of call() (before() runs first each time, untimed), the GPU left busy: what the
+    Python side costs while the kernels queue up."""
+    times = []
+    for _ in range(calls):
+        argument = before() if before else None
+        start = time.perf_counter_ns()
+        call(argument) if before else call()
+        times.append(time.perf_counter_ns() - start)
+    torch.cuda.synchronize()
+    return median(times) / 1e3
+
+
+# ---------------------------------------------------------------- attention as a model calls it
+
+def model_views(B, H, Hkv, S, D, dtype=torch.bfloat16, seed=0):
+    """Leaf [B, S, H, D] projections, and a function giving q, k, v as the [B, H, S, D] views a
+    transformers model hands its attention, and the gradient an output projection sends back."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    leaves = [torch.randn(B, S, heads, D, generator=gen, device="cuda", dtype=dtype).requires_grad_()
+              for heads in (H, Hkv, Hkv)]
+    grad = torch.randn(B, S, H, D, generator=gen, device="cuda", dtype=dtype)
+    return lambda: [t.transpose(1, 2) for t in leaves], grad.transpose(1, 2)
+
+
+def sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def attention_contenders(ops) -> dict:
+    return {"course": lambda q, k, v: ops.attention(q, k, v, causal=True), "sdpa": sdpa}
+
+
+def measure_attention(ops, shape) -> dict:
+    views, grad = model_views(*shape)
+    contenders = attention_contenders(ops)
+    forward = {name: (lambda f=f: f(*views())) for name, f in contenders.items()}
+    both = {name: (lambda f=f: f(*views()).backward(grad)) for name, f in contenders.items()}
+    host = {}
+    for name, f in contenders.items():
+        host[f"{name}_forward"] = host_us(lambda f=f: f(*views()))
+        host[f"{name}_backward"] = host_us(lambda o: o.backward(grad), before=lambda f=f: f(*views()))
+    ms = {f"{name}_forward": t for name, t in side_by_side(forward).items()}
+    ms |= {f"{name}_forward_backward": t for name, t in side_by_side(both).items()}
+    B, H, Hkv, S, D = shape
+    return {"shape": dict(B=B, H=H, Hkv=Hkv, S=S, D=D, causal=True, dtype="bfloat16", layout="[B, S, H, D] views"),
+            "host_us": host, "ms": ms, "speedup_forward_backward": ms["sdpa_forward_backward"] /
+            ms["course_forward_backward"], "kernels": kernels_launched(lambda: both["course"]())}
+
+
+def kernels_launched(step) -> dict:
+    """{CUDA kernel name: launches} of one step(), from PyTorch's profiler; "copies" counts PyTorch's copy
+    and elementwise kernels among them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        step()
+        torch.cuda.synchronize()
+    names: dict = {}
+    for event in trace.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and not event.name.startswith("Memcpy"):
+            names[event.name[:60]] = names.get(event.name[:60], 0) + 1
+    copies = sum(n for name, n in names.items() if "elementwise" in name or "copy" in name.lower())
+    return {"names": names, "copies": copies}
+
+
+# ---------------------------------------------------------------- where a call's host time goes
+
+def host_breakdown(ops, shape=ATTENTION_SHAPES[0]) -> dict:
+    """Median host µs of one ops.attention forward and one backward call, whole and by piece: the input
+    checks, the stage's launch (its tensor maps and kernel launches apart), and the rest of the op
+    (allocations, autograd, dispatch). Two sets of inputs alternate, as a model's activations do, so
+    that the tensor maps are re-pointed every call."""
+    import stages.common.launcher as launcher
+
+    sets = [model_views(*shape, seed=seed) for seed in (0, 1)]
+    turn = iter(range(10**9))
+
+    def views():
+        return sets[next(turn) % 2][0]()
+
+    grad = sets[0][1]
+    for _ in range(3):  # compiled, loaded, descriptors encoded
+        ops.attention(*views(), causal=True).backward(grad)
+    q, k, v = views()
+    o, lse = ops.forward_launch(q, k, v, True, 1.0)
+    forward_io = (ops.ATTENTION, dict(q=q, k=k, v=v, scale=1.0, causal=True), dict(o=o, lse=lse))
+    backward_io = (ops.ATTENTION_BACKWARD, dict(q=q, k=k, v=v, o=o, lse=lse, do=grad, scale=1.0, causal=True),
+                   dict(dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v)))
+    stage_maps = {"forward": 3, "backward": 4}  # stage 4: Q, K, V; stage 9: Q, dO, K, V
+    pieces = {}
+    for direction, io in (("forward", forward_io), ("backward", backward_io)):
+        if direction == "forward":
+            whole = host_us(lambda: ops.attention(*views(), causal=True))
+        else:
+            whole = host_us(lambda o: o.backward(grad), before=lambda: ops.attention(*views(), causal=True))
+        stage_launch = host_us(lambda: ops.launch_fastest(*io))
+        launches = _timed_launches(launcher, lambda: ops.launch_fastest(*io))
+        maps = host_us(lambda: _tensor_maps(views(), stage_maps[direction]))
+        checks = host_us(lambda: ops.attention_input_problem(*views())) if direction == "forward" else 0.0
+        pieces[direction] = {"whole": whole, "checks": checks, "tensor maps": maps, "kernel launches": launches,
+                             "stage launch, rest (allocations, geometry)": stage_launch - maps - launches,
+                             "ops, rest (allocations, autograd, dispatch)": whole - stage_launch - checks}
+    return pieces
+
+
+def _tensor_maps(views, count: int) -> None:
+    from stages.common.hopper import tensor_map
+
+    for x in (views * 2)[:count]:
+        tensor_map(x, (1, 1, 64, 64))
+
+
+def _timed_launches(launcher, call) -> float:
+    """Median host µs per call() spent in KernelSet._launch (all of its kernels)."""
+    original, spent = launcher.KernelSet._launch, []
+
+    def timed(self, *args):
+        start = time.perf_counter_ns()
+        original(self, *args)
+        spent[-1] += time.perf_counter_ns() - start
+
+    launcher.KernelSet._launch = timed
+    try:
+        for _ in range(HOST_CALLS):
+            spent.append(0)
+            call()
+    finally:
+        launcher.KernelSet._launch = original
+    torch.cuda.synchronize()
+    return median(spent) / 1e3
+
+
+# ---------------------------------------------------------------- tiny shapes, the MoE layer
+
+def measure_tiny(ops) -> list:
+    rows = []
+    for B, H, S in TINY_SHAPES:
+        q, k, v = (torch.randn(B, H, S, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+        ms = side_by_side({"course": lambda: ops.attention(q, k, v), "sdpa": lambda: F.scaled_dot_product_attention(
+            q, k, v)})
+        rows.append({"shape": dict(B=B, H=H, S=S, D=64, dtype="float16"), "course_ms": ms["course"],
+                     "sdpa_ms": ms["sdpa"], "ratio": ms["sdpa"] / ms["course"]})
+    return rows
+
+
+def measure_moe_layer(ops) -> list:
+    from reference import moe
+
+    rows = []
+    for tokens in MOE_TOKENS:
+        layer = moe.make_layer(tokens, MOE_SHAPE["hidden"], MOE_SHAPE["inter"], MOE_SHAPE["experts"], "bfloat16",
+                               seed=0)
+        k = MOE_SHAPE["top_k"]
+        course = lambda: ops.moe_layer(layer["x"], layer["wr"], layer["w1"], layer["w2"], k)  # noqa: E731
+        steps = {"course": course, **moe.grouped_mm_baseline(lambda: moe.layer_grouped_mm(layer, k))}
+        ms = side_by_side(steps)
+        rows.append({"shape": dict(tokens=tokens, **MOE_SHAPE, dtype="bfloat16"), "host_us": host_us(course),
+                     "ms": ms})
+        del layer
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ---------------------------------------------------------------- whole models from transformers
+
+def register_course_attention(ops) -> None:
+    """The course's attention as a transformers attention implementation named COURSE: transformers hands
+    q, k, v as [B, H, S, D] views and wants [B, S, H, D] back; no mask beyond causal is taken."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    def course_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        if attention_mask is not None:
+            raise ValueError("the course's attention takes causal masks only (no padding)")
+        return ops.attention(query, key, value, causal=True, scale=scaling).transpose(1, 2), None
+
+    AttentionInterface.register(COURSE, course_attention)
+    AttentionMaskInterface.register(COURSE, sdpa_mask)  # None where causal alone suffices
+
+
+def measure_models(ops) -> list:
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as error:
+        return [{"skipped": f"transformers is not installed ({error}): pip install -e \".[models]\""}]
+    register_course_attention(ops)
+    config = LlamaConfig(**LLAMA, max_position_embeddings=4096)
+    model = LlamaForCausalLM(config).to("cuda", torch.bfloat16)
+    rows = []
+    for batch, seq in MODEL_BATCHES:
+        ids = torch.randint(0, LLAMA["vocab_size"], (batch, seq), device="cuda")
+        losses = {}
+
+        def step(implementation):
+            def run():
+                model.set_attn_implementation(implementation)
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                losses[implementation] = float(loss)
+            return run
+
+        ms = side_by_side({name: step(name) for name in (COURSE, "sdpa", "eager")}, calls=5)
+        model.zero_grad(set_to_none=True)
+        shape = (batch, LLAMA["num_attention_heads"], LLAMA["num_key_value_heads"], seq,
+                 LLAMA["hidden_size"] // LLAMA["num_attention_heads"])
+        attention = measure_attention(ops, shape)["ms"]
+        rows.append({"model": "LlamaForCausalLM " + ", ".join(f"{k} {v}" for k, v in LLAMA.items()),
+                     "batch": batch, "seq": seq, "course_ms": ms[COURSE], "sdpa_ms": ms["sdpa"],
+                     "eager_ms": ms["eager"], "speedup": ms["sdpa"] / ms[COURSE],
+                     "loss": {name: losses[name] for name in (COURSE, "sdpa", "eager")},
+                     "attention_course_ms": attention["course_forward_backward"],
+                     "attention_sdpa_ms": attention["sdpa_forward_backward"]})
+        torch.cuda.empty_cache()
+    del model
+    rows.append(measure_mixtral_block(ops))
+    return rows
+
+
+def measure_mixtral_block(ops, tokens: int = 4096) -> dict:
+    """A transformers MixtralSparseMoeBlock's forward, and the same weights through ops.moe_layer
+    (router weightᵀ, gate_up_projᵀ, down_projᵀ)."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    config = MixtralConfig(hidden_size=MOE_SHAPE["hidden"], intermediate_size=MOE_SHAPE["inter"],
+                           num_local_experts=MOE_SHAPE["experts"], num_experts_per_tok=MOE_SHAPE["top_k"])
+    block = MixtralSparseMoeBlock(config).to("cuda", torch.bfloat16)
+    for parameter in block.parameters():
+        torch.nn.init.normal_(parameter, std=MOE_SHAPE["hidden"] ** -0.5)
+    x = torch.randn(1, tokens, MOE_SHAPE["hidden"], device="cuda", dtype=torch.bfloat16)
+    wr = block.gate.weight.t().contiguous()
+    w1 = block.experts.gate_up_proj.transpose(1, 2).contiguous()
+    w2 = block.experts.down_proj.transpose(1, 2).contiguous()
+
+    def theirs():
+        out = block(x)
+        return out[0] if isinstance(out, tuple) else out
+
+    def ours():
+        return ops.moe_layer(x[0], wr, w1, w2, MOE_SHAPE["top_k"])
+
+    with torch.no_grad():
+        error = (ours().float() - theirs()[0].float()).abs().max().item()
+        ms = side_by_side({"course": ours, "transformers": theirs}, calls=5)
+    return {"model": f"MixtralSparseMoeBlock (forward) {MOE_SHAPE}", "tokens": tokens, "course_ms": ms["course"],
+            "eager_ms": ms["transformers"], "speedup": ms["transformers"] / ms["course"], "max_abs_diff": error}
+
+
+# ---------------------------------------------------------------- the command
+
+def run(report=print, with_models: bool = True) -> dict:
+    from stages import ops
+
+    torch.manual_seed(0)
+    result: dict = {"attention": [], "tiny": [], "moe_layer": [], "models": []}
+    for shape in ATTENTION_SHAPES:
+        report(f"  attention B{shape[0]} H{shape[1]}/{shape[2]} S{shape[3]} D{shape[4]} ...")
+        result["attention"].append(measure_attention(ops, shape))
+        report("    " + describe_attention(result["attention"][-1]))
+    result["host_breakdown"] = host_breakdown(ops)
+    report(f"  host µs by piece: {result['host_breakdown']}")
+    result["tiny"] = measure_tiny(ops)
+    report("  tiny: " + "; ".join(f"{r['shape']['B']}x{r['shape']['H']}x{r['shape']['S']} {r['ratio']:.2f}x SDPA"
+                                  for r in result["tiny"]))
+    result["moe_layer"] = measure_moe_layer(ops)
+    report(f"  moe_layer: {result['moe_layer']}")
+    if with_models:
+        result["models"] = measure_models(ops)
+        report(f"  models: {result['models']}")
+    return result
+
+
+def describe_attention(row: dict) -> str:
+    host, ms = row["host_us"], row["ms"]
+    return (f"host µs fwd {host['course_forward']:.0f} (SDPA {host['sdpa_forward']:.0f}), bwd "
+            f"{host['course_backward']:.0f} (SDPA {host['sdpa_backward']:.0f}); fwd+bwd {ms['course_forward_backward']:.3f}"
+            f" ms vs SDPA {ms['sdpa_forward_backward']:.3f} ({row['speedup_forward_backward']:.2f}x); copies "
+            f"{row['kernels']['copies']}")
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    print(json.dumps(run(report=lambda line: print(line, file=sys.stderr, flush=True),
+                         with_models="--no-models" not in sys.argv), indent=1, default=float))
