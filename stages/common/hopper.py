@@ -57,10 +57,14 @@ def _encode(driver, x: torch.Tensor, box: tuple):
     types = driver.CUtensorMapDataType
     data_type = types.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if x.dtype == torch.bfloat16 else \
         types.CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-    rank = x.dim()
+    rank, u64, u32 = x.dim(), driver.cuuint64_t, driver.cuuint32_t
+    # A dimension of one element may have any stride in PyTorch; TMA wants 16-byte multiples: its dense one.
+    dense = torch.empty(0).new_empty(x.shape, device="meta").stride()
+    strides = [stride if size > 1 else fill for size, stride, fill in zip(x.shape, x.stride(), dense)]
     err, descriptor = driver.cuTensorMapEncodeTiled(
-        data_type, rank, x.data_ptr(), list(reversed(x.shape)), [s * 2 for s in reversed(x.stride()[:-1])],
-        list(reversed(box)), [1] * rank, driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        data_type, rank, x.data_ptr(), [u64(n) for n in reversed(x.shape)],
+        [u64(s * 2) for s in reversed(strides[:-1])], [u32(n) for n in reversed(box)], [u32(1)] * rank,
+        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_NONE,
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
