@@ -148,7 +148,7 @@ class KernelSet:
             raise TypeError(f"{name} takes {parameters.count} arguments; the launch gave {len(args)}")
         record = self._records.get((name, grid, block, smem)) or self._check(name, grid, block, smem)
         parameters.pack(args)
-        (err,) = driver.cuLaunchKernel(self._kernels[name].handle, *grid, *block, smem,
+        (err,) = driver.cuLaunchKernel(self._kernels[name].handle, *record.grid, *record.block, smem,
                                        current_stream_handle(self._device.device_id), parameters.pointers, 0)
         if err != driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"CUDA error launching {name}: {err.name}")
@@ -162,7 +162,8 @@ class KernelSet:
             check_shared_memory(name, smem, properties.max_shared_memory_per_block_optin, self._device.name)
             self._raise_smem_limit(self._kernels[name], smem)
             self._smem_raised[name] = smem
-        record = self._records[name, grid, block, smem] = LaunchRecord(grid, block, smem)
+        as_3d = (lambda dims: (*dims, 1, 1)[:3])  # the driver takes x, y and z
+        record = self._records[name, grid, block, smem] = LaunchRecord(as_3d(grid), as_3d(block), smem)
         return record
 
     def _raise_smem_limit(self, kernel, smem: int) -> None:
