@@ -11,25 +11,32 @@ from stages.common.launcher import TMA_MAP_BYTES
 _MAPS: dict = {}  # (shape, strides, dtype, box) -> _Descriptor
 _SMS: dict = {}   # device index -> number of SMs
 MAX_CACHED_MAPS = 256  # layouts, not tensors: a model has a few per layer shape
+MAX_ADDRESSES = 64     # per layout: a model's layers' activations of that layout
 
 
 class _Descriptor:
-    """A CUtensorMap encoded once for a layout, and the address it describes now."""
+    """A CUtensorMap encoded once for a layout, and its bytes for each address it has been pointed at (a
+    model's activations come back at the same few addresses from PyTorch's caching allocator, step
+    after step, so most calls find theirs)."""
 
     def __init__(self, x: torch.Tensor, box: tuple):
         from cuda.bindings import driver
 
-        self.map, self.address = _encode(driver, x, box), x.data_ptr()
+        self.map = _encode(driver, x, box)
+        self.by_address: dict[int, bytes] = {}
 
     def at(self, address: int) -> bytes:
         """The descriptor's 128 bytes, pointed at `address` (same layout, another tensor): the driver
         rewrites the address field in place, far cheaper than encoding anew."""
-        if address != self.address:
+        found = self.by_address.get(address)
+        if found is None:
             from cuda.bindings import driver
 
             _check(driver.cuTensorMapReplaceAddress(self.map, address)[0], "cuTensorMapReplaceAddress")
-            self.address = address
-        return ctypes.string_at(self.map.getPtr(), TMA_MAP_BYTES)
+            if len(self.by_address) >= MAX_ADDRESSES:
+                self.by_address.clear()
+            found = self.by_address[address] = ctypes.string_at(self.map.getPtr(), TMA_MAP_BYTES)
+        return found
 
 
 def tensor_map(x: torch.Tensor, box: tuple[int, ...]) -> bytes:
