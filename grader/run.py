@@ -8,24 +8,17 @@ from pathlib import Path
 import reference
 import stages
 from stages import arch_for, variant_key
-from stages.common.compiler import REPO, CompileError, compile_cubin
+from stages.common.compiler import CompileError, compile_cubin
 from grader import grading, sass
+from grader.exercise import shown
 from grader.gpus import spec_for
 from grader.isolation import run_items
 from grader.results import source_digest
-from grader.worker import PREVIOUS
+from grader.protocol import PREVIOUS
 
 
 class GraderError(Exception):
     """A one-line problem with what the learner asked for (unknown stage, missing file, ...)."""
-
-
-def relative(path: Path) -> str:
-    path = Path(path).resolve()
-    try:
-        return str(path.relative_to(REPO))
-    except ValueError:
-        return str(path)
 
 
 def signature_checks(kernels: dict[str, str]) -> str:
@@ -67,11 +60,11 @@ def _explain_signature_error(error: CompileError, stage, kernel_path) -> GraderE
     for name, params in stage.kernels.items():
         expected = f'extern "C" __global__ void {name}({params})'
         if re.search(rf'identifier "{name}" is undefined', error.log):
-            return GraderError(f"{relative(kernel_path)}: no kernel named {name} (expected {expected})")
+            return GraderError(f"{shown(kernel_path)}: no kernel named {name} (expected {expected})")
         if f'"GRADER-SIGNATURE {name}"' in error.log:
-            return GraderError(f"{relative(kernel_path)}: kernel {name} does not have the signature the stage launches: {expected}")
+            return GraderError(f"{shown(kernel_path)}: kernel {name} does not have the signature the stage launches: {expected}")
         if f"kernel {name} has C++ linkage" in error.log:  # compiler.py's check of the entry functions
-            return GraderError(f"{relative(kernel_path)}: kernel {name} must be declared {expected}")
+            return GraderError(f"{shown(kernel_path)}: kernel {name} must be declared {expected}")
     return None
 
 
@@ -94,7 +87,7 @@ def _explain_geometry_error(error: CompileError, checks: str, geometry: dict, de
             failed[int(line)][1] = f"the kernel says {value}"
     if not failed:
         return None
-    return GraderError("\n".join(f"{relative(kernel_path)}: the launch uses {name} = {geometry[name]} for "
+    return GraderError("\n".join(f"{shown(kernel_path)}: the launch uses {name} = {geometry[name]} for "
                                  f"{variant_key(defines)}; {kernel_says}" for name, kernel_says in failed.values()))
 
 
@@ -295,7 +288,7 @@ def grade_stage(stage, kernel_path: Path, gpu, arch: str, *, seed=0, trials=2, t
 def _compiled(stage, kernel_path: Path, arch: str, cubins: dict) -> dict:
     """What a run without a GPU reports: the stage, the file graded, its digest, each kernel's resources."""
     return {"title": stage.title, "problem": stage.problem, **({"rung": stage.rung} if stage.rung else {}),
-            "kernel_path": relative(kernel_path),
+            "kernel_path": shown(kernel_path),
             "source_sha256": source_digest(stage, kernel_path), "arch": arch, "resources": resources(cubins)}
 
 
