@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import time
@@ -22,7 +23,7 @@ GPU_ONLY = ("cases", "shapes", "no_bench", "json", "seed", "trials", "budget", "
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m grader", usage=USAGE,
                                 description="Compile, check, time and grade the course's CUDA kernels.")
-    p.add_argument("command", help="a stage, all, list or init")
+    p.add_argument("command", nargs="?", help="a stage, all, list or init (none: this usage and the stages)")
     p.add_argument("stages", nargs="*", metavar="STAGE", help="more stages to grade; after init, the stages to copy")
     p.add_argument("--kernel", type=Path, help="grade this .cu file instead of the stage's own or your workspace copy")
     p.add_argument("--solution", action="store_true", help="grade the course's kernel even if you have a workspace copy")
@@ -55,7 +56,9 @@ def fail(message: str) -> int:
 
 
 def option_problem(args) -> str | None:
-    """What is wrong with --arch or --cases whatever the stage, said in one line; None if nothing."""
+    """What is wrong with the options whatever the stage, said in one line before any work; None if nothing."""
+    if args.json is not None and not args.json.parent.is_dir():
+        return f"--json {args.json}: no folder {args.json.parent} to write it in"
     if args.arch:
         match = ARCH.fullmatch(args.arch)
         if not match:
@@ -159,9 +162,18 @@ def cmd_init(names: list[str], force: bool) -> int:
             status = fail(str(error))
             continue
         console.print(f"Wrote {exercise.shown(path)}: fill in the TODO(exercise) blocks, then run "
-                      f"[bold]python -m grader {stage.name.split('_')[0]}[/bold] (it grades your copy; --solution grades ours).",
-                      soft_wrap=True)
+                      f"[bold]{interpreter()} -m grader {stage.name.split('_')[0]}[/bold] (it grades your copy; "
+                      f"--solution grades ours).", soft_wrap=True)
     return status
+
+
+def interpreter() -> str:
+    """The Python running the grader, as the learner can type it: a bare `python` may be another one (outside
+    an activated venv). Relative to the current folder where that is shorter."""
+    relative = os.path.relpath(sys.executable)
+    if os.sep not in relative:
+        relative = os.path.join(os.curdir, relative)  # a bare name would be looked up on PATH
+    return min(relative, sys.executable, key=len)
 
 
 def kernel_path_for(stage, args) -> Path:
@@ -307,6 +319,9 @@ def grade_one(stage, args, gpu) -> tuple[dict | None, int]:
 
 def main(argv=None) -> int:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command is None:
+        parser().print_usage()
+        return cmd_list()
     if args.command in ("list", "all") and args.stages:
         return fail(f"{args.command} takes no stage (got {' '.join(args.stages)})")
     if problem := option_problem(args):

@@ -287,9 +287,19 @@ def grade_stage(stage, kernel_path: Path, gpu, arch: str, *, seed=0, trials=2, t
 
 def _compiled(stage, kernel_path: Path, arch: str, cubins: dict) -> dict:
     """What a run without a GPU reports: the stage, the file graded, its digest, each kernel's resources."""
-    return {"title": stage.title, "problem": stage.problem, **({"rung": stage.rung} if stage.rung else {}),
-            "kernel_path": shown(kernel_path),
-            "source_sha256": source_digest(stage, kernel_path), "arch": arch, "resources": resources(cubins)}
+    result = {"title": stage.title, "problem": stage.problem, **({"rung": stage.rung} if stage.rung else {}),
+              "kernel_path": shown(kernel_path),
+              "source_sha256": source_digest(stage, kernel_path), "arch": arch, "resources": resources(cubins)}
+    if dynamic := dynamic_shared_bytes(stage, cubins):
+        result["dynamic_shared_bytes"] = dynamic
+    return result
+
+
+def dynamic_shared_bytes(stage, cubins: dict) -> dict:
+    """{variant: the dynamic shared memory per block its launch asks for}, for the variants whose geometry
+    says (SHARED_BYTES): the cubin's resources hold only the static part."""
+    sizes = {key: stage.geometry(dict(cubin.defines)).get("SHARED_BYTES") for key, cubin in cubins.items()}
+    return {key: size for key, size in sizes.items() if size is not None}
 
 
 def profile_stage(stage, kernel_path: Path, gpu, arch: str, shape: str | None, csv_path: Path,

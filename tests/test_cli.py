@@ -4,6 +4,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -239,3 +240,41 @@ def test_a_gpu_without_wgmma_grades_the_highest_rung_that_runs_there():
     assert instead_of(stages.load("stage6"), h100) is None and instead_of(stages.load("stage3"), a100) is None
     assert not runs_here(stages.load("stage4"), a100, None) and runs_here(stages.load("stage6:simt"), a100, None)
     assert not runs_here(stages.load("stage6"), None, "sm_80") and runs_here(stages.load("stage6:simt"), None, "sm_80")
+
+
+def test_no_command_prints_the_usage_and_the_stages():
+    r = grader()
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("usage: python -m grader STAGE") and "stage0_naive" in r.stdout and "required" not in r.stderr
+
+
+def test_json_into_a_missing_folder_is_refused_before_any_work(tmp_path):
+    r = grader("stage0", "--json", str(tmp_path / "nowhere" / "r.json"))
+    assert_one_line_error(r, f"--json {tmp_path / 'nowhere' / 'r.json'}: no folder {tmp_path / 'nowhere'}")
+
+
+def test_init_names_the_python_that_ran_it(tmp_path):
+    r = grader("init", "stage0", env_extra={"FLASHMOE_WORKSPACE": str(tmp_path)})
+    command = re.search(r"then run (\S+) -m grader stage0 ", r.stdout)
+    assert r.returncode == 0 and command, r.stdout
+    assert (REPO / command[1]).resolve() == Path(sys.executable).resolve()
+
+
+@pytest.mark.parametrize("executable,expected", [(".venv/bin/python", ".venv/bin/python"), ("python", "./python"),
+                                                 ("/usr/bin/python3", "/usr/bin/python3")])
+def test_the_interpreter_is_shown_relative_where_shorter(executable, expected, tmp_path, monkeypatch):
+    from grader.__main__ import interpreter
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "executable", executable if executable.startswith("/") else str(tmp_path / executable))
+    assert interpreter() == expected
+
+
+def test_compile_only_shows_the_dynamic_shared_memory_of_the_launch():
+    from stages.stage8_backward import GEOMETRY
+
+    r = grader("stage8", "--arch", "sm_90a")
+    assert r.returncode == 0, r.stdout + r.stderr
+    dynamic = r.stdout[r.stdout.index("Dynamic shared memory per block"):]
+    assert f"fp16 D128 {GEOMETRY[128]['SHARED_BYTES']:,} B" in dynamic.replace("\n", " ")
+    assert "Dynamic shared memory" not in grader("stage0", "--arch", "sm_80").stdout  # all of it static
