@@ -194,20 +194,41 @@ def test_an_80_column_report_shows_every_figure_in_full():
                 assert f" {op}:{count}" in body, (variant, kernel, op)
 
 
-def test_ci_installs_exactly_as_the_readme_tells_a_learner_without_a_gpu(tmp_path):
+def readme_block(marker: str) -> str:
     readme = (REPO / "README.md").read_text()
-    block = re.search(r"<!-- ci: cpu-install -->\n```bash\n(.*?)^```$", readme, re.DOTALL | re.MULTILINE)
-    assert block, "README.md has no CPU-only install block marked for CI"
-    assert "--index-url https://download.pytorch.org/whl/cpu" in block[1] and re.search(r"torch==\d", block[1])
-    # Only these tools on PATH: a .ci/run that ignored --print-install could install nothing, nor run these tests.
+    block = re.search(rf"<!-- ci: {marker} -->\n```bash\n(.*?)^```$", readme, re.DOTALL | re.MULTILINE)
+    assert block, f"README.md has no block marked <!-- ci: {marker} -->"
+    return block[1]
+
+
+def ci_prints(option: str, tmp_path) -> str:
+    """What `.ci/run OPTION` prints, with only awk and dirname on PATH: a .ci/run that ignored the option
+    could install nothing, nor run these tests."""
     tools = tmp_path / "bin"
-    tools.mkdir()
+    tools.mkdir(exist_ok=True)
     for tool in ("awk", "dirname"):
-        (tools / tool).symlink_to(shutil.which(tool))
-    ci = subprocess.run([shutil.which("bash"), ".ci/run", "--print-install"], cwd=REPO, env={"PATH": str(tools)},
+        if not (tools / tool).exists():
+            (tools / tool).symlink_to(shutil.which(tool))
+    ci = subprocess.run([shutil.which("bash"), ".ci/run", option], cwd=REPO, env={"PATH": str(tools)},
                         capture_output=True, text=True, timeout=60)
-    assert ci.returncode == 0 and ci.stdout == block[1], ci.stdout + ci.stderr
+    assert ci.returncode == 0, ci.stdout + ci.stderr
+    return ci.stdout
+
+
+def test_ci_installs_exactly_as_the_readme_tells_a_learner_without_a_gpu(tmp_path):
+    install = readme_block("cpu-install")
+    assert "--index-url https://download.pytorch.org/whl/cpu" in install and re.search(r"torch==\d", install)
+    assert ci_prints("--print-install", tmp_path) == install
     assert "pip install" not in (REPO / ".ci/run").read_text()  # nothing installed but the README's block
+
+
+def test_ci_tests_exactly_as_the_readme_tells_and_that_installs_nothing(tmp_path):
+    """The README's test command runs in the environment as it is: on a GPU machine, a test command that
+    installed the CPU build of torch would replace the CUDA build."""
+    tests = readme_block("test")
+    assert tests == ".venv/bin/python -m pytest\n"
+    assert ci_prints("--print-test", tmp_path) == tests
+    assert "pytest" not in (REPO / ".ci/run").read_text().replace("tests/test_cli.py", "")  # only the README's
 
 
 def test_list_shows_the_ladders_rungs_with_their_archs():
