@@ -291,9 +291,12 @@ def grade_one(stage, args, gpu) -> tuple[dict | None, int]:
         started = time.perf_counter()
         with console.status(f"{stage.key}: compiling") as status_line:
             def progress(what, done, total, label, ok):
-                status_line.update(f"{stage.key}: {what} {done}/{total} {label}")
+                line = f"{stage.key}: {what} {done} of {total}: {label}"
+                status_line.update(line)
                 if what == "case" and not ok:
                     console.print(f"  [red]FAIL[/red] {label}")
+                elif what == "shape" and not console.is_terminal:  # a log has no status line: one per step
+                    console.print(line, markup=False, soft_wrap=True)
 
             if profiling:
                 result = profile_stage(stage, kernel_path, gpu, arch, args.profile,
@@ -313,7 +316,9 @@ def grade_one(stage, args, gpu) -> tuple[dict | None, int]:
     report.print_stage(result, gpu.name if gpu else None)
     if profiling:
         profile.print_profile(result["profile"], stage.key, gpu.name)
-    console.print(f"({time.perf_counter() - started:.0f} s)")
+    result["seconds"] = round(time.perf_counter() - started, 1)  # its record's: the wall time of its grading
+    phases = "".join(f", {phase} {seconds:.0f}" for phase, seconds in result.get("phase_seconds", {}).items())
+    console.print(f"({result['seconds']:.0f} s{phases})")
     return result, 1 if result.get("correctness", {}).get("failed") else 0
 
 

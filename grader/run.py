@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import reference
@@ -247,9 +248,17 @@ def benchmark(stage, cubins, gpu, timeout_s: float, budget_s: float, progress, o
         rows[event["index"]] = row
         progress("bench", len(rows), len(shapes), row["label"], True)
 
+    def on_progress(event):  # a shape starts, or the worker says what it is doing within it
+        if "index" in event:
+            started["shape"] = event["index"]
+        index = started["shape"]
+        label = problem.shape_label(shapes[index])
+        progress("shape", index + 1, len(shapes), label if "index" in event else f"{label}: {event['text']}", True)
+
+    started = {"shape": 0}
     job = _job(stage, cubins, "benchmark", l2_bytes=gpu.l2_bytes, budget_s=budget_s, previous=previous,
                forward=forward)
-    failures = run_items(job, "shapes", list(enumerate(shapes)), on_done, timeout_s)
+    failures = run_items(job, "shapes", list(enumerate(shapes)), on_done, timeout_s, on_progress=on_progress)
     for index, failure in failures.items():
         rows[index] = {"shape": {k: v for k, v in shapes[index].items() if k != "dtype"},
                        "label": problem.shape_label(shapes[index]), "dtype": shapes[index]["dtype"],
@@ -271,18 +280,35 @@ def grade_stage(stage, kernel_path: Path, gpu, arch: str, *, seed=0, trials=2, t
     """Everything the report shows; without a GPU, compile only. `only` keeps the cases whose
     name matches that regular expression (and skips the benchmarks); `shapes`, the benchmark shapes
     whose label matches."""
+    clock = PhaseClock()
     cubins = compile_stage(stage, kernel_path, arch)
     progress("compiled", len(cubins), len(cubins), arch, True)
     result = _compiled(stage, kernel_path, arch, cubins)
+    result["phase_seconds"] = clock.phases  # filled in as the phases end
+    clock.done("compile")
     if gpu is None:
         return result
     result["correctness"] = check_cases(stage, cubins, seed, trials, timeout_s, progress, only)
+    clock.done("correctness")
     if not bench or only or result["correctness"]["failed"]:
         result["benchmarks"] = []
         return result
     result["benchmarks"] = benchmark(stage, cubins, gpu, timeout_s=max(timeout_s, 120.0), budget_s=budget_s,
                                      progress=progress, only=shapes)
+    clock.done("benchmarks")
     return graded(stage, result)
+
+
+class PhaseClock:
+    """The wall seconds of each phase of a stage's grading, as they end ({"compile": 3.1, ...})."""
+
+    def __init__(self):
+        self.phases, self._last = {}, time.perf_counter()
+
+    def done(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = round(now - self._last, 1)
+        self._last = now
 
 
 def _compiled(stage, kernel_path: Path, arch: str, cubins: dict) -> dict:

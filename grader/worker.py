@@ -128,6 +128,7 @@ class Worker:
         candidates, skipped = self.first_runs(others)
         candidates = {"kernel": ours, **candidates}
         memory = {name: extra_memory(run) for name, run in candidates.items() if name != PREVIOUS}
+        emit(NOTE, text=f"timing {len(candidates)} side by side")
         timings = time_side_by_side(candidates, self.job["l2_bytes"], budget_s=self.job["budget_s"])
         occupancy = {name: kernels.occupancy(name) | vars(kernels.launches[name]) for name in kernels.launches}
         result = dict(timings={n: t.as_dict() for n, t in timings.items()}, memory=memory, skipped=skipped,
@@ -143,6 +144,7 @@ class Worker:
 
         ran, skipped = {}, {}
         for name, run in runs.items():
+            emit(NOTE, text=f"first call of {name} (a compiled baseline compiles here)")
             try:
                 run()
                 torch.cuda.synchronize()
