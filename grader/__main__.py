@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import time
@@ -23,7 +24,7 @@ GPU_ONLY = ("cases", "shapes", "no_bench", "json", "seed", "trials", "budget", "
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m grader", usage=USAGE,
                                 description="Compile, check, time and grade the course's CUDA kernels.")
-    p.add_argument("command", help="a stage, all, list or init")
+    p.add_argument("command", nargs="?", help="a stage, all, list or init (none: this usage and the stages)")
     p.add_argument("stages", nargs="*", metavar="STAGE", help="more stages to grade; after init, the stages to copy")
     p.add_argument("--kernel", type=Path, help="grade this .cu file instead of the stage's own or your workspace copy")
     p.add_argument("--solution", action="store_true", help="grade the course's kernel even if you have a workspace copy")
@@ -56,7 +57,9 @@ def fail(message: str) -> int:
 
 
 def option_problem(args) -> str | None:
-    """What is wrong with --arch or --cases whatever the stage, said in one line; None if nothing."""
+    """What is wrong with the options whatever the stage, said in one line before any work; None if nothing."""
+    if args.json is not None and not args.json.parent.is_dir():
+        return f"--json {args.json}: no folder {args.json.parent} to write it in"
     if args.arch:
         match = ARCH.fullmatch(args.arch)
         if not match:
@@ -160,9 +163,18 @@ def cmd_init(names: list[str], force: bool) -> int:
             status = fail(str(error))
             continue
         console.print(f"Wrote {exercise.shown(path)}: fill in the TODO(exercise) blocks, then run "
-                      f"[bold]python -m grader {stage.name.split('_')[0]}[/bold] (it grades your copy; --solution grades ours).",
-                      soft_wrap=True)
+                      f"[bold]{interpreter()} -m grader {stage.name.split('_')[0]}[/bold] (it grades your copy; "
+                      f"--solution grades ours).", soft_wrap=True)
     return status
+
+
+def interpreter() -> str:
+    """The Python running the grader, as the learner can type it: a bare `python` may be another one (outside
+    an activated venv). Relative to the current folder where that is shorter."""
+    relative = os.path.relpath(sys.executable)
+    if os.sep not in relative:
+        relative = os.path.join(os.curdir, relative)  # a bare name would be looked up on PATH
+    return min(relative, sys.executable, key=len)
 
 
 def kernel_path_for(stage, args) -> Path:
@@ -280,9 +292,12 @@ def grade_one(stage, args, gpu) -> tuple[dict | None, int]:
         started = time.perf_counter()
         with console.status(f"{stage.key}: compiling") as status_line:
             def progress(what, done, total, label, ok):
-                status_line.update(f"{stage.key}: {what} {done}/{total} {label}")
+                line = f"{stage.key}: {what} {done} of {total}: {label}"
+                status_line.update(line)
                 if what == "case" and not ok:
                     console.print(f"  [red]FAIL[/red] {label}")
+                elif what == "shape" and not console.is_terminal:  # a log has no status line: one per step
+                    console.print(line, markup=False, soft_wrap=True)
 
             if profiling:
                 result = profile_stage(stage, kernel_path, gpu, arch, args.profile,
@@ -302,7 +317,9 @@ def grade_one(stage, args, gpu) -> tuple[dict | None, int]:
     report.print_stage(result, gpu.name if gpu else None)
     if profiling:
         profile.print_profile(result["profile"], stage.key, gpu.name)
-    console.print(f"({time.perf_counter() - started:.0f} s)")
+    result["seconds"] = round(time.perf_counter() - started, 1)  # its record's: the wall time of its grading
+    phases = "".join(f", {phase} {seconds:.0f}" for phase, seconds in result.get("phase_seconds", {}).items())
+    console.print(f"({result['seconds']:.0f} s{phases})")
     return result, 1 if result.get("correctness", {}).get("failed") else 0
 
 
@@ -324,6 +341,9 @@ def cmd_ops(json_path: Path | None) -> int:
 
 def main(argv=None) -> int:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command is None:
+        parser().print_usage()
+        return cmd_list()
     if args.command in ("list", "all") and args.stages:
         return fail(f"{args.command} takes no stage (got {' '.join(args.stages)})")
     if problem := option_problem(args):

@@ -63,6 +63,8 @@ def count_exercises(source: str) -> int:
 
 
 def shown(path: Path) -> str:
+    """A path as the report and the messages show it: relative to the repository where it is inside it."""
+    path = Path(path).resolve()
     return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 

@@ -17,6 +17,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from grader.protocol import NOTE
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -88,9 +90,11 @@ def _describe_error(event: dict) -> str:
     return f"{event['kind']}: {message.splitlines()[0] if message else ''}"
 
 
-def run_items(job: dict, key: str, items: list, on_done, timeout_s: float, worker: list[str] = WORKER) -> dict[int, Failure]:
+def run_items(job: dict, key: str, items: list, on_done, timeout_s: float, worker: list[str] = WORKER,
+              on_progress=lambda event: None) -> dict[int, Failure]:
     """Run a job over `items` ([(index, item)] under job[key]); a crash fails that item and a new
-    worker carries on with the next. Returns {index: Failure} for the items that did not finish."""
+    worker carries on with the next. Returns {index: Failure} for the items that did not finish.
+    `on_done` hears each item's "_done" event; `on_progress` its "_start" and the notes in between."""
     failures: dict[int, Failure] = {}
     remaining = list(items)
     while remaining:
@@ -99,6 +103,9 @@ def run_items(job: dict, key: str, items: list, on_done, timeout_s: float, worke
         def on_event(event):
             if event["event"].endswith("_start"):
                 state["current"] = event["index"]
+                on_progress(event)
+            elif event["event"] == NOTE:
+                on_progress(event)
             elif event["event"].endswith("_done"):
                 state["done"].add(event["index"])
                 on_done(event)

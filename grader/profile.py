@@ -56,8 +56,8 @@ import shutil
 import sys
 from pathlib import Path
 
-# The NVTX ranges the worker wraps each side's launches in (push/pop ranges of the default domain).
-RANGES = {"kernel": "flashmoe_kernel", "reference": "flashmoe_reference"}
+from grader.protocol import RANGES  # the NVTX ranges the worker wraps each side's launches in
+
 SIDES = ("kernel", "reference")
 
 # The settings that make figures comparable between kernels (see the module's docstring).
@@ -469,8 +469,8 @@ def run(stage, cubins: dict, gpu, spec: str | None, csv_path: Path, timeout_s: f
     the one named `beside`) on one benchmark shape; the profile (as the report and the JSON hold it), or
     ProfileError. `worker` replaces the worker's argv (tests)."""
     import reference
+    from grader.exercise import shown
     from grader.isolation import WORKER, run_job
-    from grader.run import relative  # (grader.run imports this module lazily too: the docs hook loads it alone)
 
     ncu = ncu or find_ncu()
     if ncu is None:
@@ -510,7 +510,7 @@ def run(stage, cubins: dict, gpu, spec: str | None, csv_path: Path, timeout_s: f
                "skipped": done.get("skipped", {}),
                "settings": dict(SETTINGS, text=SETTINGS_TEXT, ncu=ncu_version(ncu),
                                 command=[Path(command[0]).name, *command[1:-1], "<CSV>"]),
-               "raw_csv": relative(csv_path), **summarize(records)}
+               "raw_csv": shown(csv_path), **summarize(records)}
     return profile
 
 

@@ -83,7 +83,10 @@ def print_resources(result: dict) -> None:
             rows.append([variant_label(variant), name, str(info["registers"]), f"{info['shared_bytes']} B",
                          f"{info['stack_bytes']} B", spills if spills == "0/0" else f"[red]{spills}[/red]", mix])
     show(f"Compiled for {result['arch']}{compiler}: resources per kernel",
-         ["variant", "kernel", "regs", "smem", "stack", "spills st/ld", "SASS (key instructions)"], rows, keys=2)
+         ["variant", "kernel", "regs", "static smem", "stack", "spills st/ld", "SASS (key instructions)"], rows, keys=2)
+    if dynamic := result.get("dynamic_shared_bytes"):  # ptxas sees only the static part
+        sizes = SEPARATOR.join(f"{variant_label(variant)} {n:,} B" for variant, n in dynamic.items())
+        console.print(f"Dynamic shared memory per block, as the launch gives it (SHARED_BYTES): {sizes}")
 
 
 def print_correctness(correctness: dict) -> None:

@@ -3,29 +3,23 @@
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import reference
 import stages
 from stages import arch_for, variant_key
-from stages.common.compiler import REPO, CompileError, compile_cubin
+from stages.common.compiler import CompileError, compile_cubin
 from grader import grading, sass
+from grader.exercise import shown
 from grader.gpus import spec_for
 from grader.isolation import run_items
 from grader.results import source_digest
-from grader.worker import PREVIOUS
+from grader.protocol import PREVIOUS
 
 
 class GraderError(Exception):
     """A one-line problem with what the learner asked for (unknown stage, missing file, ...)."""
-
-
-def relative(path: Path) -> str:
-    path = Path(path).resolve()
-    try:
-        return str(path.relative_to(REPO))
-    except ValueError:
-        return str(path)
 
 
 def signature_checks(kernels: dict[str, str]) -> str:
@@ -67,11 +61,11 @@ def _explain_signature_error(error: CompileError, stage, kernel_path) -> GraderE
     for name, params in stage.kernels.items():
         expected = f'extern "C" __global__ void {name}({params})'
         if re.search(rf'identifier "{name}" is undefined', error.log):
-            return GraderError(f"{relative(kernel_path)}: no kernel named {name} (expected {expected})")
+            return GraderError(f"{shown(kernel_path)}: no kernel named {name} (expected {expected})")
         if f'"GRADER-SIGNATURE {name}"' in error.log:
-            return GraderError(f"{relative(kernel_path)}: kernel {name} does not have the signature the stage launches: {expected}")
+            return GraderError(f"{shown(kernel_path)}: kernel {name} does not have the signature the stage launches: {expected}")
         if f"kernel {name} has C++ linkage" in error.log:  # compiler.py's check of the entry functions
-            return GraderError(f"{relative(kernel_path)}: kernel {name} must be declared {expected}")
+            return GraderError(f"{shown(kernel_path)}: kernel {name} must be declared {expected}")
     return None
 
 
@@ -94,7 +88,7 @@ def _explain_geometry_error(error: CompileError, checks: str, geometry: dict, de
             failed[int(line)][1] = f"the kernel says {value}"
     if not failed:
         return None
-    return GraderError("\n".join(f"{relative(kernel_path)}: the launch uses {name} = {geometry[name]} for "
+    return GraderError("\n".join(f"{shown(kernel_path)}: the launch uses {name} = {geometry[name]} for "
                                  f"{variant_key(defines)}; {kernel_says}" for name, kernel_says in failed.values()))
 
 
@@ -254,9 +248,17 @@ def benchmark(stage, cubins, gpu, timeout_s: float, budget_s: float, progress, o
         rows[event["index"]] = row
         progress("bench", len(rows), len(shapes), row["label"], True)
 
+    def on_progress(event):  # a shape starts, or the worker says what it is doing within it
+        if "index" in event:
+            started["shape"] = event["index"]
+        index = started["shape"]
+        label = problem.shape_label(shapes[index])
+        progress("shape", index + 1, len(shapes), label if "index" in event else f"{label}: {event['text']}", True)
+
+    started = {"shape": 0}
     job = _job(stage, cubins, "benchmark", l2_bytes=gpu.l2_bytes, budget_s=budget_s, previous=previous,
                forward=forward)
-    failures = run_items(job, "shapes", list(enumerate(shapes)), on_done, timeout_s)
+    failures = run_items(job, "shapes", list(enumerate(shapes)), on_done, timeout_s, on_progress=on_progress)
     for index, failure in failures.items():
         rows[index] = {"shape": {k: v for k, v in shapes[index].items() if k != "dtype"},
                        "label": problem.shape_label(shapes[index]), "dtype": shapes[index]["dtype"],
@@ -278,25 +280,52 @@ def grade_stage(stage, kernel_path: Path, gpu, arch: str, *, seed=0, trials=2, t
     """Everything the report shows; without a GPU, compile only. `only` keeps the cases whose
     name matches that regular expression (and skips the benchmarks); `shapes`, the benchmark shapes
     whose label matches."""
+    clock = PhaseClock()
     cubins = compile_stage(stage, kernel_path, arch)
     progress("compiled", len(cubins), len(cubins), arch, True)
     result = _compiled(stage, kernel_path, arch, cubins)
+    result["phase_seconds"] = clock.phases  # filled in as the phases end
+    clock.done("compile")
     if gpu is None:
         return result
     result["correctness"] = check_cases(stage, cubins, seed, trials, timeout_s, progress, only)
+    clock.done("correctness")
     if not bench or only or result["correctness"]["failed"]:
         result["benchmarks"] = []
         return result
     result["benchmarks"] = benchmark(stage, cubins, gpu, timeout_s=max(timeout_s, 120.0), budget_s=budget_s,
                                      progress=progress, only=shapes)
+    clock.done("benchmarks")
     return graded(stage, result)
+
+
+class PhaseClock:
+    """The wall seconds of each phase of a stage's grading, as they end ({"compile": 3.1, ...})."""
+
+    def __init__(self):
+        self.phases, self._last = {}, time.perf_counter()
+
+    def done(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = round(now - self._last, 1)
+        self._last = now
 
 
 def _compiled(stage, kernel_path: Path, arch: str, cubins: dict) -> dict:
     """What a run without a GPU reports: the stage, the file graded, its digest, each kernel's resources."""
-    return {"title": stage.title, "problem": stage.problem, **({"rung": stage.rung} if stage.rung else {}),
-            "kernel_path": relative(kernel_path),
-            "source_sha256": source_digest(stage, kernel_path), "arch": arch, "resources": resources(cubins)}
+    result = {"title": stage.title, "problem": stage.problem, **({"rung": stage.rung} if stage.rung else {}),
+              "kernel_path": shown(kernel_path),
+              "source_sha256": source_digest(stage, kernel_path), "arch": arch, "resources": resources(cubins)}
+    if dynamic := dynamic_shared_bytes(stage, cubins):
+        result["dynamic_shared_bytes"] = dynamic
+    return result
+
+
+def dynamic_shared_bytes(stage, cubins: dict) -> dict:
+    """{variant: the dynamic shared memory per block its launch asks for}, for the variants whose geometry
+    says (SHARED_BYTES): the cubin's resources hold only the static part."""
+    sizes = {key: stage.geometry(dict(cubin.defines)).get("SHARED_BYTES") for key, cubin in cubins.items()}
+    return {key: size for key, size in sizes.items() if size is not None}
 
 
 def profile_stage(stage, kernel_path: Path, gpu, arch: str, shape: str | None, csv_path: Path,

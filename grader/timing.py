@@ -4,10 +4,11 @@ Every candidate (the kernel, each library baseline) runs in every round, one aft
 that clocks and temperature drift hit them alike; each takes its turn to go first, and the loop
 ends only after whole turns, so each has gone first as often as the others. Before each launch a
 buffer twice the size of L2 is written, outside the timed event pair, so no candidate finds its
-inputs left in L2 by the previous one. Rounds repeat until every candidate's standard error is
-under 0.5% of its mean, or the time budget ends. (A candidate that left the loop as soon as its
-own figures settled would leave the others timed in rounds of a different mix of work, under
-other clocks.)
+inputs left in L2 by the previous one. Rounds repeat until every candidate's median (the figure
+reported) has settled -- its 95% confidence interval, from the order statistics (no assumption about
+the distribution: a few slow outliers do not hold the loop as they would a mean's standard error),
+within 1% of it -- or the time budget ends. (A candidate that left the loop as soon as its own figures
+settled would leave the others timed in rounds of a different mix of work, under other clocks.)
 
 The events time the GPU, not Python: a round starts with the GPU held in a spin (`torch.cuda._sleep`)
 long enough for the host to queue the whole round behind it. Without the hold, a candidate whose
@@ -17,6 +18,7 @@ charged for the host's time as well.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -65,22 +67,44 @@ class GpuHold:
         torch.cuda._sleep(int(self.cycles_per_ms * min(ms, self.MAX_MS)))
 
 
-def enough(times: dict[str, list[float]], past_deadline: bool, target_rel_se: float, min_reps: int,
-           max_reps: int) -> bool:
+Z_95 = 1.96  # the normal quantile of a two-sided 95% interval
+
+
+def median_interval(times: list[float]) -> tuple[float, float] | None:
+    """A distribution-free 95% confidence interval of the median of `times`: the order statistics at
+    n/2 -+ Z_95·sqrt(n)/2 (the binomial count below the median, approximated as normal); None while
+    there are too few times for one (under 8)."""
+    n, half_width = len(times), Z_95 * math.sqrt(len(times)) / 2
+    low, high = math.floor(n / 2 - half_width), math.ceil(n / 2 + half_width)
+    if low < 0 or high > n - 1:
+        return None
+    ordered = sorted(times)
+    return ordered[low], ordered[high]
+
+
+def median_settled(times: list[float], target_rel: float) -> bool:
+    """Whether the median's 95% interval lies within target_rel of the median, on both sides."""
+    interval = median_interval(times)
+    median = statistics.median(times)
+    return interval is not None and median - interval[0] <= target_rel * median and \
+        interval[1] - median <= target_rel * median
+
+
+def enough(times: dict[str, list[float]], past_deadline: bool, target_rel: float, max_reps: int) -> bool:
     """Whether the loop may stop after this round: only after whole turns (every candidate has gone
-    first equally often), once every candidate's figures have settled, or the budget is spent (and each
+    first equally often), once every candidate's median has settled, or the budget is spent (and each
     has 3 runs at least), or the most rounds allowed have run."""
     rounds = len(next(iter(times.values())))
     if rounds >= max_reps:
         return True
     if rounds % len(times):
         return False
-    settled = rounds >= min_reps and all(_summary(t).rel_std_err < target_rel_se for t in times.values())
+    settled = all(median_settled(t, target_rel) for t in times.values())
     return settled or (past_deadline and rounds >= 3)
 
 
-def time_side_by_side(candidates: dict, l2_bytes: int, budget_s: float = 4.0, target_rel_se: float = 0.005,
-                      min_reps: int = 5, max_reps: int = 500) -> dict[str, Timing]:
+def time_side_by_side(candidates: dict, l2_bytes: int, budget_s: float = 4.0, target_rel: float = 0.01,
+                      max_reps: int = 500) -> dict[str, Timing]:
     """{name: Timing} for each callable in `candidates`; each is called with no arguments."""
     flush = torch.empty(2 * l2_bytes // 4, dtype=torch.float32, device="cuda")
     host_start = time.perf_counter()
@@ -110,7 +134,7 @@ def time_side_by_side(candidates: dict, l2_bytes: int, budget_s: float = 4.0, ta
         torch.cuda.synchronize()
         for name, start, end in pending:
             times[name].append(start.elapsed_time(end))
-        if enough(times, time.perf_counter() > deadline, target_rel_se, min_reps, max_reps):
+        if enough(times, time.perf_counter() > deadline, target_rel, max_reps):
             break
     return {name: _summary(t) for name, t in times.items()}
 

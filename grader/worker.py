@@ -12,23 +12,17 @@ import os
 import sys
 import traceback
 
+from grader.protocol import NOTE, PREVIOUS, RANGES, emit
+
 # The MoE benchmarks allocate and free buffers of several GB next to 9-23 GB of weights: with fixed
 # segments the cache fragments until an allocation fails with half the memory free.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-
-
-def emit(event: str, **fields) -> None:
-    print(json.dumps({"event": event, **fields}, default=float), flush=True)
 
 
 def is_cuda_error(error: Exception) -> bool:
     """A fault of the kernel that leaves the CUDA context unusable (as opposed to a Python error)."""
     text = f"{type(error).__name__} {error}"
     return "CUDA" in text or "cuda" in text
-
-
-# The name under which the previous stage's kernel is timed beside this one (not a library baseline).
-PREVIOUS = "previous stage"
 
 
 class Worker:
@@ -134,6 +128,7 @@ class Worker:
         candidates, skipped = self.first_runs(others)
         candidates = {"kernel": ours, **candidates}
         memory = {name: extra_memory(run) for name, run in candidates.items() if name != PREVIOUS}
+        emit(NOTE, text=f"timing {len(candidates)} side by side")
         timings = time_side_by_side(candidates, self.job["l2_bytes"], budget_s=self.job["budget_s"])
         occupancy = {name: kernels.occupancy(name) | vars(kernels.launches[name]) for name in kernels.launches}
         result = dict(timings={n: t.as_dict() for n, t in timings.items()}, memory=memory, skipped=skipped,
@@ -149,6 +144,7 @@ class Worker:
 
         ran, skipped = {}, {}
         for name, run in runs.items():
+            emit(NOTE, text=f"first call of {name} (a compiled baseline compiles here)")
             try:
                 run()
                 torch.cuda.synchronize()
@@ -181,11 +177,10 @@ class Worker:
     # ---- profile (run under ncu: grader/profile.py) -------------------------------------------
     def profile(self) -> None:
         """One benchmark shape: the kernel and the fastest library baseline (or the job's "beside"), each
-        warmed up, then run once inside its NVTX range (profile.RANGES), the only launches ncu profiles."""
+        warmed up, then run once inside its NVTX range (protocol.RANGES), the only launches ncu profiles."""
         import torch
 
         from grader.grading import reference_of
-        from grader.profile import RANGES
         from grader.timing import time_side_by_side
 
         index, shape = self.job["shape"]

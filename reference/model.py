@@ -49,6 +49,7 @@ min_bytes: every weight read once (every expert's: at these sizes each gets toke
 from __future__ import annotations
 
 import math
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -185,19 +186,25 @@ class ModelProblem(Problem):
         """The model in PyTorch, each a callable: "eager" (SDPA; the MoE layer with torch._grouped_mm where
         it runs, else reference/moe.py's loop), "naive" (eager, attention as matmul-softmax-matmul, the S×S
         scores in memory, as Llama's reference code and Hugging Face's "eager" attention), "compile"
-        (torch.compile, default mode) and "compile reduce-overhead" (its CUDA graphs). Compiled on their
-        first call (the worker makes it outside the timed loop)."""
-        # A fresh start for torch.compile at each shape: its compiled code for earlier shapes is dead, and
-        # every new model counts as a recompile of the same forward: past dynamo's limit (8) it would run
-        # eagerly without a word. Each shape is thus compiled for itself (static shapes: its best code).
+        (torch.compile, default mode, of the model's regions: Regions) and "compile + CUDA graph" (that
+        compiled forward captured in one CUDA graph, as mode="reduce-overhead" would; not where the MoE loop
+        synchronizes with the host). Compiled on the first call (the worker makes it outside the timed loop);
+        the graph shares the compiled code."""
+        # A fresh start for torch.compile at each shape: its compiled code for earlier shapes is dead, and a
+        # new shape would count as a recompile of the same code: past the first, dynamo would make its sizes
+        # dynamic. Each shape is thus compiled for itself (static shapes: its best code).
         torch._dynamo.reset()
         moe_impl = "grouped_mm" if inputs["config"]["experts"] and grouped_mm_runs(inputs) else "loop"
-        model = TorchModel(inputs, attention="sdpa", moe_impl=moe_impl)
-        naive = TorchModel(inputs, attention="naive", moe_impl=moe_impl)
-        x = inputs["x"]
-        found = dict(eager=lambda: _no_grad(model, x), naive=lambda: _no_grad(naive, x))
-        for name, mode in (("compile", "default"), ("compile reduce-overhead", "reduce-overhead")):
-            found[name] = _lazily_compiled(model, x, mode)
+        x, weights, config = inputs["x"], weights_of(inputs), inputs["config"]
+        regions = _lazily(compiled_regions)
+
+        def model(attention="sdpa", compiled=False):
+            return _no_grad(lambda: forward(x, weights, config, attention=attention, moe_impl=moe_impl,
+                                            regions=regions() if compiled else EAGER))
+
+        found = dict(eager=model(), naive=model("naive"), compile=model(compiled=True))
+        if not (config["experts"] and moe_impl == "loop"):  # the loop's torch.where waits for the GPU
+            found["compile + CUDA graph"] = _graphed(model(compiled=True))
         return found
 
     def notes(self, shape: dict, ms: float, baseline_ms: dict) -> list[str]:
@@ -335,73 +342,122 @@ def moe_block(m: torch.Tensor, wr, w1, w2, top_k: int, impl: str) -> torch.Tenso
     return moe.layer_grouped_mm(layer, top_k) if impl == "grouped_mm" else moe.layer_loop(layer, top_k)
 
 
+class Regions(NamedTuple):
+    """The model's code in two pieces, run as they are (EAGER) or each compiled (compiled_regions): what
+    comes before the first layer, and one decoder layer, which every layer runs with its own weights.
+    Compiled so, torch.compile compiles one layer rather than the model unrolled over its 4-32 layers
+    (PyTorch's regional compilation): minutes less per shape for the large models. A layer ends with the
+    next layer's RMSNorm, so that the residual add and the norm after it stay in one region, where
+    inductor fuses them as it would in the whole model."""
+    start: Callable
+    layer: Callable
+
+
+def model_start(x: torch.Tensor, attn_norm: torch.Tensor, config: dict) -> tuple:
+    """RoPE's cos and sin for x's positions, in x's dtype, and the first layer's RMSNorm of x."""
+    cos, sin = rope_cos_sin(x.shape[1], x.shape[2] // config["heads"], config["rope_theta"], x.dtype, x.device)
+    return cos, sin, rms_norm(x, attn_norm, config["eps"])
+
+
+def decoder_layer(h: torch.Tensor, a: torch.Tensor, cos, sin, weights: dict, next_norm: torch.Tensor, config: dict,
+                  attention: str, moe_impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer (module docstring) on the residual stream h [B, S, hidden], given a, its RMSNorm by the
+    layer's attn_norm, and the layer's `weights` (layer_weights): (h after the layer, its RMSNorm by
+    next_norm: the next layer's attn_norm, or the final norm)."""
+    H, KV, I = (config[k] for k in ("heads", "kv_heads", "inter"))
+    B, S, hidden = h.shape
+    D = hidden // H
+    qkv = a @ weights["wqkv"]
+    q, k, v = qkv.split((H * D, KV * D, KV * D), dim=-1)
+    q, k, v = (t.reshape(B, S, -1, D).transpose(1, 2) for t in (q, k, v))
+    o = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, attention)
+    h = h + o.transpose(1, 2).reshape(B, S, H * D) @ weights["wo"]
+    m = rms_norm(h, weights["mlp_norm"], config["eps"])
+    if config["experts"]:
+        y = moe_block(m.reshape(B * S, hidden), weights["wr"], weights["w1"], weights["w2"], config["top_k"], moe_impl)
+        h = h + y.reshape(B, S, hidden)
+    else:
+        g = m @ weights["w1"]
+        h = h + (F.silu(g[..., :I]) * g[..., I:]) @ weights["w2"]
+    return h, rms_norm(h, next_norm, config["eps"])
+
+
+EAGER = Regions(model_start, decoder_layer)
+
+
+def compiled_regions(**options) -> Regions:
+    """Regions compiled by torch.compile (`options`: its keyword arguments), each on its first call."""
+    return Regions(torch.compile(model_start, **options), torch.compile(decoder_layer, **options))
+
+
+def layer_weights(weights: dict, layer: int, dtype, experts: int) -> dict:
+    """Layer `layer`'s weights in `dtype`; the experts' as given (the exact MoE layer widens one expert at a
+    time: Mixtral's 1.4 G per layer)."""
+    as_given = ("wr", "w1", "w2") if experts else ()
+    return {n: weights[n][layer] if n in as_given else weights[n][layer].to(dtype)
+            for n in ("wqkv", "wo", "mlp_norm", "wr", "w1", "w2") if n in weights}
+
+
 def forward(x: torch.Tensor, weights: dict, config: dict, *, exact: bool = False, attention: str = "sdpa",
-            moe_impl: str = "loop", final_norm: bool = True) -> torch.Tensor:
+            moe_impl: str = "loop", final_norm: bool = True, regions: Regions = EAGER) -> torch.Tensor:
     """The model (module docstring) on x [B, S, hidden]: in x's dtype as Hugging Face computes it, or (exact)
     in float64, each layer's weights widened when its turn comes. Returns [B, S, hidden] in x's dtype, or
     float64 if exact; without final_norm, the residual stream before the final RMSNorm."""
-    L, H, KV, I = (config[k] for k in ("layers", "heads", "kv_heads", "inter"))
-    B, S, hidden = x.shape
-    D = hidden // H
+    L = config["layers"]
     dtype = torch.float64 if exact else x.dtype
     if exact:
         attention, moe_impl = "exact", "exact"
-
-    def w(name, layer=None):
-        t = weights[name] if layer is None else weights[name][layer]
-        return t.to(dtype)
-
-    cos, sin = rope_cos_sin(S, D, config["rope_theta"], dtype, x.device)
     h = x.to(dtype)
+    cos, sin, a = regions.start(h, weights["attn_norm"][0].to(dtype), config)
     for l in range(L):
-        a = rms_norm(h, w("attn_norm", l), config["eps"])
-        qkv = a @ w("wqkv", l)
-        q, k, v = qkv.split((H * D, KV * D, KV * D), dim=-1)
-        q, k, v = (t.reshape(B, S, -1, D).transpose(1, 2) for t in (q, k, v))
-        o = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, attention)
-        h = h + o.transpose(1, 2).reshape(B, S, H * D) @ w("wo", l)
-        m = rms_norm(h, w("mlp_norm", l), config["eps"])
-        if config["experts"]:
-            # the experts' weights as given: the exact layer widens one expert at a time (Mixtral's 1.4 G per layer)
-            y = moe_block(m.reshape(B * S, hidden), weights["wr"][l], weights["w1"][l], weights["w2"][l],
-                          config["top_k"], moe_impl)
-            h = h + y.reshape(B, S, hidden)
-        else:
-            g = m @ w("w1", l)
-            h = h + (F.silu(g[..., :I]) * g[..., I:]) @ w("w2", l)
-    return rms_norm(h, w("norm"), config["eps"]) if final_norm else h
+        next_norm = weights["attn_norm"][l + 1] if l + 1 < L else weights["norm"]
+        h, a = regions.layer(h, a, cos, sin, layer_weights(weights, l, dtype, config["experts"]), next_norm.to(dtype),
+                             config, attention, moe_impl)
+    return a if final_norm else h
 
 
-class TorchModel(torch.nn.Module):
-    """The model in PyTorch as one module, its weights the inputs' tensors themselves (parameters sharing
-    their storage, no copy): what torch.compile compiles, parameters being static for CUDA graphs (a plain
-    tensor argument would be copied into the graph's buffer at each call)."""
-
-    def __init__(self, inputs: dict, attention: str = "sdpa", moe_impl: str = "loop"):
-        super().__init__()
-        self.config, self.attention, self.moe_impl = dict(inputs["config"]), attention, moe_impl
-        self.weights = torch.nn.ParameterDict({n: torch.nn.Parameter(t, requires_grad=False)
-                                               for n, t in weights_of(inputs).items()})
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return forward(x, dict(self.weights), self.config, attention=self.attention, moe_impl=self.moe_impl)
-
-
-def _no_grad(model, x):
-    with torch.no_grad():
-        return model(x)
-
-
-def _lazily_compiled(model: torch.nn.Module, x: torch.Tensor, mode: str):
-    """A callable running torch.compile(model, mode=mode) on x, compiled on its first call."""
-    compiled = []
-
-    def run():
-        if not compiled:
-            compiled.append(torch.compile(model, mode=mode))
+def _no_grad(run):
+    """`run` under torch.no_grad: a callable with no arguments."""
+    def call():
         with torch.no_grad():
-            return compiled[0](x)
-    return run
+            return run()
+    return call
+
+
+def _lazily(make):
+    """A callable returning make(), made on its first call."""
+    made = []
+
+    def get():
+        if not made:
+            made.append(make())
+        return made[0]
+    return get
+
+
+def _graphed(run):
+    """A callable replaying `run` (no arguments; fixed tensors in and out) as one CUDA graph, captured on its
+    first call after a warm-up on the capturing stream: what torch.compile's mode="reduce-overhead" does,
+    here over the whole forward at once. (stages/stage10_model's launch captures its forward the same way.)"""
+    captured = {}
+
+    def replay():
+        if not captured:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # the warm-up: compiles and tunes outside the capture
+                run()
+            # cuBLAS's workspace made outside the capture would live outside the graph's memory, and another
+            # capture (stage 10's launch) frees it before its own: dropped, the capture makes its own in its pool.
+            torch._C._cuda_clearCublasWorkspaces()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                captured["out"] = run()
+            torch.cuda.current_stream().wait_stream(stream)
+            captured["graph"] = graph
+        captured["graph"].replay()
+        return captured["out"]
+    return replay
 
 
 def grouped_mm_runs(inputs: dict) -> bool:

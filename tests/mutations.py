@@ -1,46 +1,79 @@
 """Deliberately wrong kernels, made from the real stage sources by one textual change each.
 
-Each mutation names the exact text it replaces, and `mutate` fails loudly if that text is gone,
-so a changed kernel cannot silently turn a wrong-kernel test into one that checks nothing.
+Each mutation names the exact text it replaces, and `mutate` fails loudly if that text is gone; the CPU
+test (tests/test_mutations.py) applies every one to today's sources, so the day a kernel change orphans
+a mutation CI fails, not only the GPU half that runs the wrong kernels (tests/test_gpu.py).
 """
+from dataclasses import dataclass
 from pathlib import Path
 
 import stages
 
+
+@dataclass(frozen=True)
+class Mutation:
+    stage: str
+    edits: tuple          # (old, new): each old text must occur exactly once in the stage's kernel
+    cases: str | None     # the correctness cases that must fail (a regular expression); None: a test of its own
+
+
 MUTATIONS = {
     # softmax without subtracting the row max: exp() overflows on large scores (the x10 cases)
-    "no_max_subtraction": ("stage0", [("row_sum += expf(row[j] - row_max)", "row_sum += expf(row[j])"),
-                                      ("row[j] = expf(row[j] - row_max)", "row[j] = expf(row[j])"),
-                                      ("lse[blockIdx.x] = row_max + logf(row_sum)", "lse[blockIdx.x] = logf(row_sum)")]),
+    "no_max_subtraction": Mutation("stage0", (("row_sum += expf(row[j] - row_max)", "row_sum += expf(row[j])"),
+                                              ("row[j] = expf(row[j] - row_max)", "row[j] = expf(row[j])"),
+                                              ("lse[blockIdx.x] = row_max + logf(row_sum)",
+                                               "lse[blockIdx.x] = logf(row_sum)")), "x10"),
     # only the first half of each output row is written: the rest stays NaN-poisoned
-    "half_written_output": ("stage0", [("for (int c = 0; c < COLS_PER_THREAD; ++c)\n            o[",
-                                        "for (int c = 0; c < COLS_PER_THREAD / 2; ++c)\n            o[")]),
+    "half_written_output": Mutation("stage0", (("for (int c = 0; c < COLS_PER_THREAD; ++c)\n            o[",
+                                                "for (int c = 0; c < COLS_PER_THREAD / 2; ++c)\n            o["),),
+                                    "Sq17|Sq239"),
     # the causal mask off by one: each query also sees the next key
-    "causal_off_by_one": ("stage0", [("const bool masked = causal && j > i;", "const bool masked = causal && j > i + 1;")]),
+    "causal_off_by_one": Mutation("stage0", (("const bool masked = causal && j > i;",
+                                              "const bool masked = causal && j > i + 1;"),), "causal"),
     # SwiGLU on the wrong half: silu applied to the up columns, the gate taken as is
-    "swiglu_halves_swapped": ("stage6", [("v0 = silu(v0) * acc[j + OUT_FRAGS][2 * half];", "v0 = v0 * silu(acc[j + OUT_FRAGS][2 * half]);"),
-                                         ("v1 = silu(v1) * acc[j + OUT_FRAGS][2 * half + 1];", "v1 = v1 * silu(acc[j + OUT_FRAGS][2 * half + 1]);")]),
+    "swiglu_halves_swapped": Mutation("stage6", (("v0 = silu(v0) * acc[j + OUT_FRAGS][2 * half];",
+                                                  "v0 = v0 * silu(acc[j + OUT_FRAGS][2 * half]);"),
+                                                 ("v1 = silu(v1) * acc[j + OUT_FRAGS][2 * half + 1];",
+                                                  "v1 = v1 * silu(acc[j + OUT_FRAGS][2 * half + 1]);")), "T1000 E32"),
     # the producer loads the next expert's weights for every tile
-    "tile_in_wrong_expert": ("stage6", [("kb * BLOCK_K, tile.expert);", "kb * BLOCK_K, (tile.expert + 1) % experts);")]),
-    # the backward's causal mask off by one: each key's gradient also takes the query just before it
-    "backward_causal_off_by_one": ("stage8", [("s[n][c] = mask && ahead + 8 * (c / 2) - c % 2 > 8 * n ? 0.0f : p;",
-                                               "s[n][c] = mask && ahead + 8 * (c / 2) - c % 2 > 8 * n + 1 ? 0.0f : p;")]),
-    # dQ's parts added for half of each row only: the other half of dQ stays 0
-    "backward_dq_half_added": ("stage8", [("        if (row >= rows) continue;\n        float* to",
-                                           "        if (row >= rows || chunk >= CHUNKS / 2) continue;\n        float* to")]),
+    "tile_in_wrong_expert": Mutation("stage6", (("kb * BLOCK_K, tile.expert);",
+                                                 "kb * BLOCK_K, (tile.expert + 1) % experts);"),), "T1000 E32"),
+    # the backward's causal mask off by one: the warp's keys taken one position early, so each query also
+    # sees the next key (and each key's gradient takes the query just before it)
+    "backward_causal_off_by_one": Mutation("stage8", (("on_diagonal,\n                                                       n0 + row0, m0, lane);",
+                                                       "on_diagonal,\n                                                       n0 + row0 - 1, m0, lane);"),),
+                                           "causal"),
+    # dQ's staged rows added for the first half of each staged tile only: the other rows of dQ miss parts
+    "backward_dq_half_added": Mutation("stage8", (("for (int first = 0; first < STAGING_ROWS; first += ROWS_PER_READ)",
+                                                   "for (int first = 0; first < STAGING_ROWS / 2; first += ROWS_PER_READ)"),),
+                                       "Sq1000"),
+    # the Hopper backward's causal mask off by one, as stage 8's
+    "hopper_backward_causal_off_by_one": Mutation("stage9", (("scale_log2, on_diagonal, key0, m0, lane);",
+                                                              "scale_log2, on_diagonal, key0 - 1, m0, lane);"),),
+                                                  "causal"),
+    # RoPE turned the wrong way (by -p·θ): attention sees the keys' positions mirrored
+    "rope_turned_backwards": Mutation("stage10", (("n0 = to_float(n.e[0]), n1 = to_float(n.e[1]);",
+                                                   "n0 = -to_float(n.e[0]), n1 = -to_float(n.e[1]);"),), "S128|S333"),
+    # the last row of a source rank's bucket taken from the next rank's: a token's result goes back to
+    # another rank's token. A world of one has one rank: tests/test_gpu.py runs the kernel on many.
+    "row_from_wrong_rank": Mutation("stage11", (("while (b.before[s * experts + e] + b.count[s * experts + e] <= p) ++s;",
+                                                 "while (b.before[s * experts + e] + b.count[s * experts + e] < p) ++s;"),),
+                                    None),
     # a write far outside any buffer: an illegal address
-    "crash": ("stage0", [("    __syncthreads();\n\n    float dot", "    __syncthreads();\n    scores[(size_t)1 << 40] = 1.0f;\n\n    float dot")]),
+    "crash": Mutation("stage0", (("    __syncthreads();\n\n    float dot",
+                                  "    __syncthreads();\n    scores[(size_t)1 << 40] = 1.0f;\n\n    float dot"),), None),
     # a kernel that never finishes
-    "hang": ("stage0", [("    __syncthreads();\n\n    float dot", "    __syncthreads();\n    while (true) __nanosleep(1000);\n\n    float dot")]),
+    "hang": Mutation("stage0", (("    __syncthreads();\n\n    float dot",
+                                 "    __syncthreads();\n    while (true) __nanosleep(1000);\n\n    float dot"),), None),
 }
 
 
 def mutate(name: str, folder: Path) -> tuple:
     """(the stage, the path of the mutated copy of its kernel) for a mutation of MUTATIONS."""
-    stage_name, edits = MUTATIONS[name]
-    stage = stages.load(stage_name)
+    mutation = MUTATIONS[name]
+    stage = stages.load(mutation.stage)
     source = stage.source_path.read_text()
-    for old, new in edits:
+    for old, new in mutation.edits:
         assert source.count(old) == 1, f"mutation {name}: {old!r} is no longer in {stage.source_path.name} once"
         source = source.replace(old, new)
     path = folder / f"{name}.cu"

@@ -4,6 +4,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -193,20 +194,41 @@ def test_an_80_column_report_shows_every_figure_in_full():
                 assert f" {op}:{count}" in body, (variant, kernel, op)
 
 
-def test_ci_installs_exactly_as_the_readme_tells_a_learner_without_a_gpu(tmp_path):
+def readme_block(marker: str) -> str:
     readme = (REPO / "README.md").read_text()
-    block = re.search(r"<!-- ci: cpu-install -->\n```bash\n(.*?)^```$", readme, re.DOTALL | re.MULTILINE)
-    assert block, "README.md has no CPU-only install block marked for CI"
-    assert "--index-url https://download.pytorch.org/whl/cpu" in block[1] and re.search(r"torch==\d", block[1])
-    # Only these tools on PATH: a .ci/run that ignored --print-install could install nothing, nor run these tests.
+    block = re.search(rf"<!-- ci: {marker} -->\n```bash\n(.*?)^```$", readme, re.DOTALL | re.MULTILINE)
+    assert block, f"README.md has no block marked <!-- ci: {marker} -->"
+    return block[1]
+
+
+def ci_prints(option: str, tmp_path) -> str:
+    """What `.ci/run OPTION` prints, with only awk and dirname on PATH: a .ci/run that ignored the option
+    could install nothing, nor run these tests."""
     tools = tmp_path / "bin"
-    tools.mkdir()
+    tools.mkdir(exist_ok=True)
     for tool in ("awk", "dirname"):
-        (tools / tool).symlink_to(shutil.which(tool))
-    ci = subprocess.run([shutil.which("bash"), ".ci/run", "--print-install"], cwd=REPO, env={"PATH": str(tools)},
+        if not (tools / tool).exists():
+            (tools / tool).symlink_to(shutil.which(tool))
+    ci = subprocess.run([shutil.which("bash"), ".ci/run", option], cwd=REPO, env={"PATH": str(tools)},
                         capture_output=True, text=True, timeout=60)
-    assert ci.returncode == 0 and ci.stdout == block[1], ci.stdout + ci.stderr
+    assert ci.returncode == 0, ci.stdout + ci.stderr
+    return ci.stdout
+
+
+def test_ci_installs_exactly_as_the_readme_tells_a_learner_without_a_gpu(tmp_path):
+    install = readme_block("cpu-install")
+    assert "--index-url https://download.pytorch.org/whl/cpu" in install and re.search(r"torch==\d", install)
+    assert ci_prints("--print-install", tmp_path) == install
     assert "pip install" not in (REPO / ".ci/run").read_text()  # nothing installed but the README's block
+
+
+def test_ci_tests_exactly_as_the_readme_tells_and_that_installs_nothing(tmp_path):
+    """The README's test command runs in the environment as it is: on a GPU machine, a test command that
+    installed the CPU build of torch would replace the CUDA build."""
+    tests = readme_block("test")
+    assert tests == ".venv/bin/python -m pytest\n"
+    assert ci_prints("--print-test", tmp_path) == tests
+    assert "pytest" not in (REPO / ".ci/run").read_text().replace("tests/test_cli.py", "")  # only the README's
 
 
 def test_list_shows_the_ladders_rungs_with_their_archs():
@@ -239,3 +261,41 @@ def test_a_gpu_without_wgmma_grades_the_highest_rung_that_runs_there():
     assert instead_of(stages.load("stage6"), h100) is None and instead_of(stages.load("stage3"), a100) is None
     assert not runs_here(stages.load("stage4"), a100, None) and runs_here(stages.load("stage6:simt"), a100, None)
     assert not runs_here(stages.load("stage6"), None, "sm_80") and runs_here(stages.load("stage6:simt"), None, "sm_80")
+
+
+def test_no_command_prints_the_usage_and_the_stages():
+    r = grader()
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("usage: python -m grader STAGE") and "stage0_naive" in r.stdout and "required" not in r.stderr
+
+
+def test_json_into_a_missing_folder_is_refused_before_any_work(tmp_path):
+    r = grader("stage0", "--json", str(tmp_path / "nowhere" / "r.json"))
+    assert_one_line_error(r, f"--json {tmp_path / 'nowhere' / 'r.json'}: no folder {tmp_path / 'nowhere'}")
+
+
+def test_init_names_the_python_that_ran_it(tmp_path):
+    r = grader("init", "stage0", env_extra={"FLASHMOE_WORKSPACE": str(tmp_path)})
+    command = re.search(r"then run (\S+) -m grader stage0 ", r.stdout)
+    assert r.returncode == 0 and command, r.stdout
+    assert (REPO / command[1]).resolve() == Path(sys.executable).resolve()
+
+
+@pytest.mark.parametrize("executable,expected", [(".venv/bin/python", ".venv/bin/python"), ("python", "./python"),
+                                                 ("/usr/bin/python3", "/usr/bin/python3")])
+def test_the_interpreter_is_shown_relative_where_shorter(executable, expected, tmp_path, monkeypatch):
+    from grader.__main__ import interpreter
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "executable", executable if executable.startswith("/") else str(tmp_path / executable))
+    assert interpreter() == expected
+
+
+def test_compile_only_shows_the_dynamic_shared_memory_of_the_launch():
+    from stages.stage8_backward import GEOMETRY
+
+    r = grader("stage8", "--arch", "sm_90a")
+    assert r.returncode == 0, r.stdout + r.stderr
+    dynamic = r.stdout[r.stdout.index("Dynamic shared memory per block"):]
+    assert f"fp16 D128 {GEOMETRY[128]['SHARED_BYTES']:,} B" in dynamic.replace("\n", " ")
+    assert "Dynamic shared memory" not in grader("stage0", "--arch", "sm_80").stdout  # all of it static

@@ -1,0 +1,32 @@
+"""The wrong kernels of tests/mutations.py still apply to today's sources (on the CPU, so that CI fails the
+day a kernel change orphans one): each mutation's text occurs exactly once in its stage's kernel, the
+mutated kernel still compiles (the GPU test must find it wrong, not fail to build it), and the cases it
+must fail exist."""
+import re
+
+import pytest
+
+import reference
+import stages
+from grader.run import compile_stage
+from mutations import MUTATIONS, Mutation, mutate
+
+
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_every_mutation_applies_exactly_once_and_compiles(name, tmp_path):
+    stage, path = mutate(name, tmp_path)  # asserts each text occurs once
+    assert path.read_text() != stage.source_path.read_text()
+    assert compile_stage(stage, path, max(stage.archs))
+
+
+@pytest.mark.parametrize("name", [n for n, m in MUTATIONS.items() if m.cases is not None])
+def test_the_cases_a_mutation_must_fail_exist(name):
+    mutation = MUTATIONS[name]
+    problem = reference.load(stages.load(mutation.stage).problem)
+    assert any(re.search(mutation.cases, case.name) for case in problem.cases(0)), mutation.cases
+
+
+def test_an_orphaned_mutation_is_caught(tmp_path, monkeypatch):
+    monkeypatch.setitem(MUTATIONS, "gone", Mutation("stage0", (("no such text", "x"),), None))
+    with pytest.raises(AssertionError, match="no longer in attention.cu once"):
+        mutate("gone", tmp_path)
