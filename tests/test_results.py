@@ -18,6 +18,8 @@ def test_results_match_the_current_sources(gpu):
     data = RECORDED[gpu]
     for name, entry in data["stages"].items():
         stage = stages.load(name)
+        if entry.get("stale"):  # measured on older sources and said so: not shown as the kernel's figures
+            continue
         assert entry["source_sha256"] == results.source_digest(stage), (
             f"{name} changed since it was measured on {data['gpu']}: measure it again "
             f"(python -m grader {name} --json results/{gpu}.json)")
