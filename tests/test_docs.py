@@ -583,14 +583,15 @@ def test_without_results_the_pages_say_not_measured(empty_site):
 # ---------------------------------------------------------------- measured figures in the lessons' prose
 # A measured figure in a lesson comes from the results when the site is built, through a placeholder
 # `<!-- figure:<stage>:<shape label>:<field> -->` (docs/hooks/course.py lists the fields), or sits in
-# a passage labelled as a dated measurement the results do not hold: "A/B on an H100, session of
-# 2026-11-22: ...", "Profile on the H100, session of ...", "Measured on the H100, session of ...".
+# a passage labelled as a dated measurement the results do not hold: "A/B on an H100, 2026-11-22
+# (`665357d`): ...", "Profile on the H100, 2026-11-24 ...", "Measured on the H100, 2026-11-24 ...": most
+# of those live in a stage's lab notebook (docs/notebook/), the lesson keeping the current figures.
 # A passage of datasheet values, goals or arithmetic says so in an HTML comment, `<!-- not measured:
 # why -->`. A table takes the label of the paragraph just before it.
 
 FIGURE = re.compile(r"<!-- figure:(\w+(?::\w+)?):([^:>]+):([\w.:]+) -->")
 MEASURED_LOOKING = re.compile(r"\d+(?:\.\d+)? ?(?:ms\b|TFLOP/s|x\b|%|×(?! ?(?:\d|[A-Z]\b)))")  # not "16 × 8", "64 × D"
-DATED = re.compile(r"\b(?:A/B|[Pp]rofile|[Mm]easured)\s+on\s+(?:an|the)\s+[\w\s]+?,\s+session\s+of\s+\d{4}-\d{2}-\d{2}")
+DATED = re.compile(r"\b(?:A/B|[Pp]rofile|[Mm]easured)\s+on\s+(?:an|the)\s+[\w\s]+?,\s+\d{4}-\d{2}-\d{2}")
 NOT_MEASURED = re.compile(r"<!-- not measured: [^>]+-->")
 FENCED = re.compile(r"^[ \t]*```.*?^[ \t]*```[ \t]*$", re.S | re.M)
 PAGES = sorted((ROOT / "docs").rglob("*.md"))
@@ -621,8 +622,9 @@ def test_the_scan_catches_bare_figures():
         "'656 TFLOP/s' in: Stage 6 runs at 656 TFLOP/s, 1.2× the library.",
         "'1.2×' in: Stage 6 runs at 656 TFLOP/s, 1.2× the library."]
     assert bare_figures("It takes 0.25 ms, under 1% of the layer.") != []
-    assert bare_figures("A/B on the H100, session of 2026-11-22: 28.5 vs 27.4 ms.\n\n| a | 3 ms |") == []
-    assert bare_figures("A/B on the H100, session of 2026-11-22.\n\nThen 27.4 ms.") != []  # one paragraph only
+    assert bare_figures("A/B on the H100, 2026-11-22 (`665357d`): 28.5 vs 27.4 ms.\n\n| a | 3 ms |") == []
+    assert bare_figures("A/B on the H100, 2026-11-22.\n\nThen 27.4 ms.") != []  # one paragraph only
+    assert bare_figures("A/B on the H100: 28.5 vs 27.4 ms.") != []  # undated
     assert bare_figures("<!-- not measured: the datasheet -->\n989 TFLOP/s of tensor math") == []
     assert bare_figures("A 16 × 8 tile, 64 × D values, `x % 8`, <!-- figure:s:t:ms -->.\n\n```\n3 ms\n```") == []
 
