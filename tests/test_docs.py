@@ -804,3 +804,53 @@ def test_rung_and_gpu_tables_fit_a_1400_pixel_window(browser, served):
         for gpu in ("H100 80GB HBM3", "H200"):
             assert browser.execute_script(CLICK_TAB, gpu)
             assert browser.execute_script(OVERFLOWING_TABLES) == [], f"/{page} on the {gpu}: a results table scrolls sideways"
+
+
+# Every chart and diagram on a page: its text inside the drawing (not clipped at its edge), no two texts
+# over each other, and none under 11 px on screen (the drawing is never shrunk below its own size: on a
+# narrow screen the figure scrolls sideways instead; course.css and the hook's on_page_content).
+CHART_TEXT = """document.querySelectorAll('details').forEach(d => d.open = true);
+const found = {charts: 0, outside: [], small: [], overlapping: [], shrunk: []};
+for (const svg of document.querySelectorAll('svg.fm-chart, svg.fm-diagram')) {
+  const box = svg.getBoundingClientRect();
+  if (box.width === 0) continue;  // in a tab that is not shown
+  found.charts++;
+  const scale = svg.getScreenCTM().a, name = svg.getAttribute('aria-label') || svg.getAttribute('class');
+  if (box.width < svg.viewBox.baseVal.width - 1) found.shrunk.push(name);
+  const texts = Array.from(svg.querySelectorAll('text')).map(t => [t, t.getBoundingClientRect()]).filter(([t, r]) => r.width > 0);
+  for (const [t, r] of texts) {
+    const px = parseFloat(getComputedStyle(t).fontSize) * scale;
+    if (px < 11 - 0.01) found.small.push(`${name}: "${t.textContent.slice(0, 40)}" ${px.toFixed(1)} px`);
+    if (r.left < box.left - 1 || r.right > box.right + 1 || r.top < box.top - 1 || r.bottom > box.bottom + 1)
+      found.outside.push(`${name}: "${t.textContent.slice(0, 40)}"`);
+  }
+  for (let i = 0; i < texts.length; i++) for (let j = i + 1; j < texts.length; j++) {
+    const a = texts[i][1], b = texts[j][1];
+    if (Math.min(a.right, b.right) - Math.max(a.left, b.left) > 1 && Math.min(a.bottom, b.bottom) - Math.max(a.top, b.top) > 3)
+      found.overlapping.push(`${name}: "${texts[i][0].textContent.slice(0, 30)}" / "${texts[j][0].textContent.slice(0, 30)}"`);
+  }
+}
+return found;"""
+
+
+def pages_with_charts(site: Path) -> list[str]:
+    return sorted(str(p.parent.relative_to(site)).replace(".", "") for p in site.rglob("index.html")
+                  if re.search(r'<svg class="fm-(?:chart|diagram)', p.read_text()))
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("width", [1400, 400])
+def test_chart_text_is_inside_and_legible(browser, served_site, site, width):
+    """At 1400 px (the nav and the table of contents beside the page) and at 400 px (a phone), on
+    every page with a chart or diagram: no text clipped or overlapping, none under 11 px."""
+    pages = pages_with_charts(site)
+    assert "stages/stage10" in pages and "stages/stage11" in pages and "" in pages
+    browser.set_window_size(width, 1000)
+    problems = []
+    for page in pages:
+        browser.get(f"{served_site}/{page}/" if page else served_site + "/")
+        found = browser.execute_script(CHART_TEXT)
+        assert found["charts"], f"/{page}: no chart drawn"
+        problems += [f"/{page} at {width} px, {kind}: {item}" for kind in ("outside", "small", "overlapping", "shrunk")
+                     for item in found[kind]]
+    assert not problems, "\n".join(problems[:40])
