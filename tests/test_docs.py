@@ -583,14 +583,15 @@ def test_without_results_the_pages_say_not_measured(empty_site):
 # ---------------------------------------------------------------- measured figures in the lessons' prose
 # A measured figure in a lesson comes from the results when the site is built, through a placeholder
 # `<!-- figure:<stage>:<shape label>:<field> -->` (docs/hooks/course.py lists the fields), or sits in
-# a passage labelled as a dated measurement the results do not hold: "A/B on an H100, session of
-# 2026-11-22: ...", "Profile on the H100, session of ...", "Measured on the H100, session of ...".
+# a passage labelled as a dated measurement the results do not hold: "A/B on an H100, 2026-11-22
+# (`665357d`): ...", "Profile on the H100, 2026-11-24 ...", "Measured on the H100, 2026-11-24 ...": most
+# of those live in a stage's lab notebook (docs/notebook/), the lesson keeping the current figures.
 # A passage of datasheet values, goals or arithmetic says so in an HTML comment, `<!-- not measured:
 # why -->`. A table takes the label of the paragraph just before it.
 
 FIGURE = re.compile(r"<!-- figure:(\w+(?::\w+)?):([^:>]+):([\w.:]+) -->")
 MEASURED_LOOKING = re.compile(r"\d+(?:\.\d+)? ?(?:ms\b|TFLOP/s|x\b|%|×(?! ?(?:\d|[A-Z]\b)))")  # not "16 × 8", "64 × D"
-DATED = re.compile(r"\b(?:A/B|[Pp]rofile|[Mm]easured)\s+on\s+(?:an|the)\s+[\w\s]+?,\s+session\s+of\s+\d{4}-\d{2}-\d{2}")
+DATED = re.compile(r"\b(?:A/B|[Pp]rofile|[Mm]easured)\s+on\s+(?:an|the)\s+[\w\s]+?,\s+\d{4}-\d{2}-\d{2}")
 NOT_MEASURED = re.compile(r"<!-- not measured: [^>]+-->")
 FENCED = re.compile(r"^[ \t]*```.*?^[ \t]*```[ \t]*$", re.S | re.M)
 PAGES = sorted((ROOT / "docs").rglob("*.md"))
@@ -621,8 +622,9 @@ def test_the_scan_catches_bare_figures():
         "'656 TFLOP/s' in: Stage 6 runs at 656 TFLOP/s, 1.2× the library.",
         "'1.2×' in: Stage 6 runs at 656 TFLOP/s, 1.2× the library."]
     assert bare_figures("It takes 0.25 ms, under 1% of the layer.") != []
-    assert bare_figures("A/B on the H100, session of 2026-11-22: 28.5 vs 27.4 ms.\n\n| a | 3 ms |") == []
-    assert bare_figures("A/B on the H100, session of 2026-11-22.\n\nThen 27.4 ms.") != []  # one paragraph only
+    assert bare_figures("A/B on the H100, 2026-11-22 (`665357d`): 28.5 vs 27.4 ms.\n\n| a | 3 ms |") == []
+    assert bare_figures("A/B on the H100, 2026-11-22.\n\nThen 27.4 ms.") != []  # one paragraph only
+    assert bare_figures("A/B on the H100: 28.5 vs 27.4 ms.") != []  # undated
     assert bare_figures("<!-- not measured: the datasheet -->\n989 TFLOP/s of tensor math") == []
     assert bare_figures("A 16 × 8 tile, 64 × D values, `x % 8`, <!-- figure:s:t:ms -->.\n\n```\n3 ms\n```") == []
 
@@ -802,3 +804,53 @@ def test_rung_and_gpu_tables_fit_a_1400_pixel_window(browser, served):
         for gpu in ("H100 80GB HBM3", "H200"):
             assert browser.execute_script(CLICK_TAB, gpu)
             assert browser.execute_script(OVERFLOWING_TABLES) == [], f"/{page} on the {gpu}: a results table scrolls sideways"
+
+
+# Every chart and diagram on a page: its text inside the drawing (not clipped at its edge), no two texts
+# over each other, and none under 11 px on screen (the drawing is never shrunk below its own size: on a
+# narrow screen the figure scrolls sideways instead; course.css and the hook's on_page_content).
+CHART_TEXT = """document.querySelectorAll('details').forEach(d => d.open = true);
+const found = {charts: 0, outside: [], small: [], overlapping: [], shrunk: []};
+for (const svg of document.querySelectorAll('svg.fm-chart, svg.fm-diagram')) {
+  const box = svg.getBoundingClientRect();
+  if (box.width === 0) continue;  // in a tab that is not shown
+  found.charts++;
+  const scale = svg.getScreenCTM().a, name = svg.getAttribute('aria-label') || svg.getAttribute('class');
+  if (box.width < svg.viewBox.baseVal.width - 1) found.shrunk.push(name);
+  const texts = Array.from(svg.querySelectorAll('text')).map(t => [t, t.getBoundingClientRect()]).filter(([t, r]) => r.width > 0);
+  for (const [t, r] of texts) {
+    const px = parseFloat(getComputedStyle(t).fontSize) * scale;
+    if (px < 11 - 0.01) found.small.push(`${name}: "${t.textContent.slice(0, 40)}" ${px.toFixed(1)} px`);
+    if (r.left < box.left - 1 || r.right > box.right + 1 || r.top < box.top - 1 || r.bottom > box.bottom + 1)
+      found.outside.push(`${name}: "${t.textContent.slice(0, 40)}"`);
+  }
+  for (let i = 0; i < texts.length; i++) for (let j = i + 1; j < texts.length; j++) {
+    const a = texts[i][1], b = texts[j][1];
+    if (Math.min(a.right, b.right) - Math.max(a.left, b.left) > 1 && Math.min(a.bottom, b.bottom) - Math.max(a.top, b.top) > 3)
+      found.overlapping.push(`${name}: "${texts[i][0].textContent.slice(0, 30)}" / "${texts[j][0].textContent.slice(0, 30)}"`);
+  }
+}
+return found;"""
+
+
+def pages_with_charts(site: Path) -> list[str]:
+    return sorted(str(p.parent.relative_to(site)).replace(".", "") for p in site.rglob("index.html")
+                  if re.search(r'<svg class="fm-(?:chart|diagram)', p.read_text()))
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("width", [1400, 400])
+def test_chart_text_is_inside_and_legible(browser, served_site, site, width):
+    """At 1400 px (the nav and the table of contents beside the page) and at 400 px (a phone), on
+    every page with a chart or diagram: no text clipped or overlapping, none under 11 px."""
+    pages = pages_with_charts(site)
+    assert "stages/stage10" in pages and "stages/stage11" in pages and "" in pages
+    browser.set_window_size(width, 1000)
+    problems = []
+    for page in pages:
+        browser.get(f"{served_site}/{page}/" if page else served_site + "/")
+        found = browser.execute_script(CHART_TEXT)
+        assert found["charts"], f"/{page}: no chart drawn"
+        problems += [f"/{page} at {width} px, {kind}: {item}" for kind in ("outside", "small", "overlapping", "shrunk")
+                     for item in found[kind]]
+    assert not problems, "\n".join(problems[:40])

@@ -1,7 +1,9 @@
 """Build-time parts of the course site, run by mkdocs (see `hooks:` in mkdocs.yml).
 
 - on_config: the nav's "Stages" section gets one page, docs/stages/stage<N>.md, per directory
-  stages/stage<N>_*/, titled with the first line of the stage's __init__.py docstring.
+  stages/stage<N>_*/, titled with the first line of the stage's __init__.py docstring; its "Lab
+  notebook" section, after the pages mkdocs.yml names there, one page per stage, docs/notebook/stage<N>.md
+  (the stage's history: the variants measured and not kept, earlier profiles, dated by date and commit).
 - on_page_markdown: placeholders in a page become what results/*.json holds ($FLASHMOE_RESULTS_DIR
   overrides the folder). A <key> is a stage directory, or a rung of its ladder after a colon
   ("stage6_grouped_gemm:mma_sync"), as the results files key them:
@@ -293,10 +295,16 @@ def gpu_tabs(items: list[tuple[dict, str]]) -> str:
             f'<div class="tabbed-labels">{labels}</div>\n<div class="tabbed-content" markdown>\n{blocks}</div>\n</div>\n\n')
 
 
+SVG_OPEN = re.compile(r'<svg class="(fm-chart[^"]*|fm-diagram)" viewBox="0 0 ([\d.]+) ([\d.]+)"')
+
+
 def on_page_content(html_text, page, config, files):
     """Markdown wraps the tabs' radio buttons in a paragraph; Material's tabs want them as the tab
-    set's own children."""
-    return re.sub(rf'<p>((?:<input class="{TAB_INPUT}"[^>]*>)+)</p>', r"\1", html_text)
+    set's own children. And every chart and diagram is drawn at least at its own size (one unit of
+    its viewBox a pixel, so that its text, 11 units and up, is 11 px and up on screen): on a narrow
+    screen the figure scrolls sideways (course.css) rather than shrink its text."""
+    html_text = re.sub(rf'<p>((?:<input class="{TAB_INPUT}"[^>]*>)+)</p>', r"\1", html_text)
+    return SVG_OPEN.sub(lambda m: f'{m[0]} style="min-width: {float(m[2]):g}px"', html_text)
 
 
 # ---------------------------------------------------------------- mkdocs events
@@ -304,9 +312,12 @@ def on_page_content(html_text, page, config, files):
 def on_config(config):
     ladder_of.cache_clear()  # `mkdocs serve` builds again after a change to stages/
     pages = [{info.title: f"stages/stage{info.number}.md"} for info in stage_dirs()]
+    notebooks = [{f"Stage {info.number}": f"notebook/stage{info.number}.md"} for info in stage_dirs()]
     for entry in config.nav or []:
         if isinstance(entry, dict) and "Stages" in entry:
             entry["Stages"] = pages
+        if isinstance(entry, dict) and "Lab notebook" in entry:  # what the nav names there first stays first
+            entry["Lab notebook"] = [e for e in entry["Lab notebook"] or [] if e not in notebooks] + notebooks
     return config
 
 
@@ -1004,7 +1015,9 @@ def stage_figure(benches: list[dict], metric: str) -> str:
     if not top:
         return ""
     unit = METRICS[metric]
-    W, left, right, bar, gap = 760, 260, 56, 9, 12
+    longest = max(len(text) for text, _ in rows)  # the shapes' labels, right-aligned left of the bars: 12 px text
+    left, right, bar, gap = max(260, 16 + 7 * longest), 56, 13, 12  # bar: the 11 px values beside them
+    W = left + 444 + right
     H = 8 + len(rows) * (len(series) * bar + gap)
     scale = (W - left - right) / top
     body, y = [], 8
@@ -1014,7 +1027,7 @@ def stage_figure(benches: list[dict], metric: str) -> str:
             if v:
                 body.append(f'<rect x="{left}" y="{y}" width="{v * scale:.1f}" height="{bar - 1}" fill="{COLORS[i % len(COLORS)]}">'
                             f'<title>{html.escape(series[i])}: {v:.1f} {unit}</title></rect>'
-                            f'<text class="fm-axis" x="{left + v * scale + 4:.1f}" y="{y + bar - 1}">{v:.1f}</text>')
+                            f'<text class="fm-axis" x="{left + v * scale + 4:.1f}" y="{y + bar - 3}">{v:.1f}</text>')
             y += bar
         y += gap
     svg = svg_root("fm-stage", W, H, f"{unit} of this stage and the baselines", body)
