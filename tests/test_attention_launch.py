@@ -200,3 +200,27 @@ def test_c_parameter_lists_are_read_as_the_types_passed():
     from stages.common.launcher import parameter_types
     assert parameter_types("const elem_t* __restrict__, long long, int, const TmaMap, float") == \
         ["pointer", "long long", "int", "TmaMap", "float"]
+
+
+def test_packed_parameters_lay_each_argument_in_its_own_slot():
+    """The launch path's packed buffer (stages/common/launcher.py): 8 bytes per scalar or pointer, 128 per
+    tensor map, each at the address the pointer array gives the driver."""
+    import ctypes
+    import struct
+
+    from stages.common.launcher import PackedParameters, parameter_types
+
+    types = parameter_types("const elem_t*, long long, int, const TmaMap, float, unsigned")
+    packed = PackedParameters(types)
+    tensor = torch.zeros(4)
+    packed.pack((tensor, -5, 7, bytes(range(128)), 0.5, 3))
+    raw = packed.raw()
+    slots = [a - ctypes.c_void_p.from_address(packed.pointers).value
+             for a in (ctypes.c_void_p * 6).from_address(packed.pointers)]
+    assert slots == [0, 8, 16, 24, 152, 160]
+    assert struct.unpack_from("<Q", raw, 0)[0] == tensor.data_ptr()
+    assert struct.unpack_from("<q", raw, 8)[0] == -5 and struct.unpack_from("<i", raw, 16)[0] == 7
+    assert raw[24:152] == bytes(range(128))
+    assert struct.unpack_from("<f", raw, 152)[0] == 0.5 and struct.unpack_from("<I", raw, 160)[0] == 3
+    with pytest.raises(TypeError, match="no way to pass a parameter of type 'double'"):
+        PackedParameters(["double"])

@@ -55,6 +55,9 @@ BASES["stage4_hopper"] = "11f2b51"
 # at 538c872: stage 9 adds whole tiles to the padded dQ accumulator.
 BASES["stage8_backward"] = "da22e03"
 BASES["stage9_hopper_backward"] = "538c872"
+# Measured at b4501e5: stages 4, 8 and 9 address Q, K, V, O, dO and the gradients by their strides (4-D
+# tensor maps, HeadRows); stage 8 through the shared preprocess and dQ conversion.
+BASES.update({name: "b4501e5" for name in ("stage4_hopper", "stage8_backward", "stage9_hopper_backward")})
 # Measured at 58fd728: stage 7's router down to one chunk per block (router_sum a warp per logit, a null
 # bias allowed), gather_rows' binary search for a padding row's token.
 BASES["stage7_moe_layer"] = "58fd728"

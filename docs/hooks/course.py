@@ -212,8 +212,13 @@ def results_folder() -> tuple[Path, bool]:
 def load_runs() -> list[dict]:
     """Every results/*.json, the H100 first: one "run" per GPU ("_file": the file's name)."""
     folder, _ = results_folder()
-    runs = [{**json.loads(p.read_text()), "_file": p.name} for p in sorted(folder.glob("*.json"))]
+    runs = [current_only({**json.loads(p.read_text()), "_file": p.name}) for p in sorted(folder.glob("*.json"))]
     return sorted(runs, key=lambda run: PROSE_GPU not in str(run.get("gpu")))
+
+
+def current_only(run: dict) -> dict:
+    """A run without the stage entries marked stale (measured on older sources): not the kernels' figures."""
+    return {**run, "stages": {k: v for k, v in run.get("stages", {}).items() if not v.get("stale")}}
 
 
 def gpu_of(run: dict) -> str:
