@@ -149,10 +149,12 @@ def variant_run(kernels, local: dict, group, options: dict, peers):
     return run, out, topk_ids
 
 
-def layer_figures(kernels, local: dict, whole: dict | None, group, reps: int, peers) -> tuple[dict, dict]:
-    """Each variant's correctness (rank 0's) and time; a failed one {"error": ...} in both."""
-    checked, layer_ms, expected = {}, {}, {}
-    for name, options in VARIANTS.items():
+def layer_figures(kernels, local: dict, whole: dict | None, group, reps: int, peers, variants: dict,
+                  expected: dict) -> tuple[dict, dict]:
+    """Each of `variants`' correctness (rank 0's) and time; a failed one {"error": ...} in both. `expected`:
+    stage 7's outputs and the reference, kept from one call to the next."""
+    checked, layer_ms = {}, {}
+    for name, options in variants.items():
         if "peers" in options and isinstance(peers, dict):
             checked[name] = layer_ms[name] = peers  # the buffers could not be made
             continue
@@ -333,8 +335,9 @@ def measure(config: str, args, kernels, group) -> dict | None:
     del inputs
     torch.cuda.empty_cache()
 
-    peers = agreed(lambda: peer_buffers(local, group), group)
-    checked, layer_ms = layer_figures(kernels, local, whole, group, args.reps, peers)
+    # NCCL's figures first, NVLink's last: a fault in the stage's own transport cannot take the others with it.
+    nccl, expected = {n: o for n, o in VARIANTS.items() if "peers" not in o}, {}
+    checked, layer_ms = layer_figures(kernels, local, whole, group, args.reps, None, nccl, expected)
 
     def parts_for(spare_sms):
         return KernelParts(kernels, local["wr"], local["bias"], local["w1"], local["w2"], local["top_k"], spare_sms)
@@ -342,15 +345,19 @@ def measure(config: str, args, kernels, group) -> dict | None:
     parts = parts_for(0)
     torch_ep_ms = timed(lambda: layer_expert_parallel(local, local["top_k"], group), args.reps, group)
     phase_ms = {"NCCL": phases(nccl_phases(parts, local, group), args.reps, group)}
-    if not isinstance(peers, dict):
-        phase_ms[NVLINK] = agreed(lambda: phases(nvlink_phases(parts, KernelPeers(kernels, peers, parts.align), local),
-                                                 args.reps, group), group)
     sent = exchange_bytes(local["x"].shape[0] * local["top_k"], shape["hidden"])
     mean_sent = sum_over(sent, group) / world
     a2a_ms, a2a_bytes = all_to_all_ms(mean_sent, shape["hidden"], group, args.reps)
     capacity = padding(parts, local, group)
     cost_ms = costs(local, parts_for, group, args.reps)
     one_gpu_ms = one_gpu(whole, local, args.reps) if rank == 0 else None
+
+    peers = agreed(lambda: peer_buffers(local, group), group)
+    found = layer_figures(kernels, local, whole, group, args.reps, peers,
+                          {n: o for n, o in VARIANTS.items() if "peers" in o}, expected)
+    checked, layer_ms = {**checked, **found[0]}, {**layer_ms, **found[1]}
+    phase_ms[NVLINK] = peers if isinstance(peers, dict) else agreed(
+        lambda: phases(nvlink_phases(parts, KernelPeers(kernels, peers, parts.align), local), args.reps, group), group)
     dist.barrier(group=group)
     if rank:
         return None
