@@ -550,7 +550,8 @@ def test_the_nvlink_kernels_as_rank_1_of_4_on_one_gpu():
     peers.combine(routing, slot_row, out)
     picked = torch.stack([torch.stack([y[int(d)][int(r)] for d, r in zip(ids[t] // local, slot_row[t])])
                           for t in range(tokens)]).float()
-    torch.testing.assert_close(out.float(), (picked * weights[..., None]).sum(1).bfloat16().float(), rtol=0, atol=2e-2)
+    expected = (picked * weights[..., None]).sum(1).bfloat16().float()
+    torch.testing.assert_close(out.float(), expected, rtol=2**-7, atol=1e-3)  # a bf16 rounding apart at most
     for d in range(world):
         assert torch.equal(controls[d][nvlink.TABLE + rank * nvlink.MAX_EXPERTS:][:experts].cpu(), counts)
         flags = (nvlink.PLANNED, nvlink.ARRIVED, nvlink.READY)
