@@ -83,12 +83,18 @@ def host_us(call, before=None, calls: int = HOST_CALLS) -> float:
 
 def model_views(B, H, Hkv, S, D, dtype=torch.bfloat16, seed=0):
     """Leaf [B, S, H, D] projections, and a function giving q, k, v as the [B, H, S, D] views a
-    transformers model hands its attention, and the gradient an output projection sends back."""
+    transformers model hands its attention (the leaves' gradients cleared, as an optimizer's zero_grad
+    does: no accumulation kernels in the figures), and the gradient an output projection sends back."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     leaves = [torch.randn(B, S, heads, D, generator=gen, device="cuda", dtype=dtype).requires_grad_()
               for heads in (H, Hkv, Hkv)]
     grad = torch.randn(B, S, H, D, generator=gen, device="cuda", dtype=dtype)
-    return lambda: [t.transpose(1, 2) for t in leaves], grad.transpose(1, 2)
+
+    def views():
+        for t in leaves:
+            t.grad = None
+        return [t.transpose(1, 2) for t in leaves]
+    return views, grad.transpose(1, 2)
 
 
 def sdpa(q, k, v):
@@ -165,11 +171,14 @@ def host_breakdown(ops, shape=ATTENTION_SHAPES[0]) -> dict:
         else:
             whole = host_us(lambda o: o.backward(grad), before=lambda: ops.attention(*views(), causal=True))
         stage_launch = host_us(lambda: ops.launch_fastest(*io))
+        op_launch = host_us(lambda: ops.forward_launch(q, k, v, True, 1.0)) if direction == "forward" else \
+            host_us(lambda: ops.backward_launch(grad, q, k, v, o, lse, True, 1.0))
         launches = _timed_launches(launcher, lambda: ops.launch_fastest(*io))
         maps = host_us(lambda: _tensor_maps(views(), stage_maps[direction]))
         checks = host_us(lambda: ops.attention_input_problem(*views())) if direction == "forward" else 0.0
         pieces[direction] = {"whole": whole, "checks": checks, "tensor maps": maps, "kernel launches": launches,
                              "stage launch, rest (allocations, geometry)": stage_launch - maps - launches,
+                             "op's launch function (allocations, the stage launch)": op_launch,
                              "ops, rest (allocations, autograd, dispatch)": whole - stage_launch - checks}
     return pieces
 
