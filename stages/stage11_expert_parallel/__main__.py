@@ -433,6 +433,20 @@ def environment(device: torch.device, group) -> dict:
                 head_start_ms=timed(head_start, 3))
 
 
+def stage_kernels(device_index: int):
+    """This stage's kernels (bf16), compiled (or read from the compile cache) and loaded on one GPU, in
+    PyTorch's own context; ValueError where the GPU is not sm_90a."""
+    from cuda.core import Device
+
+    from stages.common.compiler import compile_cubin
+    from stages.common.launcher import KernelSet
+
+    arch = stages.arch_for(torch.cuda.get_device_properties(device_index), STAGE.archs)
+    cubin = compile_cubin(STAGE.source_path, arch, STAGE.defines({"dtype": "bfloat16"}))
+    Device(device_index).set_current()
+    return KernelSet(cubin.path, STAGE.kernels)
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     if not torch.cuda.is_available():
@@ -441,9 +455,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
     group = default_group(device)
-    arch = stages.arch_for(torch.cuda.get_device_properties(device), STAGE.archs)
-    defines = tuple(sorted(STAGE.defines({"dtype": "bfloat16"}).items()))
-    kernels = ops.kernels_for(STAGE.key, arch, defines, device.index)
+    kernels = stage_kernels(device.index)
     configs = BAR_CONFIGS if args.config == "all" else (args.config,)
     env = environment(device, group)
     rank = dist.get_rank(group)
