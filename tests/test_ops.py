@@ -388,6 +388,15 @@ def test_the_output_passes_the_tolerance_rule(shape):
     assert check.passed, failures([check])
 
 
+def gradient_checks(q, k, v, grad_o, scale, causal):
+    """ops.attention's (dq, dk, dv), and their checks against float64 with SDPA's own as the yardstick."""
+    ours = gradients(lambda q, k, v: ops.attention(q, k, v, causal=causal, scale=scale), q, k, v, grad_o)
+    library = gradients(lambda q, k, v: sdpa(dict(q=q, k=k, v=v, scale=scale, causal=causal)), q, k, v, grad_o)
+    exact = gradients(lambda q, k, v: ATTENTION.reference(dict(q=q, k=k, v=v, scale=scale, causal=causal))["o"],
+                      q.double(), k.double(), v.double(), grad_o.double())
+    return ours, [relative_to_library(name, *grads) for name, *grads in zip(("dq", "dk", "dv"), ours, exact, library)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 def test_the_gradients_pass_the_tolerance_rule(shape):
@@ -399,11 +408,7 @@ def test_the_gradients_pass_the_tolerance_rule(shape):
     scale, causal = inputs["scale"], inputs["causal"]
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     grad_o = torch.randn_like(q)
-    ours = gradients(lambda q, k, v: ops.attention(q, k, v, causal=causal, scale=scale), q, k, v, grad_o)
-    library = gradients(lambda q, k, v: sdpa(dict(q=q, k=k, v=v, scale=scale, causal=causal)), q, k, v, grad_o)
-    exact = gradients(lambda q, k, v: ATTENTION.reference(dict(q=q, k=k, v=v, scale=scale, causal=causal))["o"],
-                      q.double(), k.double(), v.double(), grad_o.double())
-    checks = [relative_to_library(name, *grads) for name, *grads in zip(("dq", "dk", "dv"), ours, exact, library)]
+    _, checks = gradient_checks(q, k, v, grad_o, scale, causal)
     assert all(c.passed for c in checks), failures(checks)
 
 
@@ -424,12 +429,8 @@ def test_grouped_query_gradients_pass_the_tolerance_rule(B, H, Hkv, Sq, Skv, D, 
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     assert k.shape[1] == Hkv
     grad_o = torch.randn_like(q)
-    ours = gradients(lambda q, k, v: ops.attention(q, k, v, causal=causal, scale=scale), q, k, v, grad_o)
-    library = gradients(lambda q, k, v: sdpa(dict(q=q, k=k, v=v, scale=scale, causal=causal)), q, k, v, grad_o)
-    exact = gradients(lambda q, k, v: ATTENTION.reference(dict(q=q, k=k, v=v, scale=scale, causal=causal))["o"],
-                      q.double(), k.double(), v.double(), grad_o.double())
+    ours, checks = gradient_checks(q, k, v, grad_o, scale, causal)
     assert ours[1].shape == k.shape and ours[2].shape == v.shape
-    checks = [relative_to_library(name, *grads) for name, *grads in zip(("dq", "dk", "dv"), ours, exact, library)]
     assert all(c.passed for c in checks), failures(checks)
 
 
@@ -450,11 +451,7 @@ def test_model_views_pass_the_tolerance_rule_and_get_gradients_in_their_layout(B
     o = ops.attention(q, k, v, causal=causal, scale=scale)
     check = relative_to_library("o", o, ATTENTION.reference(inputs)["o"], sdpa(inputs))
     assert check.passed, failures([check])
-    ours = gradients(lambda q, k, v: ops.attention(q, k, v, causal=causal, scale=scale), q, k, v, grad_o)
-    library = gradients(lambda q, k, v: sdpa(dict(q=q, k=k, v=v, scale=scale, causal=causal)), q, k, v, grad_o)
-    exact = gradients(lambda q, k, v: ATTENTION.reference(dict(q=q, k=k, v=v, scale=scale, causal=causal))["o"],
-                      q.double(), k.double(), v.double(), grad_o.double())
-    checks = [relative_to_library(name, *grads) for name, *grads in zip(("dq", "dk", "dv"), ours, exact, library)]
+    ours, checks = gradient_checks(q, k, v, grad_o, scale, causal)
     assert all(c.passed for c in checks), failures(checks)
     if layout == "bshd":  # dense views: the gradients come back in the same layout, ready for the projections
         assert [g.stride() for g in ours] == [t.stride() for t in (q, k, v)]
