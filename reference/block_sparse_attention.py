@@ -13,7 +13,8 @@ layout of FlexAttention's BlockMask (torch.nn.attention.flex_attention), one mas
 query block m sees the first kv_num_blocks[m] entries of kv_indices[m] (partial) and the first
 full_kv_num_blocks[m] of full_kv_indices[m] (full); the rest of each row is padding (the unlisted blocks,
 ascending, as FlexAttention orders it). Every pair of a full block is visible; in a partial block, the pairs
-the element mask allows, one of ELEMENT_MASKS, with i the query's token and j the key's:
+the element mask allows, one of ELEMENT_MASKS, with i the query's token and j the key's (the masks made
+from an element mask list a block cut by S as partial, as create_block_mask does; pairs past S never exist):
 
     "none"            none: a mask of this kind lists full blocks only (the neighbourhood graph)
     "causal"          j <= i
@@ -111,8 +112,10 @@ def element_visible(i, j, element_mask: str, window: int, ids: torch.Tensor) -> 
 
 def element_blocks(seq_len: int, element_mask: str, window: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[Qb, KVb] bool twice: the block pairs holding a visible pair, and those whose pairs all are, from each
-    tile's bounds (i - j takes every value between its tile's least and greatest; ids ascend)."""
+    tile's bounds (i - j takes every value between its tile's least and greatest; ids ascend). A tile cut by
+    S is never full, as in create_block_mask (which pads S to whole blocks with hidden pairs)."""
     starts, ends = block_bounds(seq_len)
+    whole = ends - starts == BLOCK
     first, last = starts, ends - 1
     least, greatest = first[:, None] - last[None, :], last[:, None] - first[None, :]  # of i - j over a tile
     upper = window - 1 if element_mask == "sliding_window" else seq_len               # i - j <= upper
@@ -120,7 +123,7 @@ def element_blocks(seq_len: int, element_mask: str, window: int, ids: torch.Tens
     id_first, id_last = ids[first].long(), ids[last].long()
     shared_document = torch.maximum(id_first[:, None], id_first[None, :]) <= torch.minimum(id_last[:, None], id_last[None, :])
     one_document = (id_first == id_last)[:, None] & (id_first == id_last)[None, :] & (id_first[:, None] == id_first[None, :])
-    return some_in_band & shared_document, all_in_band & one_document
+    return some_in_band & shared_document, all_in_band & one_document & whole[:, None] & whole[None, :]
 
 
 def mask_parameters(shape: dict) -> tuple[str, int, torch.Tensor]:
