@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from reference import tolerance
-from reference.attention import LSE_RTOL, kv_group, kv_heads
+from reference.attention import LSE_RTOL, kv_group, kv_heads, random_inputs
 from reference.problem import FLOAT_POISON, Case, Problem
 
 BLOCK = 128  # the block mask's block size, queries and keys
@@ -110,20 +110,24 @@ def element_visible(i, j, element_mask: str, window: int, ids: torch.Tensor) -> 
     return visible
 
 
-def element_blocks(seq_len: int, element_mask: str, window: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def element_blocks(seq_len: int, element_mask: str, window: int, ids: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """[Qb, KVb] bool twice: the block pairs holding a visible pair, and those whose pairs all are, from each
     tile's bounds (i - j takes every value between its tile's least and greatest; ids ascend). A tile cut by
     S is never full, as in create_block_mask (which pads S to whole blocks with hidden pairs)."""
     starts, ends = block_bounds(seq_len)
-    whole = ends - starts == BLOCK
+    whole = ends - starts == BLOCK  # not cut by S
     first, last = starts, ends - 1
     least, greatest = first[:, None] - last[None, :], last[:, None] - first[None, :]  # of i - j over a tile
     upper = window - 1 if element_mask == "sliding_window" else seq_len               # i - j <= upper
     some_in_band, all_in_band = (greatest >= 0) & (least <= upper), (least >= 0) & (greatest <= upper)
     id_first, id_last = ids[first].long(), ids[last].long()
-    shared_document = torch.maximum(id_first[:, None], id_first[None, :]) <= torch.minimum(id_last[:, None], id_last[None, :])
-    one_document = (id_first == id_last)[:, None] & (id_first == id_last)[None, :] & (id_first[:, None] == id_first[None, :])
-    return some_in_band & shared_document, all_in_band & one_document & whole[:, None] & whole[None, :]
+    # the tiles' document ranges overlap, or both are one and the same document
+    shared_document = (torch.maximum(id_first[:, None], id_first[None, :])
+                       <= torch.minimum(id_last[:, None], id_last[None, :]))
+    single = (id_first == id_last) & whole
+    one_document = single[:, None] & single[None, :] & (id_first[:, None] == id_first[None, :])
+    return some_in_band & shared_document, all_in_band & one_document
 
 
 def mask_parameters(shape: dict) -> tuple[str, int, torch.Tensor]:
@@ -358,7 +362,6 @@ class BlockSparseAttentionProblem(Problem):
 
     # ---- inputs and outputs -------------------------------------------------------------------
     def make_inputs(self, shape: dict, dtype: str, seed: int, input_scale: float = 1.0, device="cuda") -> dict:
-        from reference.attention import random_inputs
         gen = torch.Generator(device=device).manual_seed(seed)
         dense_shape = dict(B=shape["B"], H=shape["H"], Hkv=kv_heads(shape), Sq=shape["S"], Skv=shape["S"],
                            D=shape["D"], causal=False)
