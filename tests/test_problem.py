@@ -5,7 +5,7 @@ import reference
 import stages
 from reference.problem import Problem
 
-PROBLEMS = ["attention", "attention_backward", "moe_routing", "moe_experts", "moe_layer", "moe_expert_parallel", "model"]
+PROBLEMS = ["attention", "attention_backward", "moe_routing", "moe_experts", "moe_layer", "moe_layer_backward", "moe_expert_parallel", "model"]
 
 
 @pytest.mark.parametrize("name", PROBLEMS)
