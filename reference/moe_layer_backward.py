@@ -134,7 +134,7 @@ class MoeLayerBackwardProblem(Problem):
     def min_bytes(shape: dict, element_bytes: int = 2) -> float:
         T, E, k, hidden, inter = (shape[n] for n in ("tokens", "experts", "top_k", "hidden", "inter"))
         used = E - len(shape.get("empty", ()))
-        weights = (used + E) * 3 * hidden * inter * element_bytes  # W1, W2 of the experts with tokens in; every dW1, dW2 out
+        weights = (used + E) * 3 * hidden * inter * element_bytes  # W1, W2 of experts with tokens in; all dW1, dW2 out
         router = 2 * (hidden * E * element_bytes + 4 * E)          # Wr, bias in; dWr, dBias out
         tokens = 3 * T * hidden * element_bytes + 2 * 4 * T * k    # x, dY in, dX out; topk_ids, topk_weights in
         return float(weights + router + tokens)

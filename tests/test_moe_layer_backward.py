@@ -187,6 +187,9 @@ def test_baselines_give_gradients_that_pass():
             first, again = run(), run()  # a backward alone runs again on its kept graph
             assert all(torch.equal(first[n], again[n]) for n in P.outputs), name
             assert not failing(first, exact, library), name
+    backward_alone = P.baselines(inputs)
+    yardstick = backward_alone.get("grouped_mm") or backward_alone["naive"]  # grouped_mm where it runs
+    assert all(torch.equal(yardstick()[n], library[n]) for n in P.outputs)
 
 
 # ---------------------------------------------------------------- work
