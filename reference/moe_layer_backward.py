@@ -29,7 +29,7 @@ has dW1[e] = dW2[e] = 0, which a kernel writes too.
 Exact reference: autograd of the float64 layer (moe.layer_reference, the forward's exact code) routed by
 the saved ids, with w from the exact logits. Checks: every output by the library-relative rule; the library
 is PyTorch's autograd of the layer in the inputs' dtype (logits and w in fp32), through torch._grouped_mm
-where it runs (bf16 on a GPU), else through the loop over the experts.
+where it runs (PyTorch >= 2.8; on the GPU bf16 only), else through the loop over the experts.
 
 Work: twice the forward's GEMM flops (moe.layer_flops), 12·hidden·I per token-slot: each forward product
 has a data-side and a weight-side one, dX_e = dh1·W1ᵀ and dW1 = xᵀ·dh1 (4·hidden·I each), dh = dY·W2ᵀ
@@ -103,7 +103,7 @@ class MoeLayerBackwardProblem(Problem):
             try:
                 return library_gradients(inputs, moe.layer_grouped_mm)
             except (RuntimeError, TypeError, NotImplementedError):
-                pass  # torch._grouped_mm refuses these inputs here (fp16, the CPU)
+                pass  # torch._grouped_mm refuses these inputs here (fp16 on the GPU)
         return library_gradients(inputs, moe.layer_loop)
 
     def check(self, outputs: dict, exact: dict, library: dict) -> list[tolerance.OutputCheck]:
