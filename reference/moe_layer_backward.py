@@ -17,7 +17,8 @@ with, as in the forward (logits = x·Wr + bias, exact here, fp32 in a kernel):
 
 The routing ids are the saved topk_ids, whatever the forward chose at a tie: they are constants, and no
 gradient flows through the discrete top-k choice (f_i, a count, included). Through the router, out's
-gradient reaches only the chosen logits, through w: with g_j = dY[t]·y_{ids[t, j]}(x[t]),
+gradient reaches only the chosen logits, through w: with g_j = dY[t]·y_{ids[t, j]}(x[t]) (= h·(dY[t]·W2[e]ᵀ):
+no need for y itself),
     dlogits[t, ids[t, j]] = w[t, j] · (g_j - Σ_l w[t, l] · g_l)
 and the load-balancing loss's reaches every logit, through the full softmax p[t] = softmax(logits[t]):
     dlogits[t, i] += aux_coef · E / T · p[t, i] · (f_i - Σ_l f_l · p[t, l])
@@ -26,14 +27,18 @@ Each expert's token-slots (t, j) give dW2[e] += hᵀ·(w·dY[t]), dW1[e] += x[t]
 h1 = x[t]·W1[e] and h = SwiGLU(h1) recomputed (the inputs hold no activations). An expert no token chose
 has dW1[e] = dW2[e] = 0, which a kernel writes too.
 
+Cases: the forward's (stage 7's: T = 1, ragged token counts, skew, empty experts, both dtypes), then
+DeepSeek-like ones (E 256, top-8); benchmarks: the forward's. Where the grader times the forward's kernel
+then this problem's, the forward's topk_ids replace the exact ones.
+
 Exact reference: autograd of the float64 layer (moe.layer_reference, the forward's exact code) routed by
 the saved ids, with w from the exact logits. Checks: every output by the library-relative rule; the library
 is PyTorch's autograd of the layer in the inputs' dtype (logits and w in fp32), through torch._grouped_mm
 where it runs (PyTorch >= 2.8; on the GPU bf16 only), else through the loop over the experts.
 
 Work: twice the forward's GEMM flops (moe.layer_flops), 12·hidden·I per token-slot: each forward product
-has a data-side and a weight-side one, dX_e = dh1·W1ᵀ and dW1 = xᵀ·dh1 (4·hidden·I each), dh = dY·W2ᵀ
-and dW2 = hᵀ·dY (2·hidden·I each). Not counted: recomputing x·W1 (4·hidden·I per token-slot, a kernel's
+has a data-side and a weight-side one, dX_e = dh1·W1ᵀ and dW1 = xᵀ·dh1 (4·hidden·I each), dh = (w·dY)·W2ᵀ
+and dW2 = hᵀ·(w·dY) (2·hidden·I each). Not counted: recomputing x·W1 (4·hidden·I per token-slot, a kernel's
 overhead: PyTorch's baselines keep the forward's activations in their graph instead), and the router's
 4·hidden·E per token, left out as the forward leaves out its 2·hidden·E. min_bytes: x, dY, Wr, bias, the
 saved routing and the weights of the experts that get tokens read once; dX, dWr, dBias and every expert's
