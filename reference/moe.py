@@ -95,14 +95,21 @@ def padded_capacity(tokens: int, experts: int, top_k: int, block: int) -> int:
     return tokens * top_k + (experts * (block - 1) if block > 0 else 0)
 
 
-def balance_stats(probs: torch.Tensor, counts: torch.Tensor, top_k: int, alpha: float) -> tuple[float, float]:
+def balance_loss(probs: torch.Tensor, counts: torch.Tensor, top_k: int, alpha: float) -> torch.Tensor:
     """The Switch Transformer load-balancing loss α·E·Σ_i f_i·P_i (f_i: fraction of the T·k
-    token-slots routed to expert i, P_i: mean router probability of expert i), and the usage
-    variance mean_i (E·f_i - 1)² in percent (0: perfectly balanced; E·f_i is 1 when balanced)."""
+    token-slots routed to expert i, P_i: mean router probability of expert i over the T tokens),
+    a scalar tensor in probs' dtype: differentiable in probs, not in the counts (a discrete choice)."""
+    tokens, experts = probs.shape
+    f = counts.to(probs.dtype) / (tokens * top_k)
+    return alpha * experts * (f * probs.mean(0)).sum()
+
+
+def balance_stats(probs: torch.Tensor, counts: torch.Tensor, top_k: int, alpha: float) -> tuple[float, float]:
+    """balance_loss in float64, and the usage variance mean_i (E·f_i - 1)² in percent (0: perfectly
+    balanced; E·f_i is 1 when balanced)."""
     tokens, experts = probs.shape
     f = counts.double() / (tokens * top_k)
-    p = probs.double().mean(0)
-    return float(alpha * experts * (f * p).sum()), float(100 * ((experts * f - 1) ** 2).mean())
+    return float(balance_loss(probs.double(), counts, top_k, alpha)), float(100 * ((experts * f - 1) ** 2).mean())
 
 
 # ---------------------------------------------------------------- the exact layer
@@ -182,11 +189,15 @@ def experts_grouped_mm(x_sorted: torch.Tensor, w1: torch.Tensor, w2: torch.Tenso
 
 def slots_by_expert(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The token-slots of ids [T, k] in expert order (a stable sort: by token within an expert), as
-    indices into ids.flatten(), and each expert's count, int32 (no bincount: it synchronizes with the host)."""
+    indices into ids.flatten(), and each expert's count (expert_counts)."""
+    return torch.argsort(ids.flatten(), stable=True), expert_counts(ids, experts)
+
+
+def expert_counts(ids: torch.Tensor, experts: int) -> torch.Tensor:
+    """[E] int32: the token-slots of ids [T, k] each expert received (no bincount: it synchronizes with the host)."""
     flat = ids.flatten()
-    counts = torch.zeros(experts, dtype=torch.int32, device=ids.device).index_add_(
+    return torch.zeros(experts, dtype=torch.int32, device=ids.device).index_add_(
         0, flat, torch.ones_like(flat, dtype=torch.int32))
-    return torch.argsort(flat, stable=True), counts
 
 
 def combine_sorted(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -198,11 +209,13 @@ def combine_sorted(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) 
     return out.to(y.dtype)
 
 
-def layer_grouped_mm(layer: dict, top_k: int) -> torch.Tensor:
+def layer_grouped_mm(layer: dict, top_k: int, ids=None, weights=None) -> torch.Tensor:
     """The layer with torch._grouped_mm (PyTorch >= 2.8, bf16): the token-slots sorted by expert,
-    one grouped GEMM for W1 and one for W2 (experts_grouped_mm)."""
+    one grouped GEMM for W1 and one for W2 (experts_grouped_mm). Routed by torch_routing, or by the
+    given `ids` [T, k] and fp32 `weights` [T, k]."""
     x, w1, w2 = layer["x"], layer["w1"], layer["w2"]
-    ids, weights, _ = torch_routing(router_logits(x, layer["wr"], layer.get("bias")), top_k)
+    if ids is None:
+        ids, weights, _ = torch_routing(router_logits(x, layer["wr"], layer.get("bias")), top_k)
     order, counts = slots_by_expert(ids, w1.shape[0])
     y = experts_grouped_mm(x[order // top_k], w1, w2, torch.cumsum(counts, 0, dtype=torch.int32))
     return combine_sorted(y, order, weights)

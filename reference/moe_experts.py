@@ -68,8 +68,10 @@ _CASES = [
 ]
 
 
-def cases(seed: int = 0) -> list[Case]:
-    return [_case(i, *c[:7], base_seed=seed, **(c[7] if len(c) > 7 else {})) for i, c in enumerate(_CASES)]
+def cases(seed: int = 0, extra=()) -> list[Case]:
+    """The cases of _CASES, then those of `extra` (rows as _CASES's: a problem's own), each with its own seed."""
+    rows = _CASES + list(extra)
+    return [_case(i, *c[:7], base_seed=seed, **(c[7] if len(c) > 7 else {})) for i, c in enumerate(rows)]
 
 
 def benchmarks() -> list[dict]:

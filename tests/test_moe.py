@@ -225,6 +225,9 @@ def test_layer_grouped_mm_matches_the_reference():
         pytest.skip(f"torch._grouped_mm does not run here: {error}")
     exact = moe.layer_reference(layer, 2)
     assert (out.double() - exact).abs().max() <= 0.05 * exact.abs().max()
+    ids, weights, _ = moe.torch_routing(moe.router_logits(layer["x"], layer["wr"], layer["bias"]), 2)
+    assert torch.equal(moe.layer_grouped_mm(layer, 2, ids=ids, weights=weights), out)
+    assert not torch.equal(moe.layer_grouped_mm(layer, 2, ids=ids.flip(1), weights=weights), out)
 
 
 # ---------------------------------------------------------------- work, cases, inputs

@@ -5,8 +5,8 @@ import reference
 import stages
 from reference.problem import Problem
 
-PROBLEMS = ["attention", "attention_backward", "moe_routing", "moe_experts", "moe_layer", "moe_expert_parallel", "model",
-            "block_sparse_attention"]
+PROBLEMS = ["attention", "attention_backward", "moe_routing", "moe_experts", "moe_layer", "moe_layer_backward",
+            "moe_expert_parallel", "model", "block_sparse_attention"]
 
 
 @pytest.mark.parametrize("name", PROBLEMS)
