@@ -229,28 +229,49 @@ def block_tokens(blocks: torch.Tensor, seq_len: int) -> torch.Tensor:
     return tokens[tokens < seq_len]
 
 
-def exact_attention(inputs: dict) -> dict:
-    """O and LSE in float64, one query block at a time over the key blocks its lists name (never S×S)."""
-    q, k, v = (inputs[n].to(torch.float64) for n in "qkv")
-    B, H, seq_len, D = q.shape
-    q = q.unflatten(1, (k.shape[1], kv_group(q, k)))                 # [B, H_kv, group, S, D]
-    k, v = k[:, :, None], v[:, :, None]                                # [B, H_kv, 1, S, D]
-    o, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+def visible_keys(inputs: dict):
+    """The walk over the visible pairs, one query block at a time: yields its first row and one past its
+    last, the key tokens its lists name (its full blocks', then its partial blocks') and [rows, keys] bool,
+    which of them each row sees."""
+    seq_len, device = inputs["q"].shape[2], inputs["q"].device
     starts, ends = block_bounds(seq_len)
     for m, (start, end) in enumerate(zip(starts.tolist(), ends.tolist())):
-        rows = torch.arange(start, end, device=q.device)
+        rows = torch.arange(start, end, device=device)
         full, partial = (block_tokens(inputs[i][0, 0, m, :inputs[c][0, 0, m]], seq_len)
                          for c, i in (LAYOUT[2:], LAYOUT[:2]))
-        visible = torch.cat([torch.ones(len(rows), len(full), dtype=torch.bool, device=q.device),
+        visible = torch.cat([torch.ones(len(rows), len(full), dtype=torch.bool, device=device),
                              element_visible(rows[:, None], partial[None, :], inputs["element_mask"],
                                              inputs["window"], inputs["document_ids"])], dim=1)
-        cols = torch.cat([full, partial])
-        scores = inputs["scale"] * (q[..., start:end, :] @ k[..., cols, :].transpose(-1, -2))
-        scores = scores.masked_fill(~visible, float("-inf"))
-        row_lse = torch.logsumexp(scores, dim=-1)                      # -inf where a row sees no key
-        # exp(-inf - 0) = 0: a row that sees no key has weights 0, and so O = 0
-        weights = torch.exp(scores - torch.where(row_lse.isfinite(), row_lse, 0.0)[..., None])
-        o[..., start:end, :], lse[..., start:end] = weights @ v[..., cols, :], row_lse
+        yield start, end, torch.cat([full, partial]), visible
+
+
+def kv_grouped(inputs: dict, names: str, dtype: torch.dtype) -> dict:
+    """The named tensors in dtype, GQA made a broadcast: query-side ones [B, H, S, D] as [B, H_kv, group, S, D]
+    (query head h is h // group's), K and V as [B, H_kv, 1, S, D]."""
+    kv_count, group = inputs["k"].shape[1], kv_group(inputs["q"], inputs["k"])
+    return {n: inputs[n].to(dtype)[:, :, None] if n in ("k", "v") else inputs[n].to(dtype).unflatten(1, (kv_count, group))
+            for n in names}
+
+
+def block_weights(q_rows: torch.Tensor, k_cols: torch.Tensor, visible: torch.Tensor, scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax weights of a query block over its listed keys, and each row's LSE (-inf where a row sees
+    no key, whose weights are then all 0: exp(-inf - 0))."""
+    scores = (scale * (q_rows @ k_cols.transpose(-1, -2))).masked_fill(~visible, float("-inf"))
+    row_lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - torch.where(row_lse.isfinite(), row_lse, 0.0)[..., None]), row_lse
+
+
+def blockwise_attention(inputs: dict, dtype: torch.dtype = torch.float64) -> dict:
+    """O and LSE computed in dtype (float64: the exact result), one query block at a time over the key blocks
+    its lists name (never S×S)."""
+    t = kv_grouped(inputs, "qkv", dtype)
+    o = torch.zeros_like(t["q"])
+    lse = torch.full(o.shape[:-1], float("-inf"), dtype=dtype, device=o.device)
+    for start, end, cols, visible in visible_keys(inputs):
+        weights, lse[..., start:end] = block_weights(t["q"][..., start:end, :], t["k"][..., cols, :], visible,
+                                                     inputs["scale"])
+        o[..., start:end, :] = weights @ t["v"][..., cols, :]
     return dict(o=o.flatten(1, 2), lse=lse.flatten(1, 2))
 
 
@@ -268,17 +289,23 @@ def compiled_flex_attention():
     return torch.compile(flex_attention)
 
 
-def flex_attention_run(inputs: dict):
-    """A callable: compiled FlexAttention, O and the LSE, with the inputs' block mask and the element mask
-    as its mask_mod, as a FlexAttention user calls it."""
-    from torch.nn.attention.flex_attention import AuxRequest
+def flex_attention_of(inputs: dict):
+    """attention(tensors, **options) -> compiled FlexAttention on tensors' q, k, v with the inputs' block
+    mask, the element mask as its mask_mod, and their scale, as a FlexAttention user calls it."""
     block_mask = to_block_mask(inputs, inputs["q"].shape[2], element_mask_mod(inputs))
-    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    gqa = kv_group(inputs["q"], inputs["k"]) > 1
 
-    def run():
-        return compiled_flex_attention()(q, k, v, block_mask=block_mask, scale=inputs["scale"],
-                                         enable_gqa=kv_group(q, k) > 1, return_aux=AuxRequest(lse=True))
-    return run
+    def attention(tensors: dict, **options):
+        return compiled_flex_attention()(tensors["q"], tensors["k"], tensors["v"], block_mask=block_mask,
+                                         scale=inputs["scale"], enable_gqa=gqa, **options)
+    return attention
+
+
+def flex_attention_run(inputs: dict):
+    """A callable: compiled FlexAttention's O and LSE on the inputs."""
+    from torch.nn.attention.flex_attention import AuxRequest
+    attention = flex_attention_of(inputs)
+    return lambda: attention(inputs, return_aux=AuxRequest(lse=True))
 
 
 # ---- cases and benchmarks ---------------------------------------------------------------------------
@@ -385,7 +412,7 @@ class BlockSparseAttentionProblem(Problem):
 
     # ---- the exact result and the check ------------------------------------------------------
     def reference(self, inputs: dict) -> dict:
-        return exact_attention(inputs)
+        return blockwise_attention(inputs)
 
     def library_output(self, inputs: dict) -> dict:
         """SDPA with the dense boolean mask in the inputs' dtype, O = 0 on rows that see no key (SDPA's
