@@ -249,8 +249,8 @@ def kv_grouped(inputs: dict, names: str, dtype: torch.dtype) -> dict:
     """The named tensors in dtype, GQA made a broadcast: query-side ones [B, H, S, D] as [B, H_kv, group, S, D]
     (query head h is h // group's), K and V as [B, H_kv, 1, S, D]."""
     kv_count, group = inputs["k"].shape[1], kv_group(inputs["q"], inputs["k"])
-    return {n: inputs[n].to(dtype)[:, :, None] if n in ("k", "v") else inputs[n].to(dtype).unflatten(1, (kv_count, group))
-            for n in names}
+    return {n: inputs[n].to(dtype)[:, :, None] if n in ("k", "v")
+            else inputs[n].to(dtype).unflatten(1, (kv_count, group)) for n in names}
 
 
 def block_weights(q_rows: torch.Tensor, k_cols: torch.Tensor, visible: torch.Tensor, scale: float
