@@ -389,14 +389,7 @@ class BlockSparseAttentionProblem(Problem):
 
     # ---- inputs and outputs -------------------------------------------------------------------
     def make_inputs(self, shape: dict, dtype: str, seed: int, input_scale: float = 1.0, device="cuda") -> dict:
-        gen = torch.Generator(device=device).manual_seed(seed)
-        dense_shape = dict(B=shape["B"], H=shape["H"], Hkv=kv_heads(shape), Sq=shape["S"], Skv=shape["S"],
-                           D=shape["D"], causal=False)
-        qkv = {n: x for n, x in random_inputs(dense_shape, dtype, gen, input_scale).items() if n in "qkv"}
-        element_mask, window, ids = mask_parameters(shape)
-        layout = {n: x.to(device) for n, x in block_layout(*block_masks(shape)).items()}
-        return dict(qkv, scale=1.0 / math.sqrt(shape["D"]), element_mask=element_mask, window=window,
-                    document_ids=ids.to(device), **layout)
+        return drawn_inputs(shape, dtype, torch.Generator(device=device).manual_seed(seed), input_scale)
 
     def allocate_outputs(self, inputs: dict) -> dict:
         q = inputs["q"]
@@ -452,6 +445,18 @@ class BlockSparseAttentionProblem(Problem):
         key_side = B * kv_heads(shape) * 2 * key_tokens * D * element_bytes                   # K, V read
         mask = 4 * (int(listed_blocks.sum()) + 2 * len(starts)) + (4 * S if shape["mask"] == "document" else 0)
         return query_side + key_side + mask
+
+
+def drawn_inputs(shape: dict, dtype: str, gen: torch.Generator, input_scale: float = 1.0) -> dict:
+    """The inputs of a shape, Q, K and V drawn from gen (on its device), which the backward draws on from."""
+    device = gen.device
+    dense_shape = dict(B=shape["B"], H=shape["H"], Hkv=kv_heads(shape), Sq=shape["S"], Skv=shape["S"],
+                       D=shape["D"], causal=False)
+    qkv = {n: x for n, x in random_inputs(dense_shape, dtype, gen, input_scale).items() if n in "qkv"}
+    element_mask, window, ids = mask_parameters(shape)
+    layout = {n: x.to(device) for n, x in block_layout(*block_masks(shape)).items()}
+    return dict(qkv, scale=1.0 / math.sqrt(shape["D"]), element_mask=element_mask, window=window,
+                document_ids=ids.to(device), **layout)
 
 
 def visible_block_pairs(shape: dict) -> int:
