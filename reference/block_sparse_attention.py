@@ -301,11 +301,23 @@ def flex_attention_of(inputs: dict):
     return attention
 
 
-def flex_attention_run(inputs: dict):
-    """A callable: compiled FlexAttention's O and LSE on the inputs."""
-    from torch.nn.attention.flex_attention import AuxRequest
-    attention = flex_attention_of(inputs)
-    return lambda: attention(inputs, return_aux=AuxRequest(lse=True))
+def library_sdpa(tensors: dict, visible: torch.Tensor) -> torch.Tensor:
+    """The library's O: SDPA with the dense boolean mask, and O = 0 on rows that see no key. SDPA's backends
+    differ on such rows (NaN or 0, and NaN gradients), so they attend to every key here, then are zeroed:
+    their gradients are then 0 too, as FlexAttention's."""
+    sees_none = ~visible.any(dim=1)[:, None]
+    return sdpa_dense_mask(tensors, visible | sees_none).masked_fill(sees_none, 0.0)
+
+
+def library_attentions(inputs: dict) -> dict:
+    """Name -> attention(tensors, **options), O on tensors' q, k, v: compiled FlexAttention with the inputs'
+    BlockMask, and SDPA with the dense boolean mask up to SDPA_MAX_TOKENS; both timed on a GPU only
+    (FlexAttention's compiled kernels are Triton's)."""
+    found = {"flex_attention": flex_attention_of(inputs)}
+    if inputs["q"].shape[2] <= SDPA_MAX_TOKENS:
+        visible = dense_visible(inputs)
+        found["sdpa_dense_mask"] = lambda tensors: sdpa_dense_mask(tensors, visible)
+    return found
 
 
 # ---- cases and benchmarks ---------------------------------------------------------------------------
@@ -408,10 +420,8 @@ class BlockSparseAttentionProblem(Problem):
         return blockwise_attention(inputs)
 
     def library_output(self, inputs: dict) -> dict:
-        """SDPA with the dense boolean mask in the inputs' dtype, O = 0 on rows that see no key (SDPA's
-        backends differ there: NaN or 0)."""
-        visible = dense_visible(inputs)
-        return dict(o=sdpa_dense_mask(inputs, visible).masked_fill(~visible.any(dim=1)[:, None], 0.0))
+        """SDPA with the dense boolean mask in the inputs' dtype (library_sdpa)."""
+        return dict(o=library_sdpa(inputs, dense_visible(inputs)))
 
     def check(self, outputs: dict, exact: dict, library: dict) -> list[tolerance.OutputCheck]:
         return [tolerance.relative_to_library("o", outputs["o"], exact["o"], library["o"]),
@@ -421,11 +431,11 @@ class BlockSparseAttentionProblem(Problem):
     def baselines(self, inputs: dict) -> dict:
         """Compiled FlexAttention with the same BlockMask, and SDPA with the dense boolean mask up to
         SDPA_MAX_TOKENS; both on a GPU only (FlexAttention's compiled kernels are Triton's)."""
-        found = {"flex_attention": flex_attention_run(inputs)}
-        if inputs["q"].shape[2] <= SDPA_MAX_TOKENS:
-            visible = dense_visible(inputs)
-            found["sdpa_dense_mask"] = lambda: sdpa_dense_mask(inputs, visible)
-        return found
+        from torch.nn.attention.flex_attention import AuxRequest
+        runs = {name: functools.partial(attention, inputs) for name, attention in library_attentions(inputs).items()}
+        # FlexAttention's O and LSE, as a kernel writes both
+        runs["flex_attention"] = functools.partial(runs["flex_attention"], return_aux=AuxRequest(lse=True))
+        return runs
 
     # ---- work -----------------------------------------------------------------------------
     @staticmethod
@@ -434,16 +444,10 @@ class BlockSparseAttentionProblem(Problem):
 
     @staticmethod
     def min_bytes(shape: dict, element_bytes: int = 2) -> float:
-        partial, full = block_masks(shape)
-        listed_blocks = partial | full
-        starts, ends = block_bounds(shape["S"])
-        tokens = ends - starts
-        query_tokens = int(tokens[listed_blocks.any(dim=1)].sum())
-        key_tokens = int(tokens[listed_blocks.any(dim=0)].sum())
+        query_tokens, key_tokens, mask = listed_traffic(shape)
         B, H, S, D = (shape[n] for n in "BHSD")
         query_side = B * H * (query_tokens * D * element_bytes + S * (D * element_bytes + 4))  # Q read; O, LSE written
         key_side = B * kv_heads(shape) * 2 * key_tokens * D * element_bytes                   # K, V read
-        mask = 4 * (int(listed_blocks.sum()) + 2 * len(starts)) + (4 * S if shape["mask"] == "document" else 0)
         return query_side + key_side + mask
 
 
@@ -457,6 +461,19 @@ def drawn_inputs(shape: dict, dtype: str, gen: torch.Generator, input_scale: flo
     layout = {n: x.to(device) for n, x in block_layout(*block_masks(shape)).items()}
     return dict(qkv, scale=1.0 / math.sqrt(shape["D"]), element_mask=element_mask, window=window,
                 document_ids=ids.to(device), **layout)
+
+
+def listed_traffic(shape: dict) -> tuple[int, int, int]:
+    """The tokens of the query blocks that see a key, those of the key blocks some list holds, and the bytes
+    of the mask a kernel reads: the lists' used entries and counts, and the document ids where it has them."""
+    partial, full = block_masks(shape)
+    listed_blocks = partial | full
+    starts, ends = block_bounds(shape["S"])
+    tokens = ends - starts
+    query_tokens = int(tokens[listed_blocks.any(dim=1)].sum())
+    key_tokens = int(tokens[listed_blocks.any(dim=0)].sum())
+    mask = 4 * (int(listed_blocks.sum()) + 2 * len(starts)) + (4 * shape["S"] if shape["mask"] == "document" else 0)
+    return query_tokens, key_tokens, mask
 
 
 def visible_block_pairs(shape: dict) -> int:
