@@ -77,7 +77,8 @@ class BlockSparseAttentionBackwardProblem(Problem):
 
     def library_output(self, inputs: dict) -> dict:
         """PyTorch's own backward through autograd, in the inputs' dtype: of SDPA with the dense boolean mask
-        up to SDPA_MAX_TOKENS (forward_module.library_sdpa), else of the block-by-block forward."""
+        up to SDPA_MAX_TOKENS (forward_module.library_sdpa), else of the block-by-block forward: its sums in
+        the dtype make a looser yardstick (about 3× SDPA's errors in fp16 on the 1,100-token graph case)."""
         if inputs["q"].shape[2] <= forward_module.SDPA_MAX_TOKENS:
             visible = dense_visible(inputs)
             return autograd_gradients(inputs, lambda tensors: library_sdpa(tensors, visible))
