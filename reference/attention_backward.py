@@ -76,9 +76,7 @@ class AttentionBackwardProblem(Problem):
 
     def library_output(self, inputs: dict) -> dict:
         """PyTorch's own backward (SDPA's, through autograd) in the inputs' dtype."""
-        leaves = _leaves(inputs)
-        grads = torch.autograd.grad(sdpa({**inputs, **leaves}), tuple(leaves.values()), inputs["do"])
-        return dict(zip(self.outputs, grads))
+        return autograd_gradients(inputs, sdpa)
 
     def check(self, outputs: dict, exact: dict, library: dict) -> list[tolerance.OutputCheck]:
         return [tolerance.relative_to_library(n, outputs[n], exact[n], library[n]) for n in self.outputs]
@@ -86,11 +84,11 @@ class AttentionBackwardProblem(Problem):
     # ---- baselines timed beside the kernel -------------------------------------------------------
     def baselines(self, inputs: dict) -> dict:
         """The backward alone of each SDPA backend that runs these inputs here, and of naive PyTorch."""
-        return {name: _backward_run(inputs, attention) for name, attention in _libraries(inputs).items()}
+        return {name: backward_run(inputs, attention) for name, attention in _libraries(inputs).items()}
 
     def forward_backward_baselines(self, inputs: dict) -> dict:
         """Forward and backward of each SDPA backend that runs these inputs here, and of naive PyTorch."""
-        return {name: _forward_backward_run(inputs, attention) for name, attention in _libraries(inputs).items()}
+        return {name: forward_backward_run(inputs, attention) for name, attention in _libraries(inputs).items()}
 
     # ---- work -----------------------------------------------------------------------------
     @staticmethod
@@ -150,7 +148,7 @@ def _libraries(inputs: dict) -> dict:
             continue  # the math backend's fp32 S×S copies would not fit
         attention = functools.partial(sdpa, backend=backend)
         try:
-            _forward_backward_run(inputs, attention)()
+            forward_backward_run(inputs, attention)()
         except torch.cuda.OutOfMemoryError:
             pass  # supported, but too big here: the worker's first call finds out again and skips it
         except RuntimeError:  # this backend does not support these inputs or this device
@@ -159,12 +157,19 @@ def _libraries(inputs: dict) -> dict:
     return found | {"naive": naive_attention}
 
 
+def autograd_gradients(inputs: dict, attention) -> dict:
+    """dq, dk, dv of attention(inputs) for the inputs' dO, through autograd."""
+    leaves = _leaves(inputs)
+    grads = torch.autograd.grad(attention({**inputs, **leaves}), tuple(leaves.values()), inputs["do"])
+    return dict(zip(("dq", "dk", "dv"), grads))
+
+
 def _leaves(inputs: dict) -> dict:
     """Copies of q, k, v that autograd differentiates with respect to (the inputs themselves stay as they are)."""
     return {n: inputs[n].detach().clone().requires_grad_() for n in "qkv"}
 
 
-def _forward_backward_run(inputs: dict, attention):
+def forward_backward_run(inputs: dict, attention):
     """A callable: attention's forward with autograd, then the gradients of q, k, v for dO."""
     leaves = _leaves(inputs)
 
@@ -173,7 +178,7 @@ def _forward_backward_run(inputs: dict, attention):
     return run
 
 
-def _backward_run(inputs: dict, attention):
+def backward_run(inputs: dict, attention):
     """A callable: the gradients of q, k, v for dO through attention's forward graph, which the first call
     builds and keeps (built then, not here, so that the worker's first call, in a try, meets its OOM)."""
     leaves, graph = _leaves(inputs), []

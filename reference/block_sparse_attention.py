@@ -229,28 +229,49 @@ def block_tokens(blocks: torch.Tensor, seq_len: int) -> torch.Tensor:
     return tokens[tokens < seq_len]
 
 
-def exact_attention(inputs: dict) -> dict:
-    """O and LSE in float64, one query block at a time over the key blocks its lists name (never S×S)."""
-    q, k, v = (inputs[n].to(torch.float64) for n in "qkv")
-    B, H, seq_len, D = q.shape
-    q = q.unflatten(1, (k.shape[1], kv_group(q, k)))                 # [B, H_kv, group, S, D]
-    k, v = k[:, :, None], v[:, :, None]                                # [B, H_kv, 1, S, D]
-    o, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+def visible_keys(inputs: dict):
+    """The walk over the visible pairs, one query block at a time: yields its first row and one past its
+    last, the key tokens its lists name (its full blocks', then its partial blocks') and [rows, keys] bool,
+    which of them each row sees."""
+    seq_len, device = inputs["q"].shape[2], inputs["q"].device
     starts, ends = block_bounds(seq_len)
     for m, (start, end) in enumerate(zip(starts.tolist(), ends.tolist())):
-        rows = torch.arange(start, end, device=q.device)
+        rows = torch.arange(start, end, device=device)
         full, partial = (block_tokens(inputs[i][0, 0, m, :inputs[c][0, 0, m]], seq_len)
                          for c, i in (LAYOUT[2:], LAYOUT[:2]))
-        visible = torch.cat([torch.ones(len(rows), len(full), dtype=torch.bool, device=q.device),
+        visible = torch.cat([torch.ones(len(rows), len(full), dtype=torch.bool, device=device),
                              element_visible(rows[:, None], partial[None, :], inputs["element_mask"],
                                              inputs["window"], inputs["document_ids"])], dim=1)
-        cols = torch.cat([full, partial])
-        scores = inputs["scale"] * (q[..., start:end, :] @ k[..., cols, :].transpose(-1, -2))
-        scores = scores.masked_fill(~visible, float("-inf"))
-        row_lse = torch.logsumexp(scores, dim=-1)                      # -inf where a row sees no key
-        # exp(-inf - 0) = 0: a row that sees no key has weights 0, and so O = 0
-        weights = torch.exp(scores - torch.where(row_lse.isfinite(), row_lse, 0.0)[..., None])
-        o[..., start:end, :], lse[..., start:end] = weights @ v[..., cols, :], row_lse
+        yield start, end, torch.cat([full, partial]), visible
+
+
+def kv_grouped(inputs: dict, names: str, dtype: torch.dtype) -> dict:
+    """The named tensors in dtype, GQA made a broadcast: query-side ones [B, H, S, D] as [B, H_kv, group, S, D]
+    (query head h is h // group's), K and V as [B, H_kv, 1, S, D]."""
+    kv_count, group = inputs["k"].shape[1], kv_group(inputs["q"], inputs["k"])
+    return {n: inputs[n].to(dtype)[:, :, None] if n in ("k", "v")
+            else inputs[n].to(dtype).unflatten(1, (kv_count, group)) for n in names}
+
+
+def block_weights(q_rows: torch.Tensor, k_cols: torch.Tensor, visible: torch.Tensor, scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax weights of a query block over its listed keys, and each row's LSE (-inf where a row sees
+    no key, whose weights are then all 0: exp(-inf - 0))."""
+    scores = (scale * (q_rows @ k_cols.transpose(-1, -2))).masked_fill(~visible, float("-inf"))
+    row_lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - torch.where(row_lse.isfinite(), row_lse, 0.0)[..., None]), row_lse
+
+
+def blockwise_attention(inputs: dict, dtype: torch.dtype = torch.float64) -> dict:
+    """O and LSE computed in dtype (float64: the exact result), one query block at a time over the key blocks
+    its lists name (never S×S)."""
+    t = kv_grouped(inputs, "qkv", dtype)
+    o = torch.zeros_like(t["q"])
+    lse = torch.full(o.shape[:-1], float("-inf"), dtype=dtype, device=o.device)
+    for start, end, cols, visible in visible_keys(inputs):
+        weights, lse[..., start:end] = block_weights(t["q"][..., start:end, :], t["k"][..., cols, :], visible,
+                                                     inputs["scale"])
+        o[..., start:end, :] = weights @ t["v"][..., cols, :]
     return dict(o=o.flatten(1, 2), lse=lse.flatten(1, 2))
 
 
@@ -268,17 +289,35 @@ def compiled_flex_attention():
     return torch.compile(flex_attention)
 
 
-def flex_attention_run(inputs: dict):
-    """A callable: compiled FlexAttention, O and the LSE, with the inputs' block mask and the element mask
-    as its mask_mod, as a FlexAttention user calls it."""
-    from torch.nn.attention.flex_attention import AuxRequest
+def flex_attention_of(inputs: dict):
+    """attention(tensors, **options) -> compiled FlexAttention on tensors' q, k, v with the inputs' block
+    mask, the element mask as its mask_mod, and their scale, as a FlexAttention user calls it."""
     block_mask = to_block_mask(inputs, inputs["q"].shape[2], element_mask_mod(inputs))
-    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    gqa = kv_group(inputs["q"], inputs["k"]) > 1
 
-    def run():
-        return compiled_flex_attention()(q, k, v, block_mask=block_mask, scale=inputs["scale"],
-                                         enable_gqa=kv_group(q, k) > 1, return_aux=AuxRequest(lse=True))
-    return run
+    def attention(tensors: dict, **options):
+        return compiled_flex_attention()(tensors["q"], tensors["k"], tensors["v"], block_mask=block_mask,
+                                         scale=inputs["scale"], enable_gqa=gqa, **options)
+    return attention
+
+
+def library_sdpa(tensors: dict, visible: torch.Tensor) -> torch.Tensor:
+    """The library's O: SDPA with the dense boolean mask, and O = 0 on rows that see no key. SDPA's backends
+    differ on such rows (NaN or 0, and NaN gradients), so they attend to every key here, then are zeroed:
+    their gradients are then 0 too, as FlexAttention's."""
+    sees_none = ~visible.any(dim=1)[:, None]
+    return sdpa_dense_mask(tensors, visible | sees_none).masked_fill(sees_none, 0.0)
+
+
+def library_attentions(inputs: dict) -> dict:
+    """Name -> attention(tensors, **options), O on tensors' q, k, v: compiled FlexAttention with the inputs'
+    BlockMask, and SDPA with the dense boolean mask up to SDPA_MAX_TOKENS; both timed on a GPU only
+    (FlexAttention's compiled kernels are Triton's)."""
+    found = {"flex_attention": flex_attention_of(inputs)}
+    if inputs["q"].shape[2] <= SDPA_MAX_TOKENS:
+        visible = dense_visible(inputs)
+        found["sdpa_dense_mask"] = lambda tensors: sdpa_dense_mask(tensors, visible)
+    return found
 
 
 # ---- cases and benchmarks ---------------------------------------------------------------------------
@@ -362,14 +401,7 @@ class BlockSparseAttentionProblem(Problem):
 
     # ---- inputs and outputs -------------------------------------------------------------------
     def make_inputs(self, shape: dict, dtype: str, seed: int, input_scale: float = 1.0, device="cuda") -> dict:
-        gen = torch.Generator(device=device).manual_seed(seed)
-        dense_shape = dict(B=shape["B"], H=shape["H"], Hkv=kv_heads(shape), Sq=shape["S"], Skv=shape["S"],
-                           D=shape["D"], causal=False)
-        qkv = {n: x for n, x in random_inputs(dense_shape, dtype, gen, input_scale).items() if n in "qkv"}
-        element_mask, window, ids = mask_parameters(shape)
-        layout = {n: x.to(device) for n, x in block_layout(*block_masks(shape)).items()}
-        return dict(qkv, scale=1.0 / math.sqrt(shape["D"]), element_mask=element_mask, window=window,
-                    document_ids=ids.to(device), **layout)
+        return drawn_inputs(shape, dtype, torch.Generator(device=device).manual_seed(seed), input_scale)
 
     def allocate_outputs(self, inputs: dict) -> dict:
         q = inputs["q"]
@@ -385,13 +417,11 @@ class BlockSparseAttentionProblem(Problem):
 
     # ---- the exact result and the check ------------------------------------------------------
     def reference(self, inputs: dict) -> dict:
-        return exact_attention(inputs)
+        return blockwise_attention(inputs)
 
     def library_output(self, inputs: dict) -> dict:
-        """SDPA with the dense boolean mask in the inputs' dtype, O = 0 on rows that see no key (SDPA's
-        backends differ there: NaN or 0)."""
-        visible = dense_visible(inputs)
-        return dict(o=sdpa_dense_mask(inputs, visible).masked_fill(~visible.any(dim=1)[:, None], 0.0))
+        """SDPA with the dense boolean mask in the inputs' dtype (library_sdpa)."""
+        return dict(o=library_sdpa(inputs, dense_visible(inputs)))
 
     def check(self, outputs: dict, exact: dict, library: dict) -> list[tolerance.OutputCheck]:
         return [tolerance.relative_to_library("o", outputs["o"], exact["o"], library["o"]),
@@ -401,11 +431,11 @@ class BlockSparseAttentionProblem(Problem):
     def baselines(self, inputs: dict) -> dict:
         """Compiled FlexAttention with the same BlockMask, and SDPA with the dense boolean mask up to
         SDPA_MAX_TOKENS; both on a GPU only (FlexAttention's compiled kernels are Triton's)."""
-        found = {"flex_attention": flex_attention_run(inputs)}
-        if inputs["q"].shape[2] <= SDPA_MAX_TOKENS:
-            visible = dense_visible(inputs)
-            found["sdpa_dense_mask"] = lambda: sdpa_dense_mask(inputs, visible)
-        return found
+        from torch.nn.attention.flex_attention import AuxRequest
+        runs = {name: functools.partial(attention, inputs) for name, attention in library_attentions(inputs).items()}
+        # FlexAttention's O and LSE, as a kernel writes both
+        runs["flex_attention"] = functools.partial(runs["flex_attention"], return_aux=AuxRequest(lse=True))
+        return runs
 
     # ---- work -----------------------------------------------------------------------------
     @staticmethod
@@ -414,17 +444,36 @@ class BlockSparseAttentionProblem(Problem):
 
     @staticmethod
     def min_bytes(shape: dict, element_bytes: int = 2) -> float:
-        partial, full = block_masks(shape)
-        listed_blocks = partial | full
-        starts, ends = block_bounds(shape["S"])
-        tokens = ends - starts
-        query_tokens = int(tokens[listed_blocks.any(dim=1)].sum())
-        key_tokens = int(tokens[listed_blocks.any(dim=0)].sum())
+        query_tokens, key_tokens, mask = listed_traffic(shape)
         B, H, S, D = (shape[n] for n in "BHSD")
         query_side = B * H * (query_tokens * D * element_bytes + S * (D * element_bytes + 4))  # Q read; O, LSE written
         key_side = B * kv_heads(shape) * 2 * key_tokens * D * element_bytes                   # K, V read
-        mask = 4 * (int(listed_blocks.sum()) + 2 * len(starts)) + (4 * S if shape["mask"] == "document" else 0)
         return query_side + key_side + mask
+
+
+def drawn_inputs(shape: dict, dtype: str, gen: torch.Generator, input_scale: float = 1.0) -> dict:
+    """The inputs of a shape, Q, K and V drawn from gen (on its device), which the backward draws on from."""
+    device = gen.device
+    dense_shape = dict(B=shape["B"], H=shape["H"], Hkv=kv_heads(shape), Sq=shape["S"], Skv=shape["S"],
+                       D=shape["D"], causal=False)
+    qkv = {n: x for n, x in random_inputs(dense_shape, dtype, gen, input_scale).items() if n in "qkv"}
+    element_mask, window, ids = mask_parameters(shape)
+    layout = {n: x.to(device) for n, x in block_layout(*block_masks(shape)).items()}
+    return dict(qkv, scale=1.0 / math.sqrt(shape["D"]), element_mask=element_mask, window=window,
+                document_ids=ids.to(device), **layout)
+
+
+def listed_traffic(shape: dict) -> tuple[int, int, int]:
+    """The tokens of the query blocks that see a key, those of the key blocks some list holds, and the bytes
+    of the mask a kernel reads: the lists' used entries and counts, and the document ids where it has them."""
+    partial, full = block_masks(shape)
+    listed_blocks = partial | full
+    starts, ends = block_bounds(shape["S"])
+    tokens = ends - starts
+    query_tokens = int(tokens[listed_blocks.any(dim=1)].sum())
+    key_tokens = int(tokens[listed_blocks.any(dim=0)].sum())
+    mask = 4 * (int(listed_blocks.sum()) + 2 * len(starts)) + (4 * shape["S"] if shape["mask"] == "document" else 0)
+    return query_tokens, key_tokens, mask
 
 
 def visible_block_pairs(shape: dict) -> int:
