@@ -121,7 +121,6 @@ def say_compile_only(args, no_gpu_why: str) -> None:
 
 
 def cmd_list() -> int:
-    import stages
     from grader import results
     from grader.report import console, show
     from stages.common.compiler import nvrtc_version

@@ -20,7 +20,7 @@ GPU is slower.
 """
 from __future__ import annotations
 
-import math
+import itertools
 import statistics
 import time
 
@@ -150,10 +150,10 @@ def host_breakdown(ops, shape=ATTENTION_SHAPES[0]) -> dict:
     import stages.common.launcher as launcher
 
     sets = [model_views(*shape, seed=seed) for seed in (0, 1)]
-    turn = iter(range(10**9))
+    alternating = itertools.cycle(sets)
 
     def views():
-        return sets[next(turn) % 2][0]()
+        return next(alternating)[0]()
 
     grad = sets[0][1]
     for _ in range(3):  # compiled, loaded, descriptors encoded

@@ -50,8 +50,8 @@ import torch
 import torch.nn.functional as F
 
 from reference import tolerance
-from reference.attention import LSE_RTOL, kv_group, kv_heads, random_inputs
-from reference.problem import FLOAT_POISON, Case, Problem
+from reference.attention import LSE_RTOL, AttentionProblem, kv_group, kv_heads, random_inputs
+from reference.problem import Case, Problem
 
 BLOCK = 128  # the block mask's block size, queries and keys
 ELEMENT_MASKS = ("none", "causal", "document", "sliding_window")
@@ -403,10 +403,7 @@ class BlockSparseAttentionProblem(Problem):
     def make_inputs(self, shape: dict, dtype: str, seed: int, input_scale: float = 1.0, device="cuda") -> dict:
         return drawn_inputs(shape, dtype, torch.Generator(device=device).manual_seed(seed), input_scale)
 
-    def allocate_outputs(self, inputs: dict) -> dict:
-        q = inputs["q"]
-        return dict(o=torch.full_like(q, FLOAT_POISON),
-                    lse=torch.full(q.shape[:3], FLOAT_POISON, dtype=torch.float32, device=q.device))
+    allocate_outputs = AttentionProblem.allocate_outputs  # O and the LSE, as dense attention's
 
     def parameter_values(self, inputs: dict) -> dict:
         return {"D": inputs["q"].shape[-1], "element_mask": inputs["element_mask"]}

@@ -26,11 +26,12 @@ import torch
 from reference import block_sparse_attention as forward_module
 from reference import tolerance
 from reference.attention import kv_heads
-from reference.attention_backward import autograd_gradients, backward_run, forward_backward_run
+from reference.attention_backward import (AttentionBackwardProblem, autograd_gradients, backward_run,
+                                         forward_backward_run)
 from reference.block_sparse_attention import (LAYOUT, BlockSparseAttentionProblem, block_weights,
                                               blockwise_attention, dense_visible, drawn_inputs, kv_grouped,
                                               library_attentions, library_sdpa, listed_traffic, visible_keys)
-from reference.problem import FLOAT_POISON, Case, Problem
+from reference.problem import Case, Problem
 
 FORWARD = forward_module.PROBLEM
 
@@ -60,8 +61,7 @@ class BlockSparseAttentionBackwardProblem(Problem):
         do = torch.randn(q.shape, generator=gen, device=q.device).to(q.dtype)
         return dict(inputs, o=exact["o"].to(q.dtype), lse=exact["lse"].to(torch.float32), do=do)
 
-    def allocate_outputs(self, inputs: dict) -> dict:
-        return {f"d{n}": torch.full_like(inputs[n], FLOAT_POISON) for n in "qkv"}
+    allocate_outputs = AttentionBackwardProblem.allocate_outputs  # dQ, dK, dV, as dense attention's backward
 
     def parameter_values(self, inputs: dict) -> dict:
         return FORWARD.parameter_values(inputs)
