@@ -5,13 +5,20 @@ GPU. For each configuration, N × T tokens in bf16, the inputs made alike on eve
 
   correctness  every variant's gathered outputs against one GPU's stage 7 on the gathered inputs (the same
                kernels row for row: equal bit for bit), and the problem's check (the float64 layer) on the first
-  layer        each variant's time: the counts' exchange or a fixed capacity, in 1, 2 or 4 pieces; the same
-               sharding in plain PyTorch; one GPU's stage 7 on one rank's tokens, the throughput bar's yardstick
-  phases       the un-pipelined layer's route + plan, dispatch, experts and combine; dispatch and combine in
-               GB/s against all_to_all_single of the same bytes, split evenly
+  layer        each variant's time: through NCCL, the counts' exchange or a fixed capacity, whole or in pieces
+               by expert with SMs spared for NCCL; over NVLink by the stage's kernels; the same sharding in plain
+               PyTorch; one GPU's stage 7 on one rank's tokens, the throughput bar's yardstick
+  phases       route, plan, dispatch, experts and combine of the un-pipelined layer through NCCL and over
+               NVLink; dispatch and combine in GB/s against all_to_all_single of the same bytes, split evenly
+  costs        what a pipeline pays, without communication: the experts' GEMMs whole, in pieces by expert,
+               in pieces by token, and with SMs spared
 
 Each time is the slowest rank's median over --reps runs (a barrier before each; the all-to-alls make every rank
-wait for the slowest anyway). NCCL_NVLS_ENABLE=0 unless set. Rank 0 prints; --json writes the same figures.
+wait for the slowest anyway), each run begun behind a GPU wait (HEAD_START_CYCLES), as inside a model, where the
+previous layer's kernels keep the GPU busy while the host launches: a phase then takes the GPU's time, unless the
+host has to wait for the GPU in it. A variant that fails is reported in one line and the others go on.
+NCCL_NVLS_ENABLE=0 unless set. Rank 0 prints; --json writes the record (records.py reads it) after each
+configuration.
 """
 from __future__ import annotations
 
@@ -19,30 +26,38 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
 # Before CUDA starts (as the grader's worker): several GB of buffers come and go beside 9-23 GB of weights.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import stages  # noqa: E402
 from reference import load  # noqa: E402
+from reference.moe import expert_offsets  # noqa: E402
 from reference.moe_expert_parallel import (BAR_CONFIGS, TOKENS_PER_RANK, default_group,  # noqa: E402
                                            exchange_bytes, layer_expert_parallel, shape_of, shard)
 from stages import ops  # noqa: E402
-from stages.stage11_expert_parallel import STAGE, KernelParts, dispatch  # noqa: E402
+from stages.stage11_expert_parallel import STAGE, KernelParts, dispatch, nvlink, records  # noqa: E402
 
 PROBLEM = load(STAGE.problem)
-SPARE = 16  # SMs a pipelined variant's GEMMs leave to NCCL: a guess, for the runs to judge
-VARIANTS = {"counts": {}, "capacity": dict(capacity=True), "pipeline 2": dict(chunks=2), "pipeline 4": dict(chunks=4),
-            f"pipeline 4, {SPARE} SMs spared": dict(chunks=4, spare_sms=SPARE),
-            "pipeline 4, capacity": dict(chunks=4, capacity=True)}
-BANDWIDTH_BAR = 0.6   # issue #18: dispatch + combine at >= 60% of all_to_all_single's GB/s
-THROUGHPUT_BAR = 0.8  # and the layer at >= 0.8 × N × one GPU's stage 7, in tokens/s
-PHASES = ("route + plan", "dispatch", "experts", "combine")
+NVLINK = "NVLink kernels"
+VARIANTS = {"counts": {}, "capacity": dict(capacity=True), "2 pieces": dict(pieces=2),
+            "2 pieces, 16 SMs spared": dict(pieces=2, spare_sms=16),
+            "4 pieces, 16 SMs spared": dict(pieces=4, spare_sms=16),
+            "4 pieces, 32 SMs spared": dict(pieces=4, spare_sms=32), NVLINK: dict(peers=True)}
+PIECES, SPARED = (2, 4), (16, 32)  # the costs' pieces and spared SMs
+BANDWIDTH_BAR = 1.0   # issue #33: dispatch + combine at >= all_to_all_single's GB/s with the NVLink kernels
+NCCL_BANDWIDTH_BAR = 0.6  # and at >= 0.6 × through NCCL
+THROUGHPUT_BAR = 0.95  # the best variant at >= 0.95 × N × one GPU's stage 7, in tokens/s
+OVERLAP_BAR = 1.1     # an overlapped variant >= 1.1 × faster than the un-pipelined one (counts)
+PHASES = ("route", "plan", "dispatch", "experts", "combine")
+HEAD_START_CYCLES = 4_000_000  # about 2 ms of the GPU's clock: the record says how long it took
 DEVICE = "cuda"  # where this rank's tensors live: the GPU torch.cuda.set_device chose
 
 
@@ -53,7 +68,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens-per-rank", type=int, default=TOKENS_PER_RANK, help=f"default {TOKENS_PER_RANK}")
     p.add_argument("--reps", type=int, default=20, help="timed runs of each candidate (default 20)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, help="write rank 0's figures here")
+    p.add_argument("--json", type=Path, help="write rank 0's record here (results/expert-parallel/<gpu>x<N>.json)")
     return p.parse_args(argv)
 
 
@@ -65,6 +80,11 @@ def slowest(value: float, group) -> float:
     return float(found)
 
 
+def head_start() -> None:
+    """Keeps the GPU busy for HEAD_START_CYCLES while the host launches what follows."""
+    torch.cuda._sleep(HEAD_START_CYCLES)
+
+
 def run_times(run, reps: int, group) -> list[list[float]]:
     """ms between the marks of each of `reps` runs (after one warm-up): run(mark) calls mark() where a phase
     ends. With a group, its ranks start each run together."""
@@ -72,6 +92,7 @@ def run_times(run, reps: int, group) -> list[list[float]]:
     for rep in range(reps + 1):
         if group is not None:
             dist.barrier(group=group)
+        head_start()
         events = [torch.cuda.Event(enable_timing=True)]
         events[0].record()
 
@@ -96,12 +117,31 @@ def timed(run, reps: int, group=None) -> float:
     return slowest(ms, group) if group is not None else ms
 
 
+def agreed(attempt, group):
+    """attempt()'s value, or on any rank's failure {"error": one line} on every rank (so that all go on alike)."""
+    try:
+        value, error = attempt(), ""
+    except Exception as why:  # noqa: BLE001  (a variant's failure is a figure too: the others must still come)
+        value, error = None, f"{type(why).__name__}: {str(why).splitlines()[0] if str(why) else ''}"
+    failed = torch.tensor([float(bool(error))], device=DEVICE)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    return {"error": error or "failed on another rank"} if float(failed) else value
+
+
 # ---------------------------------------------------------------- the candidates
 
-def variant_run(kernels, local: dict, group, options: dict):
+def peer_buffers(local: dict, group):
+    """NVLink's mapped buffers for this layer (a collective call)."""
+    x, w1 = local["x"], local["w1"]
+    return nvlink.symmetric_buffers(group, x.shape[0], x.shape[1], w1.shape[0] * dist.get_world_size(group),
+                                    local["top_k"], KernelParts.align, x.dtype, x.device)
+
+
+def variant_run(kernels, local: dict, group, options: dict, peers):
     """The stage's launch on this rank's inputs with one variant's options; its outputs."""
     x, k = local["x"], local["top_k"]
     out, topk_ids = torch.empty_like(x), torch.empty(x.shape[0], k, dtype=torch.int32, device=x.device)
+    options = dict(options, peers=peers) if "peers" in options else options
 
     def run():
         STAGE.launch(kernels, x, local["wr"], local["bias"], local["w1"], local["w2"], k, out, topk_ids, group,
@@ -109,28 +149,75 @@ def variant_run(kernels, local: dict, group, options: dict):
     return run, out, topk_ids
 
 
-def phases(parts: KernelParts, local: dict, group, reps: int) -> tuple[dict, float]:
-    """The slowest rank's median ms of each phase of the un-pipelined layer (the counts' exchange), and the
-    bytes this rank sends each way."""
+def layer_figures(kernels, local: dict, whole: dict | None, group, reps: int, peers, variants: dict,
+                  expected: dict) -> tuple[dict, dict]:
+    """Each of `variants`' correctness (rank 0's) and time; a failed one {"error": ...} in both. `expected`:
+    stage 7's outputs and the reference, kept from one call to the next."""
+    checked, layer_ms = {}, {}
+    for name, options in variants.items():
+        if "peers" in options and isinstance(peers, dict):
+            checked[name] = layer_ms[name] = peers  # the buffers could not be made
+            continue
+        run, out, ids = variant_run(kernels, local, group, options, peers)
+
+        def first():
+            run()
+            if "peers" in options:
+                peers.check()
+        failed = agreed(first, group)
+        if failed:
+            checked[name] = layer_ms[name] = failed
+            continue
+        checked[name] = correctness(out, ids, whole, group, expected, check=name in ("counts", NVLINK))
+        layer_ms[name] = agreed(lambda: timed(run, reps, group), group)
+    return checked, layer_ms
+
+
+def nccl_phases(parts: KernelParts, local: dict, group):
+    """run(mark) of the un-pipelined layer through NCCL (the counts' exchange), marking its phases."""
     x = local["x"]
     out, topk_ids = torch.empty_like(x), torch.empty(x.shape[0], local["top_k"], dtype=torch.int32, device=x.device)
-    sent = []
 
     def run(mark):
         routing = parts.route(x, topk_ids)
-        (exchange,) = dispatch.exchange_counts([routing], group, parts.align)
         mark()
-        received = dispatch.send(x, exchange, group).wait()
+        exchange = dispatch.exchange_counts(routing, group, parts.align)
+        (piece,), row_of_slot = dispatch.split(exchange, routing.ids, 1, parts.align)
         mark()
-        y = dispatch.compute(received, exchange, parts)
+        received = dispatch.send(x, piece, group).wait()
         mark()
-        parts.weighted_sum(dispatch.send_back(y, exchange, group).wait(), exchange.row_of_slot, routing.weights, out)
+        y = dispatch.compute(received, piece, parts)
         mark()
-        sent.append(exchange.send_token.numel())
+        returned = x.new_empty(piece.send_token.numel(), x.shape[1])
+        dispatch.all_to_all(y, returned, piece.send_splits, piece.recv_splits, group).wait()
+        parts.weighted_sum(returned, row_of_slot, routing.weights, out)
+        mark()
+    return run
 
+
+def nvlink_phases(parts: KernelParts, peers, local: dict):
+    """run(mark) of the layer over NVLink, marking its phases."""
+    x = local["x"]
+    out, topk_ids = torch.empty_like(x), torch.empty(x.shape[0], local["top_k"], dtype=torch.int32, device=x.device)
+
+    def run(mark):
+        routing = parts.route(x, topk_ids)
+        mark()
+        shift, offsets = peers.plan(routing.counts)
+        mark()
+        slot_row = peers.dispatch(x, routing, shift)
+        mark()
+        parts.experts(peers.rows, offsets, slice(None), peers.y)
+        mark()
+        peers.combine(routing, slot_row, out)
+        mark()
+    return run
+
+
+def phases(run, reps: int, group) -> dict:
+    """The slowest rank's median ms of each phase of run(mark)."""
     times = run_times(run, reps, group)
-    medians = {name: slowest(statistics.median(t[i] for t in times), group) for i, name in enumerate(PHASES)}
-    return medians, exchange_bytes(sent[-1], x.shape[1])
+    return {name: slowest(statistics.median(t[i] for t in times), group) for i, name in enumerate(PHASES)}
 
 
 def all_to_all_ms(bytes_per_rank: float, hidden: int, group, reps: int) -> tuple[float, float]:
@@ -139,7 +226,8 @@ def all_to_all_ms(bytes_per_rank: float, hidden: int, group, reps: int) -> tuple
     rows = max(1, round(bytes_per_rank / exchange_bytes(world, hidden))) * world
     rows_out = torch.randn(rows, hidden, dtype=torch.bfloat16, device=DEVICE)
     rows_in = torch.empty_like(rows_out)
-    return timed(lambda: dist.all_to_all_single(rows_in, rows_out, group=group), reps, group), exchange_bytes(rows, hidden)
+    ms = timed(lambda: dist.all_to_all_single(rows_in, rows_out, group=group), reps, group)
+    return ms, exchange_bytes(rows, hidden)
 
 
 def padding(parts: KernelParts, local: dict, group) -> dict:
@@ -147,9 +235,55 @@ def padding(parts: KernelParts, local: dict, group) -> dict:
     against the token-slots it has."""
     x, k = local["x"], local["top_k"]
     routing = parts.route(x, torch.empty(x.shape[0], k, dtype=torch.int32, device=x.device))
-    (exchange,) = dispatch.fixed_capacity([routing], group, parts.align)
-    return dict(capacity=exchange.grouped_rows // routing.counts.numel(), rows_sent=exchange.send_token.numel(),
-                token_slots=x.shape[0] * k)
+    exchange = dispatch.fixed_capacity(routing, group, parts.align)
+    return dict(capacity=int(exchange.sent[0, 0]), rows_sent=exchange.send_token.numel(), token_slots=x.shape[0] * k)
+
+
+# ---------------------------------------------------------------- what a pipeline pays
+
+def grouped_rows(parts: KernelParts, local: dict, group) -> tuple[torch.Tensor, np.ndarray]:
+    """This rank's received rows grouped by expert, as the un-pipelined layer gives its GEMMs, and the rows of
+    each local expert."""
+    x, k = local["x"], local["top_k"]
+    routing = parts.route(x, torch.empty(x.shape[0], k, dtype=torch.int32, device=x.device))
+    exchange = dispatch.exchange_counts(routing, group, parts.align)
+    (piece,), _ = dispatch.split(exchange, routing.ids, 1, parts.align)
+    received = dispatch.send(x, piece, group).wait()
+    _, source_row, _ = parts.regroup_index(piece)
+    return received.index_select(0, source_row), exchange.received.sum(0)
+
+
+def pieces_run(parts: KernelParts, rows: torch.Tensor, rows_per_piece: list[np.ndarray], experts: list[slice]):
+    """The GEMMs on consecutive pieces of `rows`, piece i holding rows_per_piece[i] rows of local experts[i]."""
+    device, align = rows.device, parts.align
+    offsets = [expert_offsets(torch.as_tensor(n), align) for n in rows_per_piece]
+    starts = np.cumsum([0] + [int(o[-1]) for o in offsets])
+    rows = rows.repeat(-(-int(starts[-1]) // max(1, rows.shape[0])), 1)  # pieces padded apart take more rows
+    views = [(rows[a:b], torch.empty_like(rows[a:b]), o.to(device), e)
+             for a, b, o, e in zip(starts, starts[1:], offsets, experts)]
+    return lambda: [parts.experts(r, o, e, y) for r, y, o, e in views]
+
+
+def costs(local: dict, parts_for, group, reps: int) -> dict:
+    """ms of this rank's expert GEMMs without communication: whole, cut into pieces by expert (each weight read
+    once), into pieces by token (every weight read by every piece), and with SMs left to NCCL."""
+    parts = parts_for(0)
+    rows, per_expert = grouped_rows(parts, local, group)
+    local_experts = per_expert.size
+    whole = pieces_run(parts, rows, [per_expert], [slice(None)])
+    found = {"whole": timed(whole, reps, group)}
+    for n in PIECES:
+        if n > local_experts:
+            continue
+        bounds = [local_experts * p // n for p in range(n + 1)]
+        cut = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+        found[f"{n} pieces by expert"] = timed(pieces_run(parts, rows, [per_expert[c] for c in cut], cut), reps, group)
+        by_token = [per_expert * (p + 1) // n - per_expert * p // n for p in range(n)]
+        found[f"{n} pieces by token"] = timed(pieces_run(parts, rows, by_token, [slice(None)] * n), reps, group)
+    for spared in SPARED:
+        found[f"{spared} SMs spared"] = timed(pieces_run(parts_for(spared), rows, [per_expert], [slice(None)]),
+                                              reps, group)
+    return found
 
 
 # ---------------------------------------------------------------- correctness
@@ -167,20 +301,24 @@ def same_inputs_everywhere(inputs: dict, group) -> None:
         raise RuntimeError("the ranks' seeded inputs differ: the GPUs' random generators disagree")
 
 
-def correctness(outputs: dict, inputs: dict | None, group) -> dict:
-    """Rank 0: each variant's gathered outputs against stage 7 on the gathered inputs, and the problem's
-    check on the first variant's. `outputs`: variant -> (out, topk_ids) of this rank."""
-    found = {name: (gathered(out, group), gathered(ids, group)) for name, (out, ids) in outputs.items()}
+def correctness(out: torch.Tensor, ids: torch.Tensor, inputs: dict | None, group, expected: dict,
+                check: bool) -> dict:
+    """Rank 0: a variant's gathered outputs against stage 7 on the gathered inputs, and with `check` the
+    problem's check; `expected` keeps stage 7's outputs and the reference for the next variants."""
+    out, ids = gathered(out, group), gathered(ids, group)
     if inputs is None:
         return {}
     i = inputs
-    out7, ids7 = ops.moe_layer(i["x"], i["wr"], i["w1"], i["w2"], i["top_k"], router_bias=i["bias"],
-                              return_topk_ids=True)
-    report = {name: dict(ids_equal=bool(torch.equal(ids, ids7)), out_differ=int((out != out7).sum()),
-                         elements=out.numel()) for name, (out, ids) in found.items()}
-    first = next(iter(found))
-    checks = PROBLEM.check(dict(out=found[first][0], topk_ids=found[first][1]), PROBLEM.reference(inputs), {})
-    report[first]["check"] = {c.output: dict(passed=c.passed, quality=c.quality) for c in checks}
+    if not expected:
+        expected["out"], expected["ids"] = ops.moe_layer(i["x"], i["wr"], i["w1"], i["w2"], i["top_k"],
+                                                         router_bias=i["bias"], return_topk_ids=True)
+    report = dict(ids_equal=bool(torch.equal(ids, expected["ids"])), out_differ=int((out != expected["out"]).sum()),
+                  elements=out.numel())
+    if check:
+        if "reference" not in expected:
+            expected["reference"] = PROBLEM.reference(inputs)
+        checks = PROBLEM.check(dict(out=out, topk_ids=ids), expected["reference"], {})
+        report["check"] = {c.output: dict(passed=c.passed, quality=c.quality) for c in checks}
     return report
 
 
@@ -197,26 +335,39 @@ def measure(config: str, args, kernels, group) -> dict | None:
     del inputs
     torch.cuda.empty_cache()
 
-    runs = {name: variant_run(kernels, local, group, options) for name, options in VARIANTS.items()}
-    for run, _, _ in runs.values():
-        run()
-    checked = correctness({name: (out, ids) for name, (_, out, ids) in runs.items()}, whole, group)
-    layer_ms = {name: timed(run, args.reps, group) for name, (run, _, _) in runs.items()}
-    del runs
-    parts = KernelParts(kernels, local["wr"], local["bias"], local["w1"], local["w2"], local["top_k"])
+    # NCCL's figures first, NVLink's last: a fault in the stage's own transport cannot take the others with it.
+    nccl, expected = {n: o for n, o in VARIANTS.items() if "peers" not in o}, {}
+    checked, layer_ms = layer_figures(kernels, local, whole, group, args.reps, None, nccl, expected)
+
+    def parts_for(spare_sms):
+        return KernelParts(kernels, local["wr"], local["bias"], local["w1"], local["w2"], local["top_k"], spare_sms)
+
+    parts = parts_for(0)
     torch_ep_ms = timed(lambda: layer_expert_parallel(local, local["top_k"], group), args.reps, group)
-    phase_ms, sent = phases(parts, local, group, args.reps)
+    phase_ms = {"NCCL": phases(nccl_phases(parts, local, group), args.reps, group)}
+    sent = exchange_bytes(local["x"].shape[0] * local["top_k"], shape["hidden"])
     mean_sent = sum_over(sent, group) / world
     a2a_ms, a2a_bytes = all_to_all_ms(mean_sent, shape["hidden"], group, args.reps)
     capacity = padding(parts, local, group)
+    cost_ms = costs(local, parts_for, group, args.reps)
     one_gpu_ms = one_gpu(whole, local, args.reps) if rank == 0 else None
+
+    peers = agreed(lambda: peer_buffers(local, group), group)
+    found = layer_figures(kernels, local, whole, group, args.reps, peers,
+                          {n: o for n, o in VARIANTS.items() if "peers" in o}, expected)
+    checked, layer_ms = {**checked, **found[0]}, {**layer_ms, **found[1]}
+    phase_ms[NVLINK] = peers if isinstance(peers, dict) else agreed(
+        lambda: phases(nvlink_phases(parts, KernelPeers(kernels, peers, parts.align), local), args.reps, group), group)
     dist.barrier(group=group)
     if rank:
         return None
     return dict(config=config, shape=shape, world=world, tokens_per_rank=args.tokens_per_rank, correctness=checked,
                 layer_ms=layer_ms, torch_expert_parallel_ms=torch_ep_ms, one_gpu_stage7_ms=one_gpu_ms,
                 phases_ms=phase_ms, bytes_per_rank=mean_sent, all_to_all=dict(ms=a2a_ms, bytes_per_rank=a2a_bytes),
-                capacity=capacity)
+                capacity=capacity, costs_ms=cost_ms)
+
+
+KernelPeers = nvlink.KernelPeers  # how the phases drive the NVLink buffers (the CPU tests put a stand-in here)
 
 
 def sum_over(value: float, group) -> float:
@@ -233,56 +384,53 @@ def one_gpu(whole: dict, local: dict, reps: int) -> float:
 
 # ---------------------------------------------------------------- the report
 
-def gb_per_s(nbytes: float, ms: float) -> float:
-    return nbytes / ms / 1e6
+def bars(c: dict) -> list[str]:
+    """The issue's bars on one configuration's figures, one line each."""
+    ms, world, one_gpu = c["layer_ms"], c["world"], c["one_gpu_stage7_ms"]
+    timed_ms = {name: v for name, v in ms.items() if not records.failed(v)}
+    lines = []
+    if timed_ms:
+        best = min(timed_ms, key=timed_ms.get)
+        lines.append(met(f"the best variant ({best}) at {one_gpu / timed_ms[best]:.2f} × {world} × one GPU's stage 7",
+                         one_gpu / timed_ms[best] >= THROUGHPUT_BAR, THROUGHPUT_BAR))
+    pieces = {name: v for name, v in timed_ms.items() if "pieces" in name}
+    if pieces and records.UNPIPELINED in timed_ms:
+        fastest = min(pieces, key=pieces.get)
+        speedup = timed_ms[records.UNPIPELINED] / pieces[fastest]
+        lines.append(met(f"overlap: {fastest} {speedup:.2f} × faster than {records.UNPIPELINED}",
+                         speedup >= OVERLAP_BAR, OVERLAP_BAR))
+    a2a = records.gb_per_s(c["all_to_all"]["bytes_per_rank"], c["all_to_all"]["ms"])
+    for transport, p in c["phases_ms"].items():
+        if records.failed(p):
+            continue
+        both = records.gb_per_s(2 * c["bytes_per_rank"], p["dispatch"] + p["combine"]) / a2a
+        bar = BANDWIDTH_BAR if transport == NVLINK else NCCL_BANDWIDTH_BAR
+        lines.append(met(f"{transport}: dispatch + combine at {both:.2f} × all_to_all_single's GB/s",
+                         both >= bar, bar))
+        share = (p["route"] + p["plan"]) / p["experts"]
+        lines.append(f"  {transport}: route + plan at {share:.0%} of the experts' time")
+    return lines
 
 
-def report(r: dict) -> list[str]:
-    """What rank 0 prints of one configuration's figures."""
-    s, world, tokens = r["shape"], r["world"], r["tokens_per_rank"]
-    one_gpu_rate = tokens / r["one_gpu_stage7_ms"] / 1e3  # M tokens/s
-
-    def rate(ms):
-        return f"{world * tokens / ms / 1e3:.2f} M tokens/s = {world * tokens / ms / 1e3 / (world * one_gpu_rate):.2f}" \
-               f" × {world} × one GPU's stage 7"
-
-    lines = [f"{r['config']}: hidden {s['hidden']}, inter {s['inter']}, {s['experts']} experts, top-{s['top_k']}, "
-             f"{world} × {tokens} tokens, bf16", "  correctness against one GPU's stage 7 on the gathered inputs:"]
-    for name, c in r["correctness"].items():
-        check = "; the problem's check: " + ", ".join(f"{o} {'passed' if v['passed'] else 'FAILED'} ({v['quality']})"
-                                                      for o, v in c["check"].items()) if "check" in c else ""
-        lines.append(f"    {name}: topk_ids {'equal' if c['ids_equal'] else 'DIFFER'}, out: {c['out_differ']} of "
-                     f"{c['elements']} elements differ{check}")
-    lines.append("  layer:")
-    lines += [f"    {name}: {ms:.3f} ms, {rate(ms)}" for name, ms in r["layer_ms"].items()]
-    lines.append(f"    plain PyTorch (all_to_all_single + torch._grouped_mm): {r['torch_expert_parallel_ms']:.3f} ms, "
-                 f"{rate(r['torch_expert_parallel_ms'])}")
-    best = min(r["layer_ms"], key=r["layer_ms"].get)
-    met = world * tokens / r["layer_ms"][best] / 1e3 >= THROUGHPUT_BAR * world * one_gpu_rate
-    lines.append(f"    one GPU's stage 7 on {tokens} tokens: {r['one_gpu_stage7_ms']:.3f} ms, {one_gpu_rate:.2f} M tokens/s; "
-                 f"bar: the best variant ({best}) >= {THROUGHPUT_BAR} × {world} × that: {'met' if met else 'NOT met'}")
-    return lines + phase_lines(r) + capacity_lines(r)
+def met(text: str, ok: bool, bar: float) -> str:
+    return f"  {text}: bar {bar}, {'met' if ok else 'NOT met'}"
 
 
-def phase_lines(r: dict) -> list[str]:
-    p, nbytes, a2a = r["phases_ms"], r["bytes_per_rank"], r["all_to_all"]
-    a2a_rate = gb_per_s(a2a["bytes_per_rank"], a2a["ms"])
-    both = gb_per_s(2 * nbytes, p["dispatch"] + p["combine"])
-    return [f"  phases of the un-pipelined layer (counts), {nbytes / 1e6:.1f} MB sent per rank each way:",
-            "    " + ", ".join(f"{name} {ms:.3f} ms" for name, ms in p.items()),
-            f"    dispatch {gb_per_s(nbytes, p['dispatch']):.1f} GB/s, combine {gb_per_s(nbytes, p['combine']):.1f} GB/s "
-            f"(per rank; dispatch: the gather and all_to_all_single, combine: all_to_all_single and the weighted sum)",
-            f"    all_to_all_single of the same bytes: {a2a['ms']:.3f} ms, {a2a_rate:.1f} GB/s; dispatch + combine at "
-            f"{both / a2a_rate:.2f} of it, bar {BANDWIDTH_BAR}: {'met' if both >= BANDWIDTH_BAR * a2a_rate else 'NOT met'}"]
+def report(c: dict) -> list[str]:
+    """What rank 0 prints of one configuration's figures: the record's tables, then the bars."""
+    return records.config_tables(c) + bars(c)
 
 
-def capacity_lines(r: dict) -> list[str]:
-    c, ms = r["capacity"], r["layer_ms"]
-    overlap = ", ".join(f"{name} {ms[name] / ms['counts']:.2f}" for name in ms if name.startswith("pipeline"))
-    return [f"  fixed capacity {c['capacity']} rows per (rank, expert): {c['rows_sent']} rows sent per rank for "
-            f"{c['token_slots']} token-slots, {c['rows_sent'] / c['token_slots'] - 1:.0%} padding; "
-            f"its layer at {ms['capacity'] / ms['counts']:.2f} × the counts' time",
-            f"  the pipeline's time over the un-pipelined one: {overlap}"]
+def environment(device: torch.device, group) -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    nccl = torch.cuda.nccl.version()
+    return dict(gpu=torch.cuda.get_device_name(device), world=dist.get_world_size(group), torch=torch.__version__,
+                nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl), commit=commit,
+                head_start_ms=timed(head_start, 3))
 
 
 def stage_kernels(device_index: int):
@@ -309,15 +457,19 @@ def main(argv=None) -> int:
     group = default_group(device)
     kernels = stage_kernels(device.index)
     configs = BAR_CONFIGS if args.config == "all" else (args.config,)
-    results = [measure(config, args, kernels, group) for config in configs]
-    if dist.get_rank(group) == 0:
-        print(f"Stage 11 on {dist.get_world_size(group)} × {torch.cuda.get_device_name(device)}, torch "
-              f"{torch.__version__}, NCCL {torch.cuda.nccl.version()}, "
+    env = environment(device, group)
+    rank = dist.get_rank(group)
+    if rank == 0:
+        print(f"Stage 11 on {env['world']} × {env['gpu']}, torch {env['torch']}, NCCL {env['nccl']}, "
               f"NCCL_NVLS_ENABLE={os.environ['NCCL_NVLS_ENABLE']}", flush=True)
-        for r in results:
-            print("\n".join(report(r)), flush=True)
-        if args.json:
-            args.json.write_text(json.dumps(results, indent=1))
+    done = []
+    for config in configs:
+        done.append(measure(config, args, kernels, group))
+        if rank == 0:
+            print("\n".join(report(done[-1])), flush=True)
+            if args.json:  # after each configuration: a later failure keeps the earlier figures
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps(records.record(done, **env), indent=1))
     dist.destroy_process_group()
     return 0
 

@@ -8,17 +8,20 @@ Rank r of R owns experts r·E_l .. (r+1)·E_l - 1 (E_l = E / R), so the token-sl
 sorts them, are in rank order too: the rows for rank 0, then those for rank 1, and so on.
 
   route      each token's k experts; its token-slots in expert order                 parts.route
-  plan       how many rows go to, and come from, each rank: NCCL takes these split   exchange_counts or
-             sizes on the host, so the host waits here, once per layer call          fixed_capacity
+  plan       how many rows go to, and come from, each rank for each expert: NCCL     exchange_counts or
+             takes split sizes on the host, so the host waits here, once per call    fixed_capacity
   send       all_to_all_single of the rows, asynchronous
   compute    the received rows regrouped by local expert, the grouped GEMMs, the results put back in the
              received order
   send_back  all_to_all_single back, the split sizes swapped
   combine    out[t] = Σ_j w[t, j] · returned[row of (t, j)]                           parts.weighted_sum
 
-`layer` runs them on `chunks` pieces of the tokens: every piece's rows are sent at once, and each piece
-computes as soon as its own rows are in, while the next pieces' rows still travel (NCCL runs on a stream of
-its own; Work.wait() makes the compute stream wait for it, not the host).
+`layer` can cut the traffic into pieces by expert (`split`): piece p carries, on every rank, the rows of
+local experts p·E_l/n .. (p+1)·E_l/n - 1. Every piece's rows are sent at once; each piece computes as soon as
+its own rows are in, while the next pieces' rows still travel, and its results go back while the next piece
+computes (NCCL runs on a stream of its own; Work.wait() makes the compute stream wait for it, not the host).
+Pieces by expert, not by token: each expert's weights are still read once per call, and each GEMM keeps its
+rows per expert (a piece of the tokens would read every weight again for fewer rows).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import abc
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -34,7 +38,7 @@ from reference.moe import expert_offsets
 
 @dataclass
 class Routing:
-    """One piece's routing, as stage 5 leaves it without padding."""
+    """This rank's routing, as stage 5 leaves it without padding."""
     ids: torch.Tensor           # [T, k] each token-slot's expert
     weights: torch.Tensor       # [T, k] fp32, its weight
     counts: torch.Tensor        # [E] int32, each expert's token-slots
@@ -44,13 +48,22 @@ class Routing:
 
 @dataclass
 class Exchange:
-    """One piece's traffic on this rank: the rows it sends, and what it receives."""
-    send_token: torch.Tensor    # [rows sent] the token each row sent holds: the rows for rank 0 first
+    """This rank's traffic: the rows it sends, by destination rank then local expert, and the host's counts."""
+    send_token: torch.Tensor    # [rows sent] the token each row sent holds
+    sent: np.ndarray            # [R, E_l] rows sent to each rank for each of its local experts
+    received: np.ndarray        # [R, E_l] rows received from each rank for each local expert of this rank
+    row_of_slot: torch.Tensor   # [T, k] where each token-slot's row is among the rows sent (and sent back)
+
+
+@dataclass
+class Piece:
+    """The traffic of some local experts (the same on every rank)."""
+    experts: slice              # the local experts
+    send_token: torch.Tensor    # [rows sent] by destination rank, then expert
     send_splits: list[int]      # rows sent to each rank
     recv_splits: list[int]      # rows received from each rank
-    recv_counts: torch.Tensor   # [R, E_l] int32: rows from each rank for each local expert, as received
+    recv_counts: torch.Tensor   # [R, experts] int32 on the device: rows from each rank for each expert
     grouped_rows: int           # rows of the grouped GEMMs' input: each expert's, padded to Parts.align
-    row_of_slot: torch.Tensor   # [T, k] where each token-slot's result is among the rows sent back
 
     @property
     def received_rows(self) -> int:
@@ -66,49 +79,45 @@ class Parts(abc.ABC):
         """x's tokens routed over all E experts, without padding; topk_ids [T, k] written."""
 
     @abc.abstractmethod
-    def experts(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """The local experts' SwiGLU FFN on rows grouped by expert, expert e's at offsets[e] .. offsets[e+1]."""
+    def experts(self, rows: torch.Tensor, offsets: torch.Tensor, experts: slice, y: torch.Tensor) -> None:
+        """y = the SwiGLU FFN of local experts[experts] on rows grouped by expert: the i-th of them at
+        offsets[i] .. offsets[i+1]; rows past offsets[-1] are neither read nor written."""
 
     @abc.abstractmethod
     def weighted_sum(self, returned: torch.Tensor, row_of_slot: torch.Tensor, weights: torch.Tensor,
                      out: torch.Tensor) -> None:
         """out[t] = Σ_j weights[t, j] · returned[row_of_slot[t, j]]."""
 
-    def regroup_index(self, exchange: Exchange) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return regroup_index(exchange.recv_counts, exchange.received_rows, exchange.grouped_rows, self.align)
+    def regroup_index(self, piece: Piece) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return regroup_index(piece.recv_counts, piece.received_rows, piece.grouped_rows, self.align)
 
 
 # ---------------------------------------------------------------- the plan: split sizes
 
 # --8<-- [start:plan]
-def exchange_counts(routings: list[Routing], group, align: int) -> list[Exchange]:
-    """The exact plan. One all_to_all_single of the counts tells every rank how many rows each rank sends it,
-    for each piece and each of its experts; the host then reads every piece's split sizes in one wait."""
+def exchange_counts(routing: Routing, group, align: int) -> Exchange:
+    """The exact plan. One all_to_all_single of the counts tells every rank how many rows each rank sends it
+    for each of its experts; the host reads them in one wait."""
     world = dist.get_world_size(group)
-    counts = torch.stack([r.counts for r in routings])                          # [pieces, E]
-    pieces, experts = counts.shape
-    sent = counts.view(pieces, world, experts // world).transpose(0, 1).contiguous()  # [rank to, piece, E_l]
+    sent = routing.counts.view(world, -1)            # [rank to, E_l]
     received = torch.empty_like(sent)
-    dist.all_to_all_single(received, sent, group=group)                        # [rank from, piece, E_l]
-    received = received.transpose(0, 1).contiguous()
-    on_host = torch.stack([sent.transpose(0, 1), received]).cpu()               # the host's one wait
-    return [Exchange(r.source_token, on_host[0, p].sum(1).tolist(), on_host[1, p].sum(1).tolist(), received[p],
-                     int(expert_offsets(on_host[1, p].sum(0), align)[-1]), r.dest)
-            for p, r in enumerate(routings)]
+    dist.all_to_all_single(received, sent, group=group)  # [rank from, E_l]
+    on_host = torch.stack([sent, received]).cpu().numpy()  # the host's one wait
+    return Exchange(routing.source_token, on_host[0], on_host[1], routing.dest)
 
 
-def fixed_capacity(routings: list[Routing], group, align: int) -> list[Exchange]:
-    """Every (rank, expert) bucket padded to one capacity: the largest bucket of any rank and piece, found by
-    one all_reduce (the host's one wait), rounded up so that an expert's R buckets fill whole GEMM tiles.
+def fixed_capacity(routing: Routing, group, align: int) -> Exchange:
+    """Every (rank, expert) bucket padded to one capacity: the largest bucket of any rank, found by one
+    all_reduce (the host's one wait), rounded up so that an expert's R buckets fill whole GEMM tiles.
     Nothing is dropped, so the result stays exact (a capacity factor, as GShard's, would drop what overflows);
     every rank sends E_l · capacity rows to each rank, and no counts travel. The padding rows are the price:
     sent, computed on and sent back for nothing."""
     world = dist.get_world_size(group)
-    largest = torch.stack([r.counts.max() for r in routings]).max().reshape(1)
+    largest = routing.counts.max().reshape(1)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
     step = align // math.gcd(align, world)
     capacity = -(-int(largest) // step) * step
-    return [capacity_exchange(r, capacity, world) for r in routings]
+    return capacity_exchange(routing, capacity, world)
 # --8<-- [end:plan]
 
 
@@ -120,10 +129,38 @@ def capacity_exchange(routing: Routing, capacity: int, world: int) -> Exchange:
     first = torch.cumsum(counts, 0) - counts  # each expert's first token-slot in expert order
     position = torch.arange(capacity, device=device)
     slot = (first[:, None] + torch.minimum(position, counts[:, None] - 1)).clamp(min=0)
-    splits = world * [experts // world * capacity]
-    recv_counts = torch.full((world, experts // world), capacity, dtype=torch.int32, device=device)
+    buckets = np.full((world, experts // world), capacity)
     row_of_slot = (ids * capacity + routing.dest.long() - first[ids]).to(routing.dest.dtype)
-    return Exchange(routing.source_token[slot.flatten()], splits, splits, recv_counts, experts * capacity, row_of_slot)
+    return Exchange(routing.source_token[slot.flatten()], buckets, buckets, row_of_slot)
+
+
+# --8<-- [start:split]
+def split(exchange: Exchange, ids: torch.Tensor, pieces: int, align: int) -> tuple[list[Piece], torch.Tensor]:
+    """The traffic in `pieces` pieces by local expert, and where each token-slot's row is among the rows
+    sent back once the pieces are laid end to end (piece by piece, each by rank, then expert)."""
+    world, local = exchange.sent.shape
+    if not 1 <= pieces <= local:
+        raise ValueError(f"pieces must be from 1 to the {local} experts of a rank; got {pieces}")
+    starts = np.cumsum(exchange.sent.ravel()) - exchange.sent.ravel()  # each bucket's first row as planned
+    moved = np.empty_like(starts)                                       # and once in pieces
+    found, at = [], 0
+    bounds = [local * p // pieces for p in range(pieces + 1)]
+    device = ids.device
+    for lo, hi in zip(bounds, bounds[1:]):
+        sent, received = exchange.sent[:, lo:hi], exchange.received[:, lo:hi]
+        rows = [slice(starts[d * local + lo], starts[d * local + lo] + sent[d].sum()) for d in range(world)]
+        for d in range(world):
+            moved[d * local + lo:d * local + hi] = at + np.cumsum(sent[d]) - sent[d]
+            at += sent[d].sum()
+        send_token = torch.cat([exchange.send_token[r] for r in rows]) if pieces > 1 else exchange.send_token
+        grouped = int(np.sum(-(-received.sum(0) // align) * align))
+        found.append(Piece(slice(lo, hi), send_token, sent.sum(1).tolist(), received.sum(1).tolist(),
+                           torch.as_tensor(received, dtype=torch.int32).to(device), grouped))
+    if pieces == 1:
+        return found, exchange.row_of_slot
+    shift = torch.as_tensor(moved - starts).to(device)
+    return found, (exchange.row_of_slot + shift[ids.long()]).to(exchange.row_of_slot.dtype)
+# --8<-- [end:split]
 
 
 # ---------------------------------------------------------------- the rows' journey
@@ -140,27 +177,27 @@ class InFlight:
         return self.output
 
 
-def all_to_all(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> InFlight:
-    output = rows.new_empty(sum(out_splits), rows.shape[1])
+def all_to_all(rows: torch.Tensor, output: torch.Tensor, out_splits: list[int], in_splits: list[int],
+               group) -> InFlight:
     work = dist.all_to_all_single(output, rows, out_splits, in_splits, group=group, async_op=True)
     return InFlight(output, work, rows)
 
 
-def send(x: torch.Tensor, exchange: Exchange, group) -> InFlight:
-    """The rows for every rank, gathered from x in rank order, on their way."""
-    return all_to_all(x.index_select(0, exchange.send_token), exchange.recv_splits, exchange.send_splits, group)
+def send(x: torch.Tensor, piece: Piece, group) -> InFlight:
+    """The piece's rows for every rank, gathered from x in rank order, on their way."""
+    output = x.new_empty(piece.received_rows, x.shape[1])
+    return all_to_all(x.index_select(0, piece.send_token), output, piece.recv_splits, piece.send_splits, group)
 
 
-def compute(received: torch.Tensor, exchange: Exchange, parts: Parts) -> torch.Tensor:
-    """The local experts on the received rows: regrouped by expert, the grouped GEMMs, back in received order."""
-    if not exchange.received_rows:
-        return received  # no token chose this rank's experts
-    offsets, source_row, grouped_row = parts.regroup_index(exchange)
-    return parts.experts(received.index_select(0, source_row), offsets).index_select(0, grouped_row)
-
-
-def send_back(y: torch.Tensor, exchange: Exchange, group) -> InFlight:
-    return all_to_all(y, exchange.send_splits, exchange.recv_splits, group)
+def compute(received: torch.Tensor, piece: Piece, parts: Parts) -> torch.Tensor:
+    """The piece's experts on the received rows: regrouped by expert, the grouped GEMMs, back in received order."""
+    if not piece.received_rows:
+        return received  # no token chose these experts
+    offsets, source_row, grouped_row = parts.regroup_index(piece)
+    grouped = received.index_select(0, source_row)
+    y = torch.empty_like(grouped)
+    parts.experts(grouped, offsets, piece.experts, y)
+    return y.index_select(0, grouped_row)
 
 
 def regroup_index(recv_counts: torch.Tensor, received_rows: int, grouped_rows: int,
@@ -190,18 +227,23 @@ def regroup_index(recv_counts: torch.Tensor, received_rows: int, grouped_rows: i
 # ---------------------------------------------------------------- the layer
 
 # --8<-- [start:layer]
-def layer(x: torch.Tensor, parts: Parts, group, out: torch.Tensor, topk_ids: torch.Tensor, *, chunks: int = 1,
+def layer(x: torch.Tensor, parts: Parts, group, out: torch.Tensor, topk_ids: torch.Tensor, *, pieces: int = 1,
           capacity: bool = False) -> None:
     """The expert-parallel layer on this rank's tokens x: out [T, hidden] and topk_ids [T, k] written. Every
-    rank of the group calls it alike (the collectives pair up), each with at least `chunks` tokens.
-    capacity: the fixed-capacity plan, else the counts' exchange."""
-    if not 1 <= chunks <= x.shape[0]:
-        raise ValueError(f"chunks must be from 1 to the rank's {x.shape[0]} tokens; got {chunks}")
-    pieces, outs, chosen = (t.tensor_split(chunks) for t in (x, out, topk_ids))
-    routings = [parts.route(piece, ids) for piece, ids in zip(pieces, chosen)]
-    exchanges = (fixed_capacity if capacity else exchange_counts)(routings, group, parts.align)
-    sent = [send(piece, exchange, group) for piece, exchange in zip(pieces, exchanges)]
-    back = [send_back(compute(rows.wait(), exchange, parts), exchange, group) for rows, exchange in zip(sent, exchanges)]
-    for rows, routing, exchange, piece in zip(back, routings, exchanges, outs):
-        parts.weighted_sum(rows.wait(), exchange.row_of_slot, routing.weights, piece)
+    rank of the group calls it alike (the collectives pair up). capacity: the fixed-capacity plan, else the
+    counts' exchange; pieces: the traffic cut by expert into that many pieces, overlapped (`split`)."""
+    routing = parts.route(x, topk_ids)
+    exchange = (fixed_capacity if capacity else exchange_counts)(routing, group, parts.align)
+    cut, row_of_slot = split(exchange, routing.ids, pieces, parts.align)
+    sent = [send(x, piece, group) for piece in cut]
+    returned = x.new_empty(exchange.send_token.numel(), x.shape[1])
+    back, at = [], 0
+    for piece, rows in zip(cut, sent):
+        n = piece.send_token.numel()
+        y = compute(rows.wait(), piece, parts)
+        back.append(all_to_all(y, returned[at:at + n], piece.send_splits, piece.recv_splits, group))
+        at += n
+    for rows in back:
+        rows.wait()
+    parts.weighted_sum(returned, row_of_slot, routing.weights, out)
 # --8<-- [end:layer]

@@ -1,6 +1,7 @@
 // Stage 11 — expert parallelism: stage 7's layer with its experts sharded over the ranks of a process
 // group. sm_90a (stage 6's GEMMs). The tokens travel by NCCL's all_to_all_single (torch.distributed, from
-// Python: dispatch.py); this file holds stage 7's kernels and the one kernel of this stage's own.
+// Python: dispatch.py), or over NVLink by this stage's own kernels (nvlink.cuh); this file holds stage 7's
+// kernels, the NVLink kernels and the regroup index.
 //
 // regroup_index: a rank receives its token-slots ordered by source rank, then by local expert (each rank
 // sends its slots in expert order, and all_to_all_single lays the ranks' blocks end to end); the grouped
@@ -9,6 +10,7 @@
 // the rows and put the results back: no host work, no index tensors built by a dozen small PyTorch
 // launches (dispatch.regroup_index, the same maths in PyTorch, is what the CPU tests run).
 #include "stage7_moe_layer/layer.cu"
+#include "stage11_expert_parallel/nvlink.cuh"
 
 #define REGROUP_THREADS 256
 
