@@ -104,14 +104,14 @@ class _Attention(torch.autograd.Function):
 def forward_launch(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) by the fastest forward stage, for inputs already checked."""
     o = output_like(q)
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     launch_fastest(ATTENTION, dict(q=q, k=k, v=v, scale=scale, causal=causal), dict(o=o, lse=lse))
     return o, lse
 
 
 def backward_launch(grad_o, q, k, v, o, lse, causal: bool, scale: float):
     """(dq, dk, dv) by the fastest backward stage, in the layouts of q, k and v where they are dense."""
-    if strides_problem({"grad_o": grad_o}):  # e.g. the gradient of o.sum(), one value expanded: made dense
+    if not strides_fit(grad_o) or grad_o.data_ptr() % ALIGNMENT:  # e.g. o.sum()'s, one value expanded
         grad_o = grad_o.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     launch_fastest(ATTENTION_BACKWARD, dict(q=q, k=k, v=v, o=o, lse=lse, do=grad_o, scale=scale, causal=causal),
@@ -170,15 +170,36 @@ def _attention_gradients(ctx, grad_o, grad_lse):
 attention_forward.register_autograd(_attention_gradients, setup_context=_save_for_attention_backward)
 
 
+_FIT_LAYOUTS: set = set()  # (shapes, strides, dtypes, GPUs) of q, k, v found fit: then only alignment is checked
+MAX_FIT_LAYOUTS = 1024
+
+
 def check_attention_inputs(q, k, v) -> None:
     """ValueError, in one line, for inputs the course's kernels do not take (before anything is launched)."""
     refuse("ops.attention", attention_input_problem(q, k, v))
 
 
 def attention_input_problem(q, k, v) -> str | None:
-    """What is wrong with q, k, v for the kernels, in words; None if nothing. The GPU is checked last,
-    so that the rest can be checked (and tested) on tensors of any device. The words are made only for
-    a problem: this runs on every call."""
+    """What is wrong with q, k, v for the kernels, in words; None if nothing. This runs on every call, so a
+    layout (shapes, strides, dtypes, GPU) found fit once is remembered, and its next calls check only that
+    each tensor starts 16-byte aligned. Under tracing, every check runs (Dynamo traces them)."""
+    if torch.compiler.is_compiling() or not all(type(t) is torch.Tensor for t in (q, k, v)):
+        return full_attention_input_problem(q, k, v)
+    layout = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+              q.get_device(), k.get_device(), v.get_device())
+    if layout in _FIT_LAYOUTS and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) % ALIGNMENT:
+        return None
+    problem = full_attention_input_problem(q, k, v)
+    if problem is None:
+        if len(_FIT_LAYOUTS) >= MAX_FIT_LAYOUTS:
+            _FIT_LAYOUTS.clear()
+        _FIT_LAYOUTS.add(layout)
+    return problem
+
+
+def full_attention_input_problem(q, k, v) -> str | None:
+    """Every check of q, k, v, the GPU last, so that the rest can be checked (and tested) on tensors of any
+    device. The words are made only for a problem."""
     tensors = {"q": q, "k": k, "v": v}
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return "q, k and v must be tensors"
@@ -315,14 +336,17 @@ def strides_problem(tensors: dict) -> str | None:
     """Each tensor's last dimension contiguous and its other strides whole 16-byte units, from a 16-byte
     aligned start: what TMA and the kernels' 16-byte row accesses need. A model's [B, S, H, D] views
     and slices of a fused projection are; a dimension of one element may have any stride."""
-    def fits(t):
-        return t.stride(-1) == 1 and all(size == 1 or stride * t.element_size() % ALIGNMENT == 0
-                                         for size, stride in zip(t.shape[:-1], t.stride()[:-1]))
-    if strided := [name for name, t in tensors.items() if not fits(t)]:
+    if strided := [name for name, t in tensors.items() if not strides_fit(t)]:
         return (f"each tensor's last dimension must be contiguous and its other strides multiples of "
                 f"{ALIGNMENT} bytes (.contiguous() makes a copy that is); not: {', '.join(strided)} (strides "
                 f"{', '.join(str(tensors[n].stride()) for n in strided)})")
     return alignment_problem(tensors)
+
+
+def strides_fit(t: torch.Tensor) -> bool:
+    """The last dimension contiguous, the other strides whole 16-byte units (but a dimension of one element's)."""
+    return t.stride(-1) == 1 and all(size == 1 or stride * t.element_size() % ALIGNMENT == 0
+                                     for size, stride in zip(t.shape[:-1], t.stride()[:-1]))
 
 
 def alignment_problem(tensors: dict) -> str | None:

@@ -15,8 +15,9 @@ The host cost of a launch is what a model pays on every call, and a small kernel
 microseconds, so a launch does only what changed: each kernel keeps one packed parameter buffer (a
 slot of 8 bytes per scalar or pointer, 128 per tensor map) and the array of pointers into it that
 cuLaunchKernel takes; a call writes the arguments into the buffer with one struct.pack_into and makes
-one driver call. Geometry checks and the LaunchRecord run once per (grid, block, shared memory). A
-KernelSet launches from one thread at a time (its buffers are reused).
+one driver call, through ctypes (cuda.bindings' wrapper builds a Python object per argument, each
+call). Geometry checks and the LaunchRecord run once per (grid, block, shared memory). A KernelSet
+launches from one thread at a time (its buffers are reused).
 """
 from __future__ import annotations
 
@@ -111,6 +112,15 @@ class PackedParameters:
         return self._buffer.raw[:self._struct.size]
 
 
+def _driver_launch():
+    """The driver's cuLaunchKernel as a ctypes function (the driver library PyTorch has loaded)."""
+    c = ctypes
+    function = c.CDLL("libcuda.so.1").cuLaunchKernel
+    function.argtypes = [c.c_void_p, *[c.c_uint] * 7, c.c_void_p, c.c_void_p, c.c_void_p]
+    function.restype = c.c_int
+    return function
+
+
 def current_stream_handle(device_index: int) -> int:
     """PyTorch's current stream on a GPU, as the driver's handle; torch.cuda.current_stream() would build a
     Stream object per call, which costs a launch's worth of host time."""
@@ -127,31 +137,34 @@ class KernelSet:
         module = ObjectCode.from_cubin(Path(cubin).read_bytes())
         self._kernels = {name: module.get_kernel(name) for name in kernels}
         self._parameters = {name: PackedParameters(parameter_types(signature)) for name, signature in kernels.items()}
+        self._handles = {name: int(kernel.handle) for name, kernel in self._kernels.items()}  # CUkernel
+        self._cu_launch = _driver_launch()
         self._smem_raised: dict[str, int] = {}
         self._records: dict[tuple, LaunchRecord] = {}  # (name, grid, block, smem) -> its checked record
         self.launches: dict[str, LaunchRecord] = {}    # each kernel's last launch (the grader's occupancy)
+        for name in kernels:  # kernels.<name>(grid, block, *args, smem=0), bound once
+            setattr(self, name, self._launcher(name))
 
     def __getattr__(self, name: str):
-        if name.startswith("_") or name not in self._kernels:
-            raise AttributeError(f"no kernel named {name!r} in this stage")
+        raise AttributeError(f"no kernel named {name!r} in this stage")
 
+    def _launcher(self, name: str):
         def launch(grid, block, *args, smem: int = 0):
             self._launch(name, tuple(grid), tuple(block), args, smem)
-
         return launch
 
     def _launch(self, name, grid, block, args, smem):
-        from cuda.bindings import driver
-
         parameters = self._parameters[name]
         if len(args) != parameters.count:
             raise TypeError(f"{name} takes {parameters.count} arguments; the launch gave {len(args)}")
         record = self._records.get((name, grid, block, smem)) or self._check(name, grid, block, smem)
         parameters.pack(args)
-        (err,) = driver.cuLaunchKernel(self._kernels[name].handle, *record.grid, *record.block, smem,
-                                       current_stream_handle(self._device.device_id), parameters.pointers, 0)
-        if err != driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"CUDA error launching {name}: {err.name}")
+        err = self._cu_launch(self._handles[name], *record.grid, *record.block, smem,
+                              current_stream_handle(self._device.device_id), parameters.pointers, None)
+        if err:
+            from cuda.bindings import driver
+
+            raise RuntimeError(f"CUDA error launching {name}: {driver.CUresult(err).name}")
         self.launches[name] = record
 
     def _check(self, name, grid, block, smem) -> LaunchRecord:
