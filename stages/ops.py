@@ -136,7 +136,8 @@ def _(q, k, v, causal, scale):
 def output_like(q: torch.Tensor) -> torch.Tensor:
     """O of q's shape [B, H, Sq, D] over a [B, Sq, H, D] buffer (the real op's layout and its fake's)."""
     batch, heads, seq_q, head_dim = q.shape
-    return q.new_empty(batch, seq_q, heads, head_dim).transpose(1, 2)
+    row = heads * head_dim  # one query's H heads side by side; allocated strided in one step, not transposed
+    return q.new_empty_strided((batch, heads, seq_q, head_dim), (seq_q * row, head_dim, row, 1))
 
 
 @torch.library.custom_op("flashmoe::attention_backward", mutates_args=())

@@ -78,10 +78,10 @@ def _address(value) -> int:
     return value.data_ptr() if isinstance(value, torch.Tensor) else int(value or 0)
 
 
-# C parameter type -> (its slot in the packed buffer as a struct format, how a Python value becomes it).
-# Every slot is 8 bytes, or a tensor map's 128: the driver copies each parameter from its own address.
-SLOTS = {"pointer": ("Q", _address), "int": ("i4x", int), "unsigned": ("I4x", int), "long long": ("q", int),
-         "size_t": ("Q", int), "float": ("f4x", float), "TmaMap": (f"{TMA_MAP_BYTES}s", bytes)}
+# C parameter type -> its slot in the packed buffer, as a struct format. Every slot is 8 bytes, or a tensor
+# map's 128: the driver copies each parameter from its own address.
+SLOTS = {"pointer": "Q", "int": "i4x", "unsigned": "I4x", "long long": "q", "size_t": "Q", "float": "f4x",
+         "TmaMap": f"{TMA_MAP_BYTES}s"}
 
 
 class PackedParameters:
@@ -93,19 +93,23 @@ class PackedParameters:
         if unknown:
             raise TypeError(f"no way to pass a parameter of type {unknown[0]!r} (known: {', '.join(SLOTS)})")
         self.count = len(types)
-        self.converters = tuple(SLOTS[t][1] for t in types)
-        self._struct = struct.Struct("<" + "".join(SLOTS[t][0] for t in types))
+        # struct packs ints, floats and bytes as they are: only pointers need converting (a tensor's address)
+        self._pointer_slots = tuple(i for i, t in enumerate(types) if t == "pointer")
+        self._struct = struct.Struct("<" + "".join(SLOTS[t] for t in types))
         self._buffer = ctypes.create_string_buffer(max(self._struct.size, 1))
         offsets, offset = [], 0
         for t in types:
             offsets.append(offset)
-            offset += struct.calcsize("<" + SLOTS[t][0])
+            offset += struct.calcsize("<" + SLOTS[t])
         base = ctypes.addressof(self._buffer)
         self._array = (ctypes.c_void_p * max(self.count, 1))(*(base + o for o in offsets))
         self.pointers = ctypes.addressof(self._array)
 
     def pack(self, args: tuple) -> None:
-        self._struct.pack_into(self._buffer, 0, *[convert(a) for convert, a in zip(self.converters, args)])
+        args = list(args)
+        for i in self._pointer_slots:
+            args[i] = _address(args[i])
+        self._struct.pack_into(self._buffer, 0, *args)
 
     def raw(self) -> bytes:
         """The packed bytes (for tests)."""
