@@ -107,8 +107,9 @@ class PackedParameters:
 
     def pack(self, args: tuple) -> None:
         args = list(args)
-        for i in self._pointer_slots:
-            args[i] = _address(args[i])
+        for i in self._pointer_slots:  # _address, inlined: this runs for every pointer of every launch
+            value = args[i]
+            args[i] = value.data_ptr() if type(value) is torch.Tensor else _address(value)
         self._struct.pack_into(self._buffer, 0, *args)
 
     def raw(self) -> bytes:
@@ -125,11 +126,13 @@ def _driver_launch():
     return function
 
 
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def current_stream_handle(device_index: int) -> int:
     """PyTorch's current stream on a GPU, as the driver's handle; torch.cuda.current_stream() would build a
     Stream object per call, which costs a launch's worth of host time."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(device_index) if raw else torch.cuda.current_stream(device_index).cuda_stream
+    return _RAW_STREAM(device_index) if _RAW_STREAM else torch.cuda.current_stream(device_index).cuda_stream
 
 
 class KernelSet:
@@ -138,6 +141,7 @@ class KernelSet:
         from cuda.core import Device, ObjectCode
 
         self._device = Device()
+        self._device_index = self._device.device_id  # read once: a property of cuda.core's Device
         module = ObjectCode.from_cubin(Path(cubin).read_bytes())
         self._kernels = {name: module.get_kernel(name) for name in kernels}
         self._parameters = {name: PackedParameters(parameter_types(signature)) for name, signature in kernels.items()}
@@ -164,7 +168,7 @@ class KernelSet:
         record = self._records.get((name, grid, block, smem)) or self._check(name, grid, block, smem)
         parameters.pack(args)
         err = self._cu_launch(self._handles[name], *record.grid, *record.block, smem,
-                              current_stream_handle(self._device.device_id), parameters.pointers, None)
+                              current_stream_handle(self._device_index), parameters.pointers, None)
         if err:
             from cuda.bindings import driver
 
