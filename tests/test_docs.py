@@ -274,6 +274,51 @@ def test_a_stage_without_a_profile_says_so(fake_results, monkeypatch):
     assert "`barrier`" in hook.on_page_markdown("<!-- stall-reasons -->", page, None, None)
 
 
+def test_stage11s_records_across_gpus_become_its_lessons_tables(tmp_path, monkeypatch):
+    """<!-- expert-parallel-records -->: the tables of results/expert-parallel/*.json, as the runner prints
+    them (records.lesson_tables), one heading per record; "Not measured yet." where there are none."""
+    monkeypatch.delenv("FLASHMOE_RESULTS_DIR", raising=False)
+    hook = load_hook()
+    page = types.SimpleNamespace(file=types.SimpleNamespace(src_path="stages/stage11.md"))
+    assert "<!-- expert-parallel-records -->" in (ROOT / "docs" / "stages" / "stage11.md").read_text()
+    text = hook.on_page_markdown("<!-- expert-parallel-records -->", page, None, None)
+    records = [json.loads(p.read_text()) for p in sorted((ROOT / "results" / "expert-parallel").glob("*.json"))]
+    assert records, "no records in results/expert-parallel/"
+    assert 'class="fm-results"' in text and "Not measured yet" not in text
+    for rec in records:
+        assert f"#### {rec['world']} × {rec['gpu']}" in text and f"commit {rec['commit']}" in text
+        for c in rec["configs"]:
+            assert f"**{c['config']}**: hidden {c['shape']['hidden']}" in text
+            for name, ms in c["layer_ms"].items():
+                assert f"| {name} | {ms:.3f} | {c['one_gpu_stage7_ms'] / ms:.2f} |" in text, (rec["world"], name)
+            for transport, p in c["phases_ms"].items():
+                assert f"| {transport} | {p['route']:.3f} | {p['plan']:.3f} | {p['dispatch']:.3f} |" in text
+            assert "| ms | " + " | ".join(f"{ms:.3f}" for ms in c["costs_ms"].values()) + " |" in text
+    monkeypatch.setenv("FLASHMOE_RESULTS_DIR", str(tmp_path))  # another results folder, without records
+    assert "Not measured yet." in hook.on_page_markdown("<!-- expert-parallel-records -->", page, None, None)
+
+
+def test_stage11s_records_load_without_torch():
+    """The hook reads stage 11's records.py by its path: the docs build needs no torch."""
+    script = ("import importlib.util, sys, types\n"
+              f"spec = importlib.util.spec_from_file_location('course_hook', {str(ROOT / 'docs' / 'hooks' / 'course.py')!r})\n"
+              "hook = importlib.util.module_from_spec(spec); sys.modules[spec.name] = hook; spec.loader.exec_module(hook)\n"
+              "page = types.SimpleNamespace(file=types.SimpleNamespace(src_path='stages/stage11.md'))\n"
+              "assert '####' in hook.on_page_markdown('<!-- expert-parallel-records -->', page, None, None)\n"
+              "assert 'torch' not in sys.modules, 'the records pulled torch in'\n")
+    env = {k: v for k, v in os.environ.items() if k != "FLASHMOE_RESULTS_DIR"}
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_built_lesson_shows_stage11s_records(site):
+    html = (site / "stages" / "stage11" / "index.html").read_text()
+    for path in sorted((ROOT / "results" / "expert-parallel").glob("*.json")):
+        rec = json.loads(path.read_text())
+        for c in rec["configs"]:
+            assert re.search(rf">{c['layer_ms']['NVLink kernels']:.3f}</td>", html), (path.name, c["config"])
+
+
 # ---------------------------------------------------------------- the results, through the hook
 
 def test_ladder_and_tables_show_the_recorded_numbers(fake_site):

@@ -25,6 +25,9 @@
                                        from the results' "profile" entry (`python -m grader stageN --profile
                                        --json ...`): the side-by-side table, the warp stalls, the verdicts;
                                        the cells and verdicts are grader/profile.py's, as its report prints them
+    <!-- expert-parallel-records -->   stage 11's records across GPUs, results/expert-parallel/*.json: the tables
+                                       its runner prints, one heading per record (its records.py's
+                                       lesson_tables), or "Not measured yet." without records
   Every results file is shown, one per GPU: with several, each chart and table gets a tab per GPU,
   the H100's first, and the tabs of one GPU are linked across the page. A figure in prose reads the
   H100's file only (PROSE_GPU: the lessons say "on the H100" beside it). A figure that file does not
@@ -55,7 +58,7 @@ from mkdocs.exceptions import PluginError
 ROOT = Path(__file__).resolve().parents[2]
 STAGE_DIR = re.compile(r"stage(\d+)_\w+")
 KEY = r"\w+(?::\w+)?"  # a stage directory, then ":rung" for a rung of its ladder
-PLACEHOLDER = re.compile(rf"<!-- (ladder|stage-list|gpus|stall-reasons|results:({KEY})|rungs:(\w+)|figure:({KEY}):([^:>]+):([\w.:]+)"
+PLACEHOLDER = re.compile(rf"<!-- (ladder|stage-list|gpus|stall-reasons|expert-parallel-records|results:({KEY})|rungs:(\w+)|figure:({KEY}):([^:>]+):([\w.:]+)"
                          rf"|profile:({KEY})) -->")
 COLORS = ["#3b82f6", "#f59e0b", "#10b981", "#ef4444", "#8b5cf6", "#06b6d4", "#ec4899", "#84cc16"]
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
@@ -340,6 +343,8 @@ def on_page_markdown(markdown, page, config, files):
             return gpus_md(runs)
         if m[1] == "stall-reasons":
             return stall_reasons_md()
+        if m[1] == "expert-parallel-records":
+            return expert_parallel_md()
         if m[2]:
             return results_md(m[2], runs)
         if m[3]:
@@ -807,6 +812,29 @@ def stall_reasons_md() -> str:
             for reason, why in P.STALL_REASONS.items()]
     return ('\n\n<div class="fm-results" markdown>\n\n| Reason | What the warp waits for, and what to try |\n|---|---|\n'
             + "\n".join(rows) + "\n\n</div>\n\n")
+
+
+# ---------------------------------------------------------------- stage 11's records across GPUs
+
+EXPERT_PARALLEL_RECORDS = ROOT / "stages" / "stage11_expert_parallel" / "records.py"
+
+
+@functools.lru_cache(maxsize=None)
+def expert_parallel_records():
+    """stages/stage11_expert_parallel/records.py, loaded from its file (not through the stages package,
+    which imports torch): plain JSON and text, the tables the runner prints. It imports only the standard
+    library."""
+    spec = importlib.util.spec_from_file_location("flashmoe_expert_parallel_records", EXPERT_PARALLEL_RECORDS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def expert_parallel_md() -> str:
+    """The records of results/expert-parallel/ ($FLASHMOE_RESULTS_DIR/expert-parallel/ with the override):
+    each record's tables under a heading of its own, or "Not measured yet." without records."""
+    tables = expert_parallel_records().lesson_tables(results_folder()[0] / "expert-parallel")
+    return f'\n\n<div class="fm-results" markdown>\n\n{tables}\n\n</div>\n\n'
 
 
 def profile_md(key: str, runs: list[dict]) -> str:
