@@ -51,6 +51,16 @@ MUTATIONS = {
     "hopper_backward_causal_off_by_one": Mutation("stage9", (("scale_log2, on_diagonal, key0, m0, lane);",
                                                               "scale_log2, on_diagonal, key0 - 1, m0, lane);"),),
                                                   "causal"),
+    # stage 12's partial blocks with the causal part of the element mask off by one (each query also sees
+    # the next key): causal, document and sliding-window masks all go wrong
+    "block_sparse_mask_off_by_one": Mutation("stage12", (("visible = visible && key <= query;",
+                                                          "visible = visible && key <= query + 1;"),),
+                                             "causal|window|documents"),
+    # stage 12 skips the rows of query blocks whose lists are empty: they keep the NaN the grader poisons
+    # the outputs with, instead of O = 0 and LSE = -inf
+    "block_sparse_empty_rows_unwritten": Mutation("stage12", (("        write_output_or_empty(o_acc,",
+                                                               "        if (num_tiles > 0) write_output_or_empty(o_acc,"),),
+                                                  "no key"),
     # RoPE turned the wrong way (by -p·θ): attention sees the keys' positions mirrored
     "rope_turned_backwards": Mutation("stage10", (("n0 = to_float(n.e[0]), n1 = to_float(n.e[1]);",
                                                    "n0 = -to_float(n.e[0]), n1 = -to_float(n.e[1]);"),), "S128|S333"),

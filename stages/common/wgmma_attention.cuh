@@ -1,0 +1,109 @@
+// The consumer side of a Hopper attention forward (stage 4's pieces, as templates): the two wgmma
+// products of a K/V tile, the online softmax split around the P·V product still in flight, and an
+// epilogue for rows that may see no key. Stage 12 includes it; stage 4 keeps its own copies (its
+// source, and so its recorded results, stay as they were measured).
+//
+// Tiles are laid out as tma.cuh's load_tile leaves them: column block b (64 elements, 128 bytes
+// swizzled) of a ROWS-row tile at tile + b·ROWS·128.
+#pragma once
+#include "mma.cuh"
+#include "wgmma.cuh"
+
+// S[64 × BLOCK_N] = Q[64 × D] · Kᵀ for the 64 rows of consumer warpgroup `consumer` of a BLOCK_M-row
+// Q tile: D/16 wgmmas, both operands K-major, step kk 32 bytes further into the swizzled row.
+template <int BLOCK_M, int BLOCK_N, int DIM>
+__device__ __forceinline__ void wgmma_scores(float (&s)[BLOCK_N / 8][4], unsigned q_tile, unsigned k_tile,
+                                             int consumer) {
+#pragma unroll
+    for (int kk = 0; kk < DIM / 16; ++kk) {
+        const unsigned column = kk / 4, offset = (kk % 4) * 32;
+        const u64 a = make_smem_desc(q_tile + column * BLOCK_M * 128 + consumer * 64 * 128 + offset, 16, 1024);
+        const u64 b = make_smem_desc(k_tile + column * BLOCK_N * 128 + offset, 16, 1024);
+        wgmma_ss<elem_t, BLOCK_N, K_MAJOR>(s, a, b, kk > 0);
+    }
+}
+
+// O[64 × D] += P[64 × BLOCK_N] · V[BLOCK_N × D], P from registers, V MN-major.
+template <int BLOCK_N, int DIM>
+__device__ __forceinline__ void wgmma_pv(float (&o)[DIM / 8][4], const unsigned (&p)[BLOCK_N / 16][4],
+                                         unsigned v_tile) {
+#pragma unroll
+    for (int ks = 0; ks < BLOCK_N / 16; ++ks) {
+        const u64 b = make_smem_desc(v_tile + ks * 16 * 128, BLOCK_N * 128, 1024);
+        wgmma_rs<elem_t, DIM, MN_MAJOR>(o, p[ks], b, 1);
+    }
+}
+
+// The scores into P, returning in `correction` the factor O must be rescaled by once the P·V product
+// still accumulating into it has completed (rescale_accumulator). The row max and sum run in 4
+// independent chains (stage 4's row_chains: only two consumer warpgroups hide each chain's latency).
+template <int N_FRAGS>
+__device__ __forceinline__ void softmax_to_p(float (&s)[N_FRAGS][4], float (&row_max)[2], float (&row_sum)[2],
+                                             float (&correction)[2], float scale_log2) {
+    constexpr int CHAINS = 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float m[CHAINS], sum[CHAINS];
+#pragma unroll
+        for (int i = 0; i < CHAINS; ++i) m[i] = -INFINITY, sum[i] = 0.0f;
+#pragma unroll
+        for (int n = 0; n < N_FRAGS; ++n) m[n % CHAINS] = fmaxf(m[n % CHAINS], fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+#pragma unroll
+        for (int i = 1; i < CHAINS; ++i) m[0] = fmaxf(m[0], m[i]);
+        const float new_max = fmaxf(row_max[r], quad_max(m[0]));
+        const float max_scaled = scaled_max(new_max, scale_log2);  // 0 while the row has seen no key: no NaN
+        correction[r] = fast_exp2(row_max[r] * scale_log2 - max_scaled);
+        row_max[r] = new_max;
+#pragma unroll
+        for (int n = 0; n < N_FRAGS; ++n)
+#pragma unroll
+            for (int c = 2 * r; c < 2 * r + 2; ++c) {
+                s[n][c] = fast_exp2(s[n][c] * scale_log2 - max_scaled);
+                sum[n % CHAINS] += s[n][c];
+            }
+#pragma unroll
+        for (int i = 1; i < CHAINS; ++i) sum[0] += sum[i];
+        row_sum[r] = row_sum[r] * correction[r] + sum[0];
+    }
+}
+
+template <int D_FRAGS>
+__device__ __forceinline__ void rescale_accumulator(float (&o)[D_FRAGS][4], const float (&correction)[2]) {
+#pragma unroll
+    for (int d = 0; d < D_FRAGS; ++d) {
+        o[d][0] *= correction[0];
+        o[d][1] *= correction[0];
+        o[d][2] *= correction[1];
+        o[d][3] *= correction[1];
+    }
+}
+
+// P (fp32, in the registers of S) -> the 16-bit A operands of P·V's wgmmas.
+template <int N_FRAGS>
+__device__ __forceinline__ void p_operands(const float (&s)[N_FRAGS][4], unsigned (&p)[N_FRAGS / 2][4]) {
+#pragma unroll
+    for (int ks = 0; ks < N_FRAGS / 2; ++ks) p_as_a_operand(s, ks, p[ks]);
+}
+
+// mma.cuh's write_output for rows that may have seen no key at all (a sparse mask's): such a row's sum
+// is 0, and it gets O = 0 and LSE = -inf (FlexAttention's convention) instead of 0/0.
+template <int D_FRAGS>
+__device__ __forceinline__ void write_output_or_empty(const float (&o)[D_FRAGS][4], const float (&row_max)[2],
+                                                      const float (&row_sum)[2], float scale, elem_t* o_head,
+                                                      float* lse_head, int first_row, int seq_q, int lane,
+                                                      int o_row_stride) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float sum = quad_sum(row_sum[r]);
+        const int row = first_row + lane / 4 + 8 * r;
+        if (row >= seq_q) continue;
+        const bool empty = sum == 0.0f;
+        const float inv_sum = empty ? 0.0f : 1.0f / sum;
+        elem_t* o_row = o_head + (size_t)row * o_row_stride + 2 * (lane % 4);
+#pragma unroll
+        for (int d = 0; d < D_FRAGS; ++d)
+            *reinterpret_cast<unsigned*>(o_row + 8 * d) =
+                pack_pair<elem_t>(o[d][2 * r] * inv_sum, o[d][2 * r + 1] * inv_sum);
+        if (lane % 4 == 0) lse_head[row] = empty ? -INFINITY : row_max[r] * scale + logf(sum);
+    }
+}
