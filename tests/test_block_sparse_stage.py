@@ -46,7 +46,7 @@ def _kernels(path, inputs):
     cubins, sets = _LOADED[path]
     key = variant_key(STAGE.defines(PROBLEM.variant(inputs)))
     if key not in sets:
-        sets[key] = KernelSet(cubins[key], STAGE.kernels)
+        sets[key] = KernelSet(cubins[key].path, STAGE.kernels)
     return sets[key]
 
 
@@ -74,10 +74,11 @@ def test_rows_left_unwritten_fail(case, tmp_path):
     assert not all(c.passed for c in _run(case, path))
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if re.search("causal|window|documents", c.name)][::4],
-                         ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [c for c in CASES if re.search("causal|window|documents", c.name)
+                                  and c.shape["S"] > 1][::4], ids=lambda c: c.name)
 def test_a_wrong_mask_fails(case, tmp_path):
-    """The element mask off by one in the kernel (each query sees the next key) fails the check."""
+    """The element mask off by one in the kernel (each query sees the next key) fails the check. At S = 1
+    there is no next key: such a case cannot tell, and is not one of these."""
     _, path = mutate("block_sparse_mask_off_by_one", tmp_path)
     assert not all(c.passed for c in _run(case, path))
 

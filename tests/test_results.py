@@ -7,6 +7,9 @@ import stages
 from grader import results
 
 RECORDED = results.load_all()
+# Problems with no plain-PyTorch ("naive") baseline: block-sparse attention's plain form is a Python walk
+# over 800 query blocks at its benchmark shape (seconds a call); FlexAttention's is its yardstick.
+WITHOUT_NAIVE = {"block_sparse_attention"}
 
 
 def test_there_are_recorded_results():
@@ -47,10 +50,11 @@ def test_results_have_the_fields_other_tools_read(gpu):
         assert entry["benchmarks"], name
         for bench in entry["benchmarks"]:
             shape = set(bench["shape"])
-            assert {"B", "H", "D", "causal"} <= shape or "tokens" in shape or {"model", "B", "S"} <= shape
+            assert {"B", "H", "D", "causal"} <= shape or {"B", "H", "D", "mask"} <= shape or "tokens" in shape \
+                or {"model", "B", "S"} <= shape
             assert bench["dtype"] and bench["ms"] > 0 and bench["tflops"] > 0
             assert {"name", "ms", "tflops"} <= set(bench["reference"])
-            assert "naive" in bench["baselines"]
+            assert "naive" in bench["baselines"] or entry["problem"] in WITHOUT_NAIVE, name
         assert entry["measured"]["gpu"] == data["gpu"]
 
 
