@@ -1,0 +1,25 @@
+// The element mask of a FlexAttention-style block mask (reference/block_sparse_attention.py's
+// ELEMENT_MASKS), compiled in with -DELEMENT_MASK=none, causal, document or sliding_window: the one
+// test of whether query `query` sees key `key` inside a partial block (full blocks need none).
+// Stage 13 (the backward) uses it; stage 12's forward holds the same test in its own file and will
+// include this header at its next record (its recorded source digest covers its includes as they are).
+#pragma once
+
+#ifndef ELEMENT_MASK
+#define ELEMENT_MASK causal
+#endif
+namespace element_mask {
+enum Kind { none, causal, document, sliding_window };
+}
+constexpr int MASK = element_mask::ELEMENT_MASK;
+
+// In a partial block: every mask but none is causal (key <= query); the sliding window also hides keys
+// `window` or more behind; documents also hide keys of another document (key_doc, query_doc: the
+// documents of the key and of the query, document masks only).
+__device__ __forceinline__ bool element_visible(int key, int query, int window, int key_doc, int query_doc) {
+    if (MASK == element_mask::none) return true;
+    bool visible = key <= query;
+    if (MASK == element_mask::sliding_window) visible = visible && query - key < window;
+    if (MASK == element_mask::document) visible = visible && key_doc == query_doc;
+    return visible;
+}

@@ -1,0 +1,101 @@
+"""Stage 13 — block-sparse attention backward on Hopper: stage 9's backward over a FlexAttention block mask
+
+sm_90a only. Stage 9's kernel (a block per 128 keys of a KV pair keeps dK and dV in registers while a TMA
+producer warpgroup feeds it query tiles and two wgmma consumer warpgroups run the five products; dQ summed
+in fp32 by bulk reduce-adds, then converted), walking, for key block n, only the query blocks whose lists
+name n: the transposed BlockMask (FlexAttention's full_q_indices, then q_indices), full blocks first. The
+element mask (causal, documents, sliding window) is applied in registers in partial blocks only; a row
+that sees no key (LSE = -inf) gets P = 0. Stage 8's preprocess (Δ, the LSE in log2 units) and dQ
+conversion, unchanged (stages/common/attention_backward.*).
+
+The transposed lists are computed here with a few torch ops on the device, per launch (fine for now: a
+few small kernels over [Qb, KVb] integers beside the backward's work; a kernel of its own, or lists the
+forward hands over, can replace them).
+"""
+import torch
+
+from reference.block_sparse_attention import BLOCK
+from stages import Goal, Stage
+from stages.common.attention import MAX_GRID_YZ, by_head_dim, kv_group
+from stages.common.attention_backward import backward_workspace, blocks, convert_dq, head_strides, preprocess
+from stages.common.hopper import tensor_map
+
+# What the launch uses, per head dimension, as attention.cu computes it (checked against the kernel):
+# stage 9's geometry -- keys per block (the mask's block: 2 consumer warpgroups × 64), query rows per
+# tile (a query block of the mask is 1 tile at D = 64, 2 at D = 128), threads, the TMA box, dynamic
+# shared memory (stage 9's layout, unchanged), the preprocess's and the dQ conversion's -- and the mask's
+# block, to which the workspace is padded.
+GEOMETRY = {64: {"BLOCK": 128, "BLOCK_N": 128, "BLOCK_M": 128, "NUM_THREADS": 384, "ATOM_COLS": 64,
+                 "TILE_BOX_ROWS": 64, "SHARED_BYTES": 199736,
+                 "ROWS_PER_PREPROCESS_BLOCK": 32, "PREPROCESS_THREADS": 256, "CONVERT_THREADS": 256},
+            128: {"BLOCK": 128, "BLOCK_N": 128, "BLOCK_M": 64, "NUM_THREADS": 384, "ATOM_COLS": 64,
+                  "TILE_BOX_ROWS": 64, "SHARED_BYTES": 231496,
+                  "ROWS_PER_PREPROCESS_BLOCK": 16, "PREPROCESS_THREADS": 256, "CONVERT_THREADS": 256}}
+assert all(g["BLOCK"] == g["BLOCK_N"] == BLOCK for g in GEOMETRY.values())  # a key tile = a block of the mask
+
+KERNELS = {  # the preprocess and the dQ conversion: attention_backward.cuh's, as stage 9 launches them
+    "attention_bwd_preprocess": "const elem_t*, long long, long long, int, const elem_t*, long long, long long, int, "
+                                "int, const float*, float*, float*, float*, int, int, int",
+    "block_sparse_attention_bwd": "const TmaMap, const TmaMap, const TmaMap, const TmaMap, const float*, const float*, "
+                                  "float*, elem_t*, long long, long long, int, elem_t*, long long, long long, int, "
+                                  "int, int, int, float, int, int, const int*, const int*, const int*, const int*, "
+                                  "int, int, const int*",
+    "attention_bwd_dq": "const float*, elem_t*, long long, long long, int, int, float, int, int, int",
+}
+
+
+def listed_blocks(num_blocks, indices):
+    """[Qb, KVb] bool: whether query block m's list (num_blocks [1, 1, Qb], indices [1, 1, Qb, KVb], the
+    mask shared by every batch and head, as stage 12 reads it) names key block n."""
+    num_blocks, indices = num_blocks[0, 0], indices[0, 0]
+    q_blocks, kv_blocks = indices.shape
+    named = torch.arange(kv_blocks, device=indices.device) < num_blocks[:, None]  # the list's first num entries
+    listed = torch.zeros(q_blocks, kv_blocks + 1, dtype=torch.int32, device=indices.device)
+    listed.scatter_(1, torch.where(named, indices.long(), kv_blocks), 1)  # unnamed entries into a spare column
+    return listed[:, :kv_blocks].bool()
+
+
+def transposed_lists(num_blocks, indices):
+    """FlexAttention's transposed lists (BlockMask's q_num_blocks, q_indices): for key block n, how many
+    query blocks name it, and which, in increasing order ([KVb] and [KVb, Qb] int32)."""
+    names = listed_blocks(num_blocks, indices).T.contiguous()  # [KVb, Qb]
+    count = names.sum(dim=1, dtype=torch.int32)
+    order = torch.argsort(names.to(torch.int8), dim=1, descending=True, stable=True)  # naming blocks first
+    return count.contiguous(), order.to(torch.int32).contiguous()
+
+
+def launch(kernels, q, k, v, o, lse, d_o, dq, dk, dv, kv_num_blocks, kv_indices, full_kv_num_blocks,
+           full_kv_indices, document_ids, scale, window) -> None:
+    batch, _, seq, head_dim = q.shape
+    group = kv_group(q, k)  # query heads per KV head
+    launched = GEOMETRY[head_dim]
+    # Workspace padded to whole blocks of the mask (every query tile of a listed block lies inside it).
+    ws = backward_workspace(q, launched["BLOCK"])
+    preprocess(kernels, launched, o, d_o, lse, ws)
+    q_num, q_indices = transposed_lists(kv_num_blocks, kv_indices)
+    full_q_num, full_q_indices = transposed_lists(full_kv_num_blocks, full_kv_indices)
+    q_map, do_map, k_map, v_map = (tensor_map(x, (1, 1, launched["TILE_BOX_ROWS"], launched["ATOM_COLS"]))
+                                   for x in (q, d_o, k, v))
+    kv_heads = k.shape[1]
+    kv_pairs = batch * kv_heads
+    for kv_pair0 in range(0, kv_pairs, MAX_GRID_YZ):
+        kernels.block_sparse_attention_bwd(
+            (blocks(seq, launched["BLOCK_N"]), min(MAX_GRID_YZ, kv_pairs - kv_pair0)), (launched["NUM_THREADS"],),
+            q_map, k_map, v_map, do_map, ws.lse_log2, ws.delta, ws.dq_accum, *head_strides(dk), *head_strides(dv),
+            kv_heads, seq, ws.seq_q_padded, scale, group, kv_pair0, q_num, q_indices, full_q_num, full_q_indices,
+            q_indices.shape[1], window, document_ids, smem=launched["SHARED_BYTES"])
+    convert_dq(kernels, launched, ws, dq, scale)
+
+
+STAGE = Stage(
+    name="stage13_block_sparse_backward",
+    problem="block_sparse_attention_backward",
+    source="attention.cu",
+    kernels=KERNELS,
+    launch=launch,
+    archs=("sm_90a",),
+    # the head dimension and the element mask (none, causal, document, sliding_window), compiled in
+    specializations={"HEAD_DIM": "D", "ELEMENT_MASK": "element_mask"},
+    geometry=by_head_dim(GEOMETRY),
+    goal=Goal("flex_attention", 1.3),  # 1.3 × the speed of compiled FlexAttention's backward
+)

@@ -1,0 +1,507 @@
+// Stage 13 — block-sparse attention backward on Hopper. sm_90a only.
+//
+// Stage 9's backward (a block per 128 keys of a KV pair keeps dK and dV in registers while it walks
+// query tiles: TMA producer warpgroup, two wgmma consumer warpgroups, the five products, dQ summed in
+// fp32 by one bulk reduce-add per tile) walking a FlexAttention block mask instead of every query:
+//   lists     key block n's query tiles are the query blocks whose lists name n -- the transposed
+//             BlockMask (FlexAttention's full_q_num_blocks/full_q_indices, then q_num_blocks/q_indices;
+//             the launch computes them from the forward's kv lists with a few torch ops): full blocks
+//             first, then partial ones, for each query head of the KV head's group. Absent blocks cost
+//             nothing. A query block is BLOCK / BLOCK_M query tiles (1 at D = 64, 2 at D = 128).
+//   masks     full blocks are used as they are; partial blocks apply the element mask in registers on
+//             Pᵀ (causal, documents, sliding window: -DELEMENT_MASK, block_mask.cuh), so that a mask of
+//             full blocks only carries no masking code.
+//   empty     a key block no list names loads no query tile and writes dK = dV = 0; a query row that
+//             sees no key (LSE = -inf) gets P = 0, not exp(S + inf) (the guard in block_probabilities):
+//             its dQ stays the zero the preprocess wrote, and it adds nothing to dK and dV.
+// Keys past S (TMA zero-fills K and V) need no mask: their dK and dV rows are not written, and their
+// dS meets K's zero rows in dQ += dS K (stage 9's argument). Queries past S have LSE = +inf (the
+// preprocess's padding): P = 0.
+//
+// Everything else is stage 9's, unchanged: its products, dSᵀ through shared memory, dQ's bulk adds,
+// the shared-memory layout (D = 64: 195 KB; D = 128: 226 KB), the preprocess and the dQ conversion
+// (attention_backward.cuh). The workspace is padded to whole mask blocks of 128 query rows (the
+// launch), so that every query tile of a listed block lies inside it at both head dimensions.
+#include "mma.cuh"
+#include "tma.cuh"
+#include "wgmma.cuh"
+#include "swizzle.cuh"             // swizzle<128>: TMA's 128-byte swizzle, for the dSᵀ stores
+#include "attention_backward.cuh"  // the preprocess, the dQ conversion
+#include "block_mask.cuh"          // the element mask: MASK, element_visible
+
+constexpr int BLOCK = 128;                            // the block mask's block, queries and keys
+constexpr int BLOCK_N = 128;                          // keys per block = the mask's block
+constexpr int BLOCK_M = HEAD_DIM == 64 ? 128 : 64;   // queries per tile of the loop (stage 9's)
+constexpr int SUBTILES = BLOCK / BLOCK_M;             // query tiles per query block of the mask
+constexpr int CONSUMERS = 2;                          // consumer warpgroups, 64 keys each
+constexpr int CONSUMER_KEYS = BLOCK_N / CONSUMERS;    // = wgmma's M
+constexpr int Q_STAGES = 2;                           // buffers of the query-side ring
+constexpr int DS_STAGES = 2;                          // buffers of dSᵀ
+constexpr int DQ_STAGES = BLOCK_M == 64 ? 2 : 1;      // buffers of a query tile's fp32 dQ
+constexpr int NUM_THREADS = (1 + CONSUMERS) * 128;    // + the producer warpgroup
+constexpr int CONSUMER_THREADS = CONSUMERS * 128;
+constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+constexpr int ATOM_COLS = 64;                         // elements in a 128-byte swizzle row
+constexpr int KV_TILE_BYTES = BLOCK_N * HEAD_DIM * 2;
+constexpr int Q_TILE_BYTES = BLOCK_M * HEAD_DIM * 2;
+constexpr int DS_TILE_BYTES = BLOCK_N * BLOCK_M * 2;  // dSᵀ [key][query]: column blocks of 64 queries
+constexpr int VECTOR_BYTES = BLOCK_M * 4;             // the LSE or Δ of a query tile, fp32
+constexpr int DQ_TILE_BYTES = BLOCK_M * HEAD_DIM * 4; // a query tile's dQ, fp32 rows as in global memory
+constexpr int M_FRAGS = BLOCK_M / 8;                  // n8 fragments of a warp's 16 keys × BLOCK_M queries
+constexpr int M_STEPS = BLOCK_M / 16;                 // k-steps of dV and dK (16 queries each)
+constexpr int D_FRAGS = HEAD_DIM / 8;                 // n8 fragments of a warp's 16 keys × D
+constexpr int DQ_COLS = 64;                           // columns of dQ per consumer
+constexpr int DQ_FRAGS = DQ_COLS / 8;
+constexpr bool DQ_SPLIT_BY_QUERIES = BLOCK_M == 128;  // consumer c's dQ: queries 64c .. (else columns 64c ..)
+constexpr bool DV_BEFORE_DS = BLOCK_M == 64;          // dV issued under dS (registers allow it at 64 queries)
+constexpr int DS_READY = 1;                           // named barrier: both consumers' dSᵀ are stored
+// Layout of the dynamic shared memory, from a 1024-byte-aligned base (stage 9's).
+constexpr int K_TILE = 0;
+constexpr int V_TILE = K_TILE + KV_TILE_BYTES;
+constexpr int Q_RING = V_TILE + KV_TILE_BYTES;
+constexpr int DO_RING = Q_RING + Q_STAGES * Q_TILE_BYTES;
+constexpr int DS_RING = DO_RING + Q_STAGES * Q_TILE_BYTES;
+constexpr int DQ_RING = DS_RING + DS_STAGES * DS_TILE_BYTES;
+constexpr int LSE_RING = DQ_RING + DQ_STAGES * DQ_TILE_BYTES;
+constexpr int DELTA_RING = LSE_RING + Q_STAGES * VECTOR_BYTES;
+constexpr int BARRIERS = DELTA_RING + Q_STAGES * VECTOR_BYTES;  // then 8-byte mbarriers:
+constexpr int KV_FULL = 0, Q_FULL = 1, Q_EMPTY = Q_FULL + Q_STAGES, DQ_FULL = Q_EMPTY + Q_STAGES,
+              DQ_EMPTY = DQ_FULL + DQ_STAGES, NUM_BARRIERS = DQ_EMPTY + DQ_STAGES;
+constexpr int SHARED_BYTES = BARRIERS + 8 * NUM_BARRIERS + 1024;  // + 1 KB to align the base to 1024 bytes
+static_assert(SHARED_BYTES <= 227 * 1024, "an H100 block has at most 227 KB of shared memory");
+static_assert(DQ_TILE_BYTES % 16 == 0 && (HEAD_DIM * 4) % 16 == 0, "bulk copies move whole 16-byte units");
+static_assert(sizeof(elem_t) == 2, "16-bit elements");
+static_assert(HEAD_DIM % ATOM_COLS == 0, "D is a whole number of 128-byte column blocks");
+static_assert(BLOCK % BLOCK_M == 0, "a query block of the mask is whole query tiles");
+static_assert(CONSUMERS * 64 * DQ_COLS == BLOCK_M * HEAD_DIM, "the consumers' 64 × 64 dQ parts cover the tile");
+static_assert(BLOCK_M % ATOM_COLS == 0 && Q_TILE_BYTES % 1024 == 0 && DS_TILE_BYTES % 1024 == 0,
+              "dSᵀ rows are whole 128-byte swizzle rows; every tile starts on a 1024-byte boundary");
+
+struct SharedMemory {
+    unsigned base;
+    const unsigned char* generic;
+    __device__ unsigned k_tile() const { return base + K_TILE; }
+    __device__ unsigned v_tile() const { return base + V_TILE; }
+    __device__ unsigned q_slot(int slot) const { return base + Q_RING + slot * Q_TILE_BYTES; }
+    __device__ unsigned do_slot(int slot) const { return base + DO_RING + slot * Q_TILE_BYTES; }
+    __device__ unsigned ds_slot(int slot) const { return base + DS_RING + slot * DS_TILE_BYTES; }
+    __device__ unsigned dq_slot(int slot) const { return base + DQ_RING + slot * DQ_TILE_BYTES; }
+    __device__ unsigned lse_slot(int slot) const { return base + LSE_RING + slot * VECTOR_BYTES; }
+    __device__ unsigned delta_slot(int slot) const { return base + DELTA_RING + slot * VECTOR_BYTES; }
+    __device__ const float* floats(unsigned address) const {
+        return reinterpret_cast<const float*>(generic + (address - base));
+    }
+    __device__ unsigned barrier(int index) const { return base + BARRIERS + 8 * index; }
+};
+
+// The transposed block mask, as the kernel receives it: for key block n, the query blocks whose lists
+// name it -- full ones, full_indices[n][0 .. full_num[n]), then partial ones, indices[n][0 .. num[n]).
+struct QueryLists {
+    const int *num, *indices, *full_num, *full_indices;  // [KVb] and [KVb, Qb]
+    int q_blocks;                                       // Qb: the indices' row length
+};
+
+// The element mask's parameters (block_mask.cuh decides what it hides).
+struct ElementMask {
+    int window;                // sliding_window
+    const int* document_ids;   // [S], document
+    int seq;
+};
+
+// Query tile i of a block's walk: query pair `g` of the group, first row m0, in a partial block or not.
+struct QueryTile {
+    int g, m0;
+    bool partial;
+};
+
+// What a block computes: the BLOCK_N keys of key block n_block of KV pair kv_pair (b·H_kv + h_kv)
+// against the query tiles of the blocks its lists name, for each query head of its group (query pairs
+// kv_pair·group + g, g = 0 .. group - 1). Producer, dQ writer and consumers walk the same `tiles()`
+// steps in the same order: head by head, each head's full blocks then its partial ones, each block's
+// SUBTILES tiles in row order.
+struct BlockWork {
+    int kv_pair, kv_heads, n_block, group;
+    int full, listed;  // key block n_block's full query blocks, and all its listed ones
+    QueryLists lists;
+    __device__ int n0() const { return n_block * BLOCK_N; }
+    __device__ int query_pair(int g) const { return kv_pair * group + g; }  // in the dense LSE, Δ and dQ sums
+    __device__ int batch() const { return kv_pair / kv_heads; }             // the tensor maps' coordinates
+    __device__ int kv_head() const { return kv_pair % kv_heads; }
+    __device__ int query_head(int g) const { return kv_head() * group + g; }
+    __device__ int tiles() const { return group * listed * SUBTILES; }
+    // --8<-- [start:walk]
+    __device__ QueryTile tile(int i) const {
+        const int per_head = listed * SUBTILES;
+        const int g = i / per_head, t = i % per_head / SUBTILES, sub = i % SUBTILES;
+        // EXERCISE: step i is sub-tile `sub` of the t-th query block that names key block n_block: its
+        // full blocks first (lists.full_indices, row n_block of length lists.q_blocks, `full` of them),
+        // then its partial ones (lists.indices, from 0 again). Return that block's first row plus `sub`
+        // tiles of BLOCK_M, and whether the block is partial (only those apply the element mask).
+        // STUB: return {g, t * BLOCK + sub * BLOCK_M, true};  // the first query blocks, not the listed ones
+        const size_t row = (size_t)n_block * lists.q_blocks;
+        const bool partial = t >= full;
+        const int m_block = partial ? lists.indices[row + t - full] : lists.full_indices[row + t];
+        return {g, m_block * BLOCK + sub * BLOCK_M, partial};
+        // END EXERCISE
+    }
+    // --8<-- [end:walk]
+};
+
+__device__ __forceinline__ void init_barriers(const SharedMemory& shared) {
+    mbarrier_init(shared.barrier(KV_FULL), 1);
+    for (int s = 0; s < Q_STAGES; ++s) {
+        mbarrier_init(shared.barrier(Q_FULL + s), 1);                  // the producer's arrive.expect_tx
+        mbarrier_init(shared.barrier(Q_EMPTY + s), CONSUMER_THREADS);  // every consumer thread releases
+    }
+    for (int s = 0; s < DQ_STAGES; ++s) {
+        mbarrier_init(shared.barrier(DQ_FULL + s), CONSUMER_THREADS);  // every consumer thread has stored
+        mbarrier_init(shared.barrier(DQ_EMPTY + s), 1);                // the bulk add has read the buffer
+    }
+    mbarrier_init_fence();
+}
+
+// --8<-- [start:producer]
+// The producer: one thread issues every copy -- K and V once, then each listed query tile's Q, dO,
+// LSE and Δ into ring slot i % Q_STAGES, once the consumers have released it (stage 9's, over the walk).
+__device__ __forceinline__ void produce(const SharedMemory& shared, const BlockWork& work, const TmaMap& q_map,
+                                        const TmaMap& k_map, const TmaMap& v_map, const TmaMap& do_map,
+                                        const float* lse_log2, const float* delta, int seq_q_padded) {
+    tma_prefetch_map(q_map);
+    tma_prefetch_map(k_map);
+    tma_prefetch_map(v_map);
+    tma_prefetch_map(do_map);
+    mbarrier_arrive_expect_tx(shared.barrier(KV_FULL), 2 * KV_TILE_BYTES);
+    load_tile<BLOCK_N, HEAD_DIM>(shared.k_tile(), k_map, shared.barrier(KV_FULL), work.n0(), work.kv_head(), work.batch());
+    load_tile<BLOCK_N, HEAD_DIM>(shared.v_tile(), v_map, shared.barrier(KV_FULL), work.n0(), work.kv_head(), work.batch());
+    const int tiles = work.tiles();
+    for (int i = 0; i < tiles; ++i) {
+        const QueryTile tile = work.tile(i);
+        const int slot = i % Q_STAGES, pair = work.query_pair(tile.g), head = work.query_head(tile.g);
+        const unsigned parity = (i / Q_STAGES) & 1;  // which use of this slot
+        const unsigned full = shared.barrier(Q_FULL + slot);
+        mbarrier_wait(shared.barrier(Q_EMPTY + slot), parity ^ 1);  // slot free (a fresh barrier: at once)
+        // Rows past seq_q are zero-filled and counted; the LSE and Δ are padded to whole blocks of 128.
+        mbarrier_arrive_expect_tx(full, 2 * Q_TILE_BYTES + 2 * VECTOR_BYTES);
+        load_tile<BLOCK_M, HEAD_DIM>(shared.q_slot(slot), q_map, full, tile.m0, head, work.batch());
+        load_tile<BLOCK_M, HEAD_DIM>(shared.do_slot(slot), do_map, full, tile.m0, head, work.batch());
+        bulk_load(shared.lse_slot(slot), lse_log2 + (size_t)pair * seq_q_padded + tile.m0, VECTOR_BYTES, full);
+        bulk_load(shared.delta_slot(slot), delta + (size_t)pair * seq_q_padded + tile.m0, VECTOR_BYTES, full);
+    }
+}
+// --8<-- [end:producer]
+
+// dQ's way to global memory (stage 9's): one thread adds each query tile's dQ, once both consumers have
+// stored it in buffer i % DQ_STAGES, with one bulk reduce-add of the whole tile into the fp32 sums.
+__device__ __forceinline__ void add_dq_tiles(const SharedMemory& shared, const BlockWork& work, float* dq_accum,
+                                             int seq_q_padded) {
+    const int tiles = work.tiles();
+    for (int i = 0; i < tiles; ++i) {
+        const QueryTile tile = work.tile(i);
+        const int slot = i % DQ_STAGES;
+        float* dq_rows = dq_accum + ((size_t)work.query_pair(tile.g) * seq_q_padded + tile.m0) * HEAD_DIM;
+        mbarrier_wait(shared.barrier(DQ_FULL + slot), (i / DQ_STAGES) & 1);
+        bulk_reduce_add_f32(dq_rows, shared.dq_slot(slot), BLOCK_M * HEAD_DIM * 4);
+        tma_store_commit();
+        tma_store_wait_read<0>();
+        mbarrier_arrive(shared.barrier(DQ_EMPTY + slot));
+    }
+}
+
+// --8<-- [start:wgmma]
+// acc[64 keys × BLOCK_M queries] = rows · queryᵀ: Sᵀ = K Qᵀ (rows = the consumer's 64 keys of K) or
+// dPᵀ = V dOᵀ. Both operands K-major (d contiguous): step kk covers d = 16kk .. 16kk+15, column block
+// kk / 4, 32 bytes further into the swizzled row per step inside it (stage 4's issue_scores).
+__device__ __forceinline__ void issue_rows_times_queries(float (&acc)[M_FRAGS][4], unsigned rows, unsigned queries) {
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        const unsigned column = kk / 4, offset = (kk % 4) * 32;
+        const u64 a = make_smem_desc(rows + column * BLOCK_N * 128 + offset, 16, 1024);
+        const u64 b = make_smem_desc(queries + column * BLOCK_M * 128 + offset, 16, 1024);
+        wgmma_ss<elem_t, BLOCK_M, K_MAJOR>(acc, a, b, kk > 0);
+    }
+}
+
+// acc[64 keys × D] += x · (a query tile of Q or dO): dV += Pᵀ dO, dK += dSᵀ Q. x from registers (the A
+// fragments of M_STEPS k-steps of 16 queries); the query tile is [query][d] = [k][n], MN-major: step
+// ks covers queries 16ks .. 16ks+15, 16·128 bytes further down; the 64-column blocks of d are LBO =
+// BLOCK_M·128 bytes apart (stage 4's issue_pv).
+__device__ __forceinline__ void issue_accumulate(float (&acc)[D_FRAGS][4], const unsigned (&x)[M_STEPS][4],
+                                                 unsigned queries) {
+#pragma unroll
+    for (int ks = 0; ks < M_STEPS; ++ks)
+        wgmma_rs<elem_t, HEAD_DIM, MN_MAJOR>(acc, x[ks], make_smem_desc(queries + ks * 16 * 128, BLOCK_M * 128, 1024), 1);
+}
+
+// dq[64 queries × 64 columns] = dS K for consumer `consumer`'s share over all 128 keys (see the header:
+// at D = 128 the columns 64·consumer .., at D = 64 the queries 64·consumer ..).
+__device__ __forceinline__ void issue_dq(float (&dq)[DQ_FRAGS][4], unsigned ds_tile, unsigned k_tile, int consumer) {
+    const unsigned ds_queries = ds_tile + (DQ_SPLIT_BY_QUERIES ? consumer : 0) * BLOCK_N * 128;  // its column block of dSᵀ
+    const unsigned k_columns = k_tile + (DQ_SPLIT_BY_QUERIES ? 0 : consumer) * BLOCK_N * 128;    // its column block of K
+    // dS is MN-major in shared memory (dSᵀ [key][query]: wgmma_ss_a_mn reads it transposed), K too;
+    // 16 keys a step, 16·128 bytes further down (stage 9's exercise).
+#pragma unroll
+    for (int ks = 0; ks < BLOCK_N / 16; ++ks) {
+        const int row = 16 * ks * 128;
+        wgmma_ss_a_mn<elem_t, DQ_COLS, MN_MAJOR>(dq, make_smem_desc(ds_queries + row, BLOCK_N * 128, 1024),
+                                                 make_smem_desc(k_columns + row, BLOCK_N * 128, 1024), ks > 0);
+    }
+}
+// --8<-- [end:wgmma]
+
+// dSᵀ = Pᵀ ∘ (dPᵀ − Δ) in place in dp (stage 8's score_gradients: its exercise there).
+__device__ __forceinline__ void score_gradients(float (&dp)[M_FRAGS][4], const float (&p)[M_FRAGS][4],
+                                                const float* delta, int lane) {
+#pragma unroll
+    for (int n = 0; n < M_FRAGS; ++n) {
+        const float2 d = *reinterpret_cast<const float2*>(delta + 8 * n + 2 * (lane % 4));
+        dp[n][0] = p[n][0] * (dp[n][0] - d.x);
+        dp[n][1] = p[n][1] * (dp[n][1] - d.y);
+        dp[n][2] = p[n][2] * (dp[n][2] - d.x);
+        dp[n][3] = p[n][3] * (dp[n][3] - d.y);
+    }
+}
+
+// The warp's 16 rows of dSᵀ (keys row0 .. row0+15 of the block) into the dSᵀ tile, rounded to elem_t:
+// column blocks of 64 queries (BLOCK_N rows of 128 bytes each), in a block row = key, 16-byte chunk c
+// at c ^ (row % 8) -- the 128-byte swizzle that TMA writes and the wgmma descriptor describes (the tile
+// is 1024-byte aligned), stage 3's swizzle<128>. Fragment n holds queries 8n .. 8n+7.
+__device__ __forceinline__ void store_score_gradients(unsigned ds_tile, const float (&ds)[M_FRAGS][4], int row0,
+                                                      int lane) {
+#pragma unroll
+    for (int n = 0; n < M_FRAGS; ++n)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = row0 + lane / 4 + 8 * r;
+            const unsigned pair = pack_pair<elem_t>(ds[n][2 * r], ds[n][2 * r + 1]);
+            const unsigned block = ds_tile + (n / 8) * BLOCK_N * 128;
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(block + swizzle<128>(row, n % 8) + 4 * (lane % 4)),
+                         "r"(pair)
+                         : "memory");
+        }
+}
+
+// acc[n] <- acc[n ^ x] for every fragment n, x = 0 .. 3 per thread: two rounds of conditional swaps
+// with selects, since registers cannot be indexed at run time.
+__device__ __forceinline__ void swap_fragments(float (&acc)[DQ_FRAGS][4], int x) {
+#pragma unroll
+    for (int bit = 1; bit < 4; bit *= 2) {
+        const bool swap = x & bit;
+#pragma unroll
+        for (int n = 0; n < DQ_FRAGS; ++n) {
+            if (n & bit) continue;
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const float low = acc[n][c], high = acc[n ^ bit][c];
+                acc[n][c] = swap ? high : low;
+                acc[n ^ bit][c] = swap ? low : high;
+            }
+        }
+    }
+}
+
+// The warp's 16 query rows (row0 ..) × DQ_COLS columns from col0 of dQ into the tile's buffer in shared
+// memory -- fp32 rows of HEAD_DIM, as in global memory. Every
+// row starts on bank 0 (rows are 4·HEAD_DIM bytes apart), so the eight row quads of a warp storing
+// fragment n (columns 8n .. 8n+7) would all hit banks 8(n % 4) .. +7: four ways conflicted in each
+// half-warp. Quad g handles fragment n ^ (g % 4) at step n instead: the four quads of a half-warp cover
+// the 32 banks, and each v2 access takes the fewest wavefronts, 2 (64 selects a thread buy that).
+__device__ __forceinline__ void store_dq(unsigned dq_tile, float (&acc)[DQ_FRAGS][4], int row0, int col0, int lane) {
+    const int x = lane / 4 % 4;
+    swap_fragments(acc, x);
+    // Fragment n ^ x lies 32·(n ^ x) = 128·(n / 4) + 32·(n % 4 ^ x) bytes into the row: four addresses
+    // a thread, the rest immediate offsets.
+    const unsigned row = dq_tile + (row0 + lane / 4) * HEAD_DIM * 4 + (col0 + 2 * (lane % 4)) * 4;
+    unsigned quarter[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) quarter[k] = row + 32 * (k ^ x);
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int n = 0; n < DQ_FRAGS; ++n) {
+            const unsigned at = quarter[n % 4] + 128 * (n / 4) + r * 8 * HEAD_DIM * 4;
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(acc[n][2 * r]), "f"(acc[n][2 * r + 1]) : "memory");
+        }
+}
+
+// The consumers' side of dQ's way out (add_dq_tiles is the other): wait until the buffer of tile i is
+// free (the bulk add of tile i - DQ_STAGES has read it), store the warp's 16 rows of the consumer's
+// 64 × 64 part, make them visible to the bulk copy (the async proxy), arrive on the buffer's full barrier.
+__device__ __forceinline__ void hand_over_dq(const SharedMemory& shared, float (&dq)[DQ_FRAGS][4], int i, int consumer,
+                                             int warp_in_group, int lane) {
+    const int slot = i % DQ_STAGES;
+    mbarrier_wait(shared.barrier(DQ_EMPTY + slot), ((i / DQ_STAGES) & 1) ^ 1);  // a fresh barrier: at once
+    const int row0 = (DQ_SPLIT_BY_QUERIES ? consumer * 64 : 0) + warp_in_group * 16;
+    store_dq(shared.dq_slot(slot), dq, row0, DQ_SPLIT_BY_QUERIES ? 0 : consumer * DQ_COLS, lane);
+    fence_async_shared();
+    mbarrier_arrive(shared.barrier(DQ_FULL + slot));
+}
+
+// The warp's 16 rows of dK or dV (times `factor`) of KV pair kv_pair, rounded to elem_t; rows >= seq_kv are
+// not written.
+__device__ __forceinline__ void write_rows(const HeadRows<elem_t>& rows, int kv_pair, const float (&acc)[D_FRAGS][4],
+                                           float factor, int key0, int seq_kv, int lane) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = key0 + lane / 4 + 8 * r;
+        if (key >= seq_kv) continue;
+        elem_t* row = rows.row(kv_pair, key) + 2 * (lane % 4);
+#pragma unroll
+        for (int n = 0; n < D_FRAGS; ++n)
+            *reinterpret_cast<unsigned*>(row + 8 * n) = pack_pair<elem_t>(acc[n][2 * r] * factor, acc[n][2 * r + 1] * factor);
+    }
+}
+
+// --8<-- [start:mask]
+// Pᵀ = exp(scale·Sᵀ − LSE) in place, as attention_backward.cuh's probabilities() (the exponent capped
+// at 0), with the block mask's two additions: a row whose LSE is -inf (it sees no key) gets P = 0 --
+// its LSE taken as +inf, as the preprocess's padding rows have it -- where exp(S + inf) would be inf,
+// capped to 1; and in a partial block the element mask in registers. s holds the warp's 16 keys (rows
+// key0 + lane/4, + 8: c / 2) against the tile's queries (columns m0 + 8n + 2(lane % 4) + c % 2);
+// key_docs: the documents of the thread's two keys (document masks only).
+__device__ __forceinline__ void block_probabilities(float (&s)[M_FRAGS][4], const float* lse_log2, float scale_log2,
+                                              bool partial, int key0, int m0, const ElementMask& mask,
+                                              const int (&key_docs)[2], int lane) {
+#pragma unroll
+    for (int n = 0; n < M_FRAGS; ++n) {
+        const float2 lse = *reinterpret_cast<const float2*>(lse_log2 + 8 * n + 2 * (lane % 4));
+        const float lse_x = lse.x == -INFINITY ? INFINITY : lse.x, lse_y = lse.y == -INFINITY ? INFINITY : lse.y;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            float p = fast_exp2(fminf(s[n][c] * scale_log2 - (c % 2 ? lse_y : lse_x), 0.0f));
+            if (MASK != element_mask::none && partial) {
+                const int key = key0 + lane / 4 + 8 * (c / 2), query = m0 + 8 * n + 2 * (lane % 4) + c % 2;
+                int query_doc = 0;
+                if (MASK == element_mask::document) query_doc = query < mask.seq ? mask.document_ids[query] : -2;
+                if (!element_visible(key, query, mask.window, key_docs[c / 2], query_doc)) p = 0.0f;
+            }
+            s[n][c] = p;
+        }
+    }
+}
+// --8<-- [end:mask]
+
+// --8<-- [start:consumer]
+// Consumer `consumer` (0 or 1): keys 64·consumer .. of the block, their dK and dV in registers for
+// the whole walk; stage 9's schedule per query tile, the element mask applied in partial blocks.
+__device__ __forceinline__ void consume(const SharedMemory& shared, const BlockWork& work, int consumer,
+                                        const HeadRows<elem_t>& dk_rows, const HeadRows<elem_t>& dv_rows,
+                                        const ElementMask& mask, float scale) {
+    const int lane = threadIdx.x % 32, warp_in_group = threadIdx.x / 32 % 4;
+    const int row0 = consumer * CONSUMER_KEYS + warp_in_group * 16;  // the warp's first key in the block
+    const int key0 = work.n0() + row0;
+    const unsigned k_rows = shared.k_tile() + consumer * CONSUMER_KEYS * 128;  // this consumer's keys
+    const unsigned v_rows = shared.v_tile() + consumer * CONSUMER_KEYS * 128;
+    const float scale_log2 = scale * LOG2E;
+    int key_docs[2] = {0, 0};  // the documents of the thread's two keys (-1: past S)
+    if (MASK == element_mask::document)
+        for (int r = 0; r < 2; ++r) {
+            const int key = key0 + lane / 4 + 8 * r;
+            key_docs[r] = key < mask.seq ? mask.document_ids[key] : -1;
+        }
+    float dk[D_FRAGS][4], dv[D_FRAGS][4];
+#pragma unroll
+    for (int n = 0; n < D_FRAGS; ++n) dk[n][0] = dk[n][1] = dk[n][2] = dk[n][3] = dv[n][0] = dv[n][1] = dv[n][2] = dv[n][3] = 0.0f;
+
+    mbarrier_wait(shared.barrier(KV_FULL), 0);  // also when no list names the block: no copy outlives it
+    const int tiles = work.tiles();
+    for (int i = 0; i < tiles; ++i) {
+        const QueryTile tile = work.tile(i);
+        const int slot = i % Q_STAGES;
+        const unsigned q = shared.q_slot(slot), d_o = shared.do_slot(slot), ds = shared.ds_slot(i % DS_STAGES);
+        mbarrier_wait(shared.barrier(Q_FULL + slot), (i / Q_STAGES) & 1);
+
+        float s[M_FRAGS][4], dp[M_FRAGS][4];
+        wgmma_fence();
+        issue_rows_times_queries(s, k_rows, q);     // Sᵀ = K Qᵀ
+        wgmma_commit();
+        issue_rows_times_queries(dp, v_rows, d_o);  // dPᵀ = V dOᵀ
+        wgmma_commit();
+        wgmma_wait<1>();  // Sᵀ done; dPᵀ may still run
+        fence_registers(s);
+
+        block_probabilities(s, shared.floats(shared.lse_slot(slot)), scale_log2, tile.partial, key0, tile.m0, mask,
+                            key_docs, lane);  // Pᵀ
+        unsigned p_a[M_STEPS][4], ds_a[M_STEPS][4];
+        if constexpr (DV_BEFORE_DS) {
+#pragma unroll
+            for (int ks = 0; ks < M_STEPS; ++ks) p_as_a_operand(s, ks, p_a[ks]);
+            wgmma_fence();
+            issue_accumulate(dv, p_a, d_o);  // dV += Pᵀ dO, queued behind dPᵀ
+            wgmma_commit();
+            wgmma_wait<1>();  // dPᵀ done; dV runs on while dS is computed
+        } else {
+            wgmma_wait<0>();  // dPᵀ done
+        }
+        fence_registers(dp);
+        score_gradients(dp, s, shared.floats(shared.delta_slot(slot)), lane);  // dSᵀ
+#pragma unroll
+        for (int ks = 0; ks < M_STEPS; ++ks) p_as_a_operand(dp, ks, ds_a[ks]);
+        store_score_gradients(ds, dp, row0, lane);
+        fence_async_shared();  // the stores, visible to wgmma (the async proxy)
+
+        if constexpr (!DV_BEFORE_DS) {
+#pragma unroll
+            for (int ks = 0; ks < M_STEPS; ++ks) p_as_a_operand(s, ks, p_a[ks]);
+        }
+        wgmma_fence();
+        if constexpr (!DV_BEFORE_DS) issue_accumulate(dv, p_a, d_o);  // dV += Pᵀ dO
+        issue_accumulate(dk, ds_a, q);  // dK += dSᵀ Q
+        wgmma_commit();
+        named_barrier_sync(DS_READY, CONSUMER_THREADS);  // both consumers' dSᵀ are stored
+        float dq[DQ_FRAGS][4];
+        wgmma_fence();
+        issue_dq(dq, ds, shared.k_tile(), consumer);  // dQ (a part) = dS K
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(dv);
+        fence_registers(dk);
+        fence_registers(dq);
+        fence_registers(p_a);
+        fence_registers(ds_a);
+        mbarrier_arrive(shared.barrier(Q_EMPTY + slot));  // Q, dO, LSE and Δ of this slot: read
+        hand_over_dq(shared, dq, i, consumer, warp_in_group, lane);  // added to dQ by the producer's thread 32
+    }
+
+    write_rows(dk_rows, work.kv_pair, dk, scale, key0, mask.seq, lane);  // zeros where no list names the block
+    write_rows(dv_rows, work.kv_pair, dv, 1.0f, key0, mask.seq, lane);
+}
+// --8<-- [end:consumer]
+
+// --8<-- [start:kernel]
+// A block per (key block blockIdx.x, KV pair kv_pair0 + blockIdx.y): stage 9's warp specialization over
+// the query tiles the transposed lists name. `group` query heads share each KV head; a launch covers at
+// most 65,535 KV pairs (grid.y), from kv_pair0. dK and dV carry their tensors' strides.
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
+block_sparse_attention_bwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
+                           const __grid_constant__ TmaMap v_map, const __grid_constant__ TmaMap do_map,
+                           const float* __restrict__ lse_log2, const float* __restrict__ delta,
+                           float* __restrict__ dq_accum, elem_t* __restrict__ dk, long long dk_batch_stride,
+                           long long dk_head_stride, int dk_row_stride, elem_t* __restrict__ dv,
+                           long long dv_batch_stride, long long dv_head_stride, int dv_row_stride, int kv_heads,
+                           int seq, int seq_q_padded, float scale, int group, int kv_pair0,
+                           const int* __restrict__ q_num, const int* __restrict__ q_indices,
+                           const int* __restrict__ full_q_num, const int* __restrict__ full_q_indices, int q_blocks,
+                           int window, const int* __restrict__ document_ids) {
+    extern __shared__ __align__(1024) unsigned char shared_raw[];
+    // TMA's 128-byte swizzle and the descriptors' base offset 0 assume 1024-byte-aligned tiles.
+    const unsigned raw = shared_address(shared_raw), base = (raw + 1023) & ~1023u;
+    const SharedMemory shared{base, shared_raw + (base - raw)};
+    const int n_block = blockIdx.x, full = full_q_num[n_block];
+    const QueryLists lists{q_num, q_indices, full_q_num, full_q_indices, q_blocks};
+    const BlockWork work{kv_pair0 + (int)blockIdx.y, kv_heads, n_block, group, full, full + q_num[n_block], lists};
+    if (threadIdx.x == 0) init_barriers(shared);
+    __syncthreads();
+
+    const int warpgroup = threadIdx.x / 128;
+    if (warpgroup == 0) {
+        setmaxnreg_dec<PRODUCER_REGS>();
+        if (threadIdx.x == 0) produce(shared, work, q_map, k_map, v_map, do_map, lse_log2, delta, seq_q_padded);
+        if (threadIdx.x == 32) add_dq_tiles(shared, work, dq_accum, seq_q_padded);
+    } else {
+        setmaxnreg_inc<CONSUMER_REGS>();
+        const HeadRows<elem_t> dk_rows{dk, dk_batch_stride, dk_head_stride, dk_row_stride, kv_heads};
+        const HeadRows<elem_t> dv_rows{dv, dv_batch_stride, dv_head_stride, dv_row_stride, kv_heads};
+        consume(shared, work, warpgroup - 1, dk_rows, dv_rows, ElementMask{window, document_ids, seq}, scale);
+    }
+}
+// --8<-- [end:kernel]
