@@ -61,6 +61,11 @@ MUTATIONS = {
     "block_sparse_empty_rows_unwritten": Mutation("stage12", (("        write_output_or_empty(o_acc,",
                                                                "        if (num_tiles > 0) write_output_or_empty(o_acc,"),),
                                                   "no key"),
+    # stage 13 takes the first partial query block of each key block's lists as full: its element mask is
+    # skipped there, so queries see keys after them (causal, documents and windows alike)
+    "block_sparse_backward_partial_as_full": Mutation("stage13", (("const bool partial = t >= full;",
+                                                                   "const bool partial = t >= full + 1;"),),
+                                                      "causal|window|documents"),
     # RoPE turned the wrong way (by -p·θ): attention sees the keys' positions mirrored
     "rope_turned_backwards": Mutation("stage10", (("n0 = to_float(n.e[0]), n1 = to_float(n.e[1]);",
                                                    "n0 = -to_float(n.e[0]), n1 = -to_float(n.e[1]);"),), "S128|S333"),
