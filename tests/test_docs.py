@@ -393,6 +393,48 @@ def test_without_ops_figures_the_page_says_not_measured(tmp_path, monkeypatch):
     assert "Not measured yet." in text and "| shape |" not in text
 
 
+def committed_ops() -> list[tuple[str, dict]]:
+    """(GPU, "ops") of each committed results file that has figures of `python -m grader ops`."""
+    runs = [json.loads(p.read_text()) for p in sorted((ROOT / "results").glob("*.json"))]
+    return [(run["gpu"], run["ops"]) for run in runs if run.get("ops") and not run["ops"].get("stale")]
+
+
+def test_ops_figures_from_the_committed_results(monkeypatch):
+    """docs/pytorch.md's section on `grader ops` holds the placeholder; it becomes the committed figures."""
+    monkeypatch.delenv("FLASHMOE_RESULTS_DIR", raising=False)
+    markdown = (ROOT / "docs" / "pytorch.md").read_text()
+    assert "<!-- ops-figures -->" in markdown.split("## What a call costs")[1]
+    found = committed_ops()
+    assert found, "no results/*.json holds \"ops\""
+    text = load_hook().on_page_markdown("<!-- ops-figures -->", ops_page(), None, None)
+    for gpu, ops in found:
+        assert f"On the **{gpu}**" in text and f"commit `{ops['provenance']['commit'][:7]}`" in text
+        for row in ops["attention"]:
+            host = row["host_us"]
+            assert f"| {host['course_forward']:.0f} / {host['sdpa_forward']:.0f} | {host['course_backward']:.0f} / " \
+                   f"{host['sdpa_backward']:.0f} |" in text, (gpu, row["shape"])
+            assert f"| {row['speedup_forward_backward']:.2f}× |" in text
+        for row in ops["tiny"]:
+            assert f"| {row['ratio']:.2f}× |" in text
+        for row in ops["moe_layer"]:
+            assert f"| {row['shape']['tokens']} | {row['host_us']:.0f} |" in text
+        for row in ops["models"]:
+            if row.get("sdpa_ms"):
+                assert f"| {row['sdpa_ms'] / row['course_ms']:.2f}× |" in text, row["model"]
+
+
+def test_the_built_pytorch_page_shows_the_ops_figures(site, empty_site):
+    html = (site / "pytorch" / "index.html").read_text()
+    assert "<!-- ops-figures -->" not in html and "Not measured yet" not in html
+    for gpu, ops in committed_ops():
+        assert f"<strong>{gpu}</strong>" in html
+        for row in ops["attention"]:
+            assert re.search(rf"<td[^>]*>{row['speedup_forward_backward']:.2f}×</td>", html), row["shape"]
+        for row in ops["moe_layer"]:
+            assert re.search(rf"<td[^>]*>{row['host_us']:.0f}</td>", html)
+    assert "Not measured yet." in (empty_site / "pytorch" / "index.html").read_text()
+
+
 def test_ladder_and_tables_show_the_recorded_numbers(fake_site):
     home = (fake_site / "index.html").read_text()
     assert '<svg class="fm-chart fm-ladder"' in home and '<svg class="fm-chart fm-steps"' in home
@@ -876,7 +918,8 @@ def test_results_tables_fit_a_1400_pixel_window(browser, served_site):
     from selenium.webdriver.common.by import By
 
     browser.set_window_size(1400, 1000)
-    for page in [""] + [stage_page(d) + "/" for d in STAGE_DIRS]:  # the home page's grades, each stage's results
+    # the home page's grades, each stage's results, the ops' figures
+    for page in [""] + [stage_page(d) + "/" for d in STAGE_DIRS] + ["pytorch/"]:
         browser.get(f"{served_site}/{page}")
         if browser.find_elements(By.CSS_SELECTOR, ".fm-results"):
             assert browser.find_element(By.CSS_SELECTOR, ".md-sidebar--secondary").is_displayed()
