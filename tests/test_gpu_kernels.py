@@ -14,8 +14,9 @@ H100 = SimpleNamespace(name="NVIDIA H100 80GB HBM3", major=9, minor=0)  # as gra
 
 
 def graded_by_the_gpu_tests(kernel_dir: Path, names=None) -> list:
-    """The kernels tests/test_gpu.py and tests/test_block_sparse_stage.py grade on an H100, where they put them:
-    (stage, path) of each solution, untouched exercise and mutation of the stages `names` (all by default)."""
+    """The kernels tests/test_gpu.py, test_block_sparse_stage.py and test_block_sparse_backward_stage.py grade
+    on an H100, where they put them: (stage, path) of each solution, untouched exercise and mutation of the
+    stages `names` (all by default)."""
     names = stages.stage_names() if names is None else names
     kernels = []
     for name in names:
