@@ -150,7 +150,12 @@ __device__ void grad_gemm(const TmaMap& a_map, const TmaMap& b_map, const TmaMap
                         tma_load_3d(b_tile + box * B_BOX_BYTES, b_map, barrier(FULL + stage), kb * BLOCK_K,
                                     tile.n * BLOCK_N + box * 64, tile.expert);
                 } else {
+                    // EXERCISE: the first of this k-step's 64 rows: the reduction of dW[e] runs over expert
+                    // e's own rows of the permuted buffers, from its segment's start (expert_offsets, in
+                    // shared memory) on, 64 rows per k-step kb. Left as it is, every expert sums the first rows.
+                    // STUB: const int row = kb * BLOCK_K;
                     const int row = expert_offsets[tile.expert] + kb * BLOCK_K;  // this k-step's 64 rows
+                    // END EXERCISE
 #pragma unroll
                     for (int c = 0; c < CONSUMERS; ++c)  // each consumer's 64 m-columns of A
                         tma_load_3d(a_tile + c * A_BOX_BYTES, a_map, barrier(FULL + stage),
