@@ -20,6 +20,7 @@ TEACHES = {
     "stage9_hopper_backward": {"HGMMA", "UTMALDG"},
     "stage11_expert_parallel": {"HGMMA", "UTMALDG"},
     "stage12_block_sparse": {"HGMMA", "UTMALDG"},
+    "stage14_moe_backward": {"HGMMA", "UTMALDG"},
 }
 
 PAIRS = [(name, arch) for name in stages.stage_names() for arch in stages.load(name).archs]
