@@ -38,13 +38,18 @@ def geometry_checks(geometry: dict[str, int]) -> str:
     return "\n".join(f'static_assert(({name}) == {value}, "GRADER-GEOMETRY {name}");' for name, value in geometry.items())
 
 
+def stage_builds(stage) -> list[tuple[dict, str]]:
+    """(the -D macros, the checks appended to the source) of each variant compile_stage compiles, in its
+    order: what compile_cubin is called with, besides the kernel's path and the arch."""
+    problem = reference.load(stage.problem)
+    return [(defines, signature_checks(stage.kernels) + "\n" + geometry_checks(stage.geometry(defines)))
+            for defines in map(stage.defines, stage.variants(problem))]
+
+
 def compile_stage(stage, kernel_path: Path, arch: str) -> dict:
     """{variant key: Cubin} for every dtype × specialization; GraderError for a signature or geometry problem."""
-    problem = reference.load(stage.problem)
     cubins = {}
-    for variant in stage.variants(problem):
-        defines = stage.defines(variant)
-        checks = signature_checks(stage.kernels) + "\n" + geometry_checks(stage.geometry(defines))
+    for defines, checks in stage_builds(stage):
         try:
             cubins[variant_key(defines)] = compile_cubin(kernel_path, arch, defines, checks)
         except CompileError as error:

@@ -21,3 +21,24 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def kernel_dir(tmp_path_factory):
+    """One folder per test session for the kernels the GPU tests write (untouched exercises under workspace/,
+    the wrong kernels of mutations.py): at the same paths in every test, they compile once (the compile
+    cache's key holds the path)."""
+    return tmp_path_factory.mktemp("kernels")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compiled_up_front(request):
+    """Where GPU tests run, every kernel they compile, compiled first over all CPU cores (gpu_kernels.py):
+    graded one after the other, cold, the compiles alone took most of the GPU half's time."""
+    found, _ = gpu()
+    if found is None or not any("gpu" in item.keywords for item in request.session.items):
+        return
+    import gpu_kernels
+
+    jobs = gpu_kernels.builds(found, *gpu_kernels.copies(request.getfixturevalue("kernel_dir")))
+    gpu_kernels.compile_all(jobs)

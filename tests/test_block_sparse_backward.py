@@ -146,3 +146,15 @@ def test_flops_and_bytes_on_a_hand_counted_mask():
     query_side = 2 * 4 * (172 * (3 * 64 * 2 + 4) + 300 * 64 * 2)
     key_side = 2 * 2 * (2 * 172 * 64 * 2 + 2 * 300 * 64 * 2)
     assert P.min_bytes(emptied) == query_side + key_side + 4 * (2 + 6)
+
+
+def test_the_library_backward_is_compiled_without_donated_buffers():
+    """backward_run replays a graph's backward (retain_graph=True), which a compiled backward with donated
+    buffers refuses: the library attentions run with donation off."""
+    import torch._functorch.config as functorch_config
+
+    from reference.block_sparse_attention_backward import kept_for_replay
+
+    seen = []
+    kept_for_replay(lambda tensors: seen.append(functorch_config.donated_buffer))({})
+    assert seen == [False] and functorch_config.donated_buffer is True

@@ -68,18 +68,18 @@ def test_every_case_passes_the_problems_check(case):
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if "no key" in c.name][:2], ids=lambda c: c.name)
-def test_rows_left_unwritten_fail(case, tmp_path):
+def test_rows_left_unwritten_fail(case, kernel_dir):
     """The kernel skipping the query blocks whose lists are empty leaves their NaN poison: the check fails."""
-    _, path = mutate("block_sparse_empty_rows_unwritten", tmp_path)
+    _, path = mutate("block_sparse_empty_rows_unwritten", kernel_dir)
     assert not all(c.passed for c in _run(case, path))
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if re.search("causal|window|documents", c.name)
                                   and c.shape["S"] > 1][::4], ids=lambda c: c.name)
-def test_a_wrong_mask_fails(case, tmp_path):
+def test_a_wrong_mask_fails(case, kernel_dir):
     """The element mask off by one in the kernel (each query sees the next key) fails the check. At S = 1
     there is no next key: such a case cannot tell, and is not one of these."""
-    _, path = mutate("block_sparse_mask_off_by_one", tmp_path)
+    _, path = mutate("block_sparse_mask_off_by_one", kernel_dir)
     assert not all(c.passed for c in _run(case, path))
 
 

@@ -321,6 +321,120 @@ def test_the_built_lesson_shows_stage11s_records(site):
 
 # ---------------------------------------------------------------- the results, through the hook
 
+# ---------------------------------------------------------------- `python -m grader ops` (docs/pytorch.md)
+
+FAKE_OPS = {
+    "provenance": {"gpu": "NVIDIA H100 80GB HBM3", "commit": "abcdef0123456789", "dirty": False,
+                   "date": "2026-01-02T03:04:05+00:00", "torch": "2.11.0+cu130"},
+    "attention": [{"shape": {"B": 2, "H": 32, "Hkv": 8, "S": 2048, "D": 64, "causal": True, "dtype": "bfloat16"},
+                   "host_us": {"course_forward": 44.6, "course_backward": 123.4, "sdpa_forward": 51.2,
+                               "sdpa_backward": 143.5},
+                   "ms": {"course_forward_backward": 0.41234, "sdpa_forward_backward": 0.4635},
+                   "speedup_forward_backward": 1.12406, "kernels": {"names": {}, "copies": 0}}],
+    "host_breakdown": {"forward": {"whole": 44.6, "checks": 7.2, "ops, rest (allocations, autograd, dispatch)": -2.6},
+                       "backward": {"whole": 123.4, "checks": 0.0, "ops, rest (allocations, autograd, dispatch)": 88.8}},
+    "tiny": [{"shape": {"B": 1, "H": 1, "S": 128, "D": 64, "dtype": "float16"}, "course_ms": 0.0123456,
+              "sdpa_ms": 0.0234567, "ratio": 1.9}],
+    "moe_layer": [{"shape": {"tokens": 128, "hidden": 4096, "inter": 14336, "experts": 8, "top_k": 2, "dtype": "bfloat16"},
+                   "host_us": 87.4, "ms": {"course": 1.0095, "grouped_mm": 1.2775}}],
+    "models": [{"model": "LlamaForCausalLM hidden_size 2048", "batch": 2, "seq": 2048, "course_ms": 25.0,
+                "sdpa_ms": 27.5, "eager_ms": 56.66, "speedup": 1.1},
+               {"model": "MixtralSparseMoeBlock (forward) {'hidden': 4096}", "tokens": 4096, "course_ms": 4.4718,
+                "eager_ms": 8.7284, "speedup": 1.95}],
+}
+
+
+def ops_page():
+    return types.SimpleNamespace(file=types.SimpleNamespace(src_path="pytorch.md"))
+
+
+def test_ops_figures_from_a_fixture(tmp_path, monkeypatch):
+    """<!-- ops-figures -->: the "ops" entry of each results file as tables, µs without decimals, ms to three
+    significant figures, ratios to two decimals; the GPU and the commit and date the figures were measured at;
+    a file without "ops" (here the H200's) gets no tab."""
+    h100 = dict(copy.deepcopy(FAKE), ops=FAKE_OPS)
+    (tmp_path / "h100-sxm.json").write_text(json.dumps(h100))
+    (tmp_path / "h200.json").write_text(json.dumps(FAKE_H200))
+    monkeypatch.setenv("FLASHMOE_RESULTS_DIR", str(tmp_path))
+    hook = load_hook()
+    text = hook.on_page_markdown("<!-- ops-figures -->", ops_page(), None, None)
+    assert "Not measured yet" not in text and "fm-gpus" not in text and "H200" not in text
+    assert "On the **NVIDIA H100 80GB HBM3** (`results/h100-sxm.json`)" in text
+    assert "commit `abcdef0` on 2026-01-02 03:04 UTC" in text
+    for row in ("| B2 H32/8 S2048 D64 | 45 / 51 | 123 / 144 | 0.412 / 0.464 | 1.12× |",  # (a) attention
+                "| **whole call** | 45 | 123 |", "| checks | 7 | 0 |",                        # (b) by piece
+                "| ops, rest (allocations, autograd, dispatch) | -3 | 89 |",
+                "| B1 H1 S128 D64 fp16 | 0.0123 | 0.0235 | 1.90× |",                       # (c) tiny shapes
+                "| 128 | 87 | 1.01 | 1.28 | 1.27× |",                                     # (d) ops.moe_layer
+                "| 2 × 2048 | 25.0 | 27.5 | 56.7 | 1.10× | 2.27× |",                       # (e) models
+                "| 4096 | 4.47 | — | 8.73 | — | 1.95× |"):
+        assert row in text, row
+    assert "(hidden 4096, inter 14336, 8 experts, top-2, bf16)" in text
+    assert "by piece" in text and "at B2 H32/8 S2048 D64" in text
+
+    h200 = dict(copy.deepcopy(FAKE_H200), ops=dict(FAKE_OPS, provenance=dict(FAKE_OPS["provenance"], gpu="NVIDIA H200")))
+    (tmp_path / "h200.json").write_text(json.dumps(h200))
+    text = hook.on_page_markdown("<!-- ops-figures -->", ops_page(), None, None)
+    assert "fm-gpus" in text  # a tab per GPU, the H100's first
+    assert text.index("On the **NVIDIA H100 80GB HBM3**") < text.index("On the **NVIDIA H200**")
+
+    models = dict(FAKE_OPS, models=[{"skipped": "transformers is not installed"}])
+    (tmp_path / "h100-sxm.json").write_text(json.dumps(dict(copy.deepcopy(FAKE), ops=models)))
+    text = hook.on_page_markdown("<!-- ops-figures -->", ops_page(), None, None)
+    assert "Whole models: not measured (transformers is not installed)." in text
+
+
+def test_without_ops_figures_the_page_says_not_measured(tmp_path, monkeypatch):
+    (tmp_path / "h100-sxm.json").write_text(json.dumps(FAKE))
+    (tmp_path / "h200.json").write_text(json.dumps(dict(copy.deepcopy(FAKE_H200), ops=dict(FAKE_OPS, stale=True))))
+    monkeypatch.setenv("FLASHMOE_RESULTS_DIR", str(tmp_path))
+    hook = load_hook()
+    text = hook.on_page_markdown("<!-- ops-figures -->", ops_page(), None, None)
+    assert "Not measured yet." in text and "| shape |" not in text
+
+
+def committed_ops() -> list[tuple[str, dict]]:
+    """(GPU, "ops") of each committed results file that has figures of `python -m grader ops`."""
+    runs = [json.loads(p.read_text()) for p in sorted((ROOT / "results").glob("*.json"))]
+    return [(run["gpu"], run["ops"]) for run in runs if run.get("ops") and not run["ops"].get("stale")]
+
+
+def test_ops_figures_from_the_committed_results(monkeypatch):
+    """docs/pytorch.md's section on `grader ops` holds the placeholder; it becomes the committed figures."""
+    monkeypatch.delenv("FLASHMOE_RESULTS_DIR", raising=False)
+    markdown = (ROOT / "docs" / "pytorch.md").read_text()
+    assert "<!-- ops-figures -->" in markdown.split("## What a call costs")[1]
+    found = committed_ops()
+    assert found, "no results/*.json holds \"ops\""
+    text = load_hook().on_page_markdown("<!-- ops-figures -->", ops_page(), None, None)
+    for gpu, ops in found:
+        assert f"On the **{gpu}**" in text and f"commit `{ops['provenance']['commit'][:7]}`" in text
+        for row in ops["attention"]:
+            host = row["host_us"]
+            assert f"| {host['course_forward']:.0f} / {host['sdpa_forward']:.0f} | {host['course_backward']:.0f} / " \
+                   f"{host['sdpa_backward']:.0f} |" in text, (gpu, row["shape"])
+            assert f"| {row['speedup_forward_backward']:.2f}× |" in text
+        for row in ops["tiny"]:
+            assert f"| {row['ratio']:.2f}× |" in text
+        for row in ops["moe_layer"]:
+            assert f"| {row['shape']['tokens']} | {row['host_us']:.0f} |" in text
+        for row in ops["models"]:
+            if row.get("sdpa_ms"):
+                assert f"| {row['sdpa_ms'] / row['course_ms']:.2f}× |" in text, row["model"]
+
+
+def test_the_built_pytorch_page_shows_the_ops_figures(site, empty_site):
+    html = (site / "pytorch" / "index.html").read_text()
+    assert "<!-- ops-figures -->" not in html and "Not measured yet" not in html
+    for gpu, ops in committed_ops():
+        assert f"<strong>{gpu}</strong>" in html
+        for row in ops["attention"]:
+            assert re.search(rf"<td[^>]*>{row['speedup_forward_backward']:.2f}×</td>", html), row["shape"]
+        for row in ops["moe_layer"]:
+            assert re.search(rf"<td[^>]*>{row['host_us']:.0f}</td>", html)
+    assert "Not measured yet." in (empty_site / "pytorch" / "index.html").read_text()
+
+
 def test_ladder_and_tables_show_the_recorded_numbers(fake_site):
     home = (fake_site / "index.html").read_text()
     assert '<svg class="fm-chart fm-ladder"' in home and '<svg class="fm-chart fm-steps"' in home
@@ -804,7 +918,8 @@ def test_results_tables_fit_a_1400_pixel_window(browser, served_site):
     from selenium.webdriver.common.by import By
 
     browser.set_window_size(1400, 1000)
-    for page in [""] + [stage_page(d) + "/" for d in STAGE_DIRS]:  # the home page's grades, each stage's results
+    # the home page's grades, each stage's results, the ops' figures
+    for page in [""] + [stage_page(d) + "/" for d in STAGE_DIRS] + ["pytorch/"]:
         browser.get(f"{served_site}/{page}")
         if browser.find_elements(By.CSS_SELECTOR, ".fm-results"):
             assert browser.find_element(By.CSS_SELECTOR, ".md-sidebar--secondary").is_displayed()

@@ -2,7 +2,9 @@
 hanging kernel is reported without taking the grader down. Skipped, with the reason, without a GPU.
 
 Kept short (the whole GPU half in about 5 minutes): a check that only needs one wrong answer runs one
-trial; a grade that only needs to be two bands apart is timed with a short budget per shape."""
+trial; a grade that only needs to be two bands apart is timed with a short budget per shape. Every kernel
+graded here is compiled before the first test, in parallel (conftest.py, gpu_kernels.py): the exercises and
+the wrong kernels are written to the session's `kernel_dir`, where the compiles found them."""
 import pytest
 import torch
 
@@ -54,14 +56,14 @@ LETTERS = [letter for letter, _ in BANDS] + ["F"]
 
 
 @pytest.mark.parametrize("name", stages.stage_names())
-def test_an_untouched_exercise_fails_or_grades_two_bands_below_the_solution(name, tmp_path, monkeypatch):
+def test_an_untouched_exercise_fails_or_grades_two_bands_below_the_solution(name, kernel_dir, monkeypatch):
     """An exercise done before the learner starts teaches nothing: `init`'s copy, graded as it is,
     must fail correctness, or grade at least two bands below the course's kernel."""
     if not _runnable(name):
         pytest.skip(f"{name} does not run on this GPU")
     stage = stages.load(name)
-    monkeypatch.setenv("FLASHMOE_WORKSPACE", str(tmp_path))
-    untouched = exercise.init(stage)
+    monkeypatch.setenv("FLASHMOE_WORKSPACE", str(kernel_dir / "workspace"))
+    untouched = exercise.init(stage, force=True)  # where the session compiled it (conftest.py)
     if _grade(stage, untouched, trials=1)["correctness"]["failed"]:
         return
     mine, solution = _quick_grade(stage, untouched), _quick_grade(stage, stage.source_path)
@@ -70,8 +72,8 @@ def test_an_untouched_exercise_fails_or_grades_two_bands_below_the_solution(name
 
 
 @pytest.mark.parametrize("mutation", [name for name, m in MUTATIONS.items() if m.cases is not None])
-def test_wrong_kernels_fail(mutation, tmp_path):
-    stage, path = mutate(mutation, tmp_path)
+def test_wrong_kernels_fail(mutation, kernel_dir):
+    stage, path = mutate(mutation, kernel_dir)
     if not _runnable(stage.name):
         pytest.skip(f"{stage.name} does not run on this GPU")
     result = _grade(stage, path, only=MUTATIONS[mutation].cases, trials=1)
@@ -81,7 +83,7 @@ def test_wrong_kernels_fail(mutation, tmp_path):
 
 
 @pytest.mark.parametrize("ranks,local", [(2, 3), (8, 4)])
-def test_a_row_taken_from_the_wrong_rank_is_caught(ranks, local, tmp_path):
+def test_a_row_taken_from_the_wrong_rank_is_caught(ranks, local, kernel_dir):
     """Stage 11's regroup with the last row of each source rank's bucket read from the next rank's
     (mutations.py): unlike PyTorch's regroup_index on the same counts. (The grader's world has one rank.)"""
     from cuda.core import Device
@@ -90,7 +92,7 @@ def test_a_row_taken_from_the_wrong_rank_is_caught(ranks, local, tmp_path):
     from stages.stage11_expert_parallel import KernelParts, dispatch
     from stages.stage11_expert_parallel.dispatch import Exchange
 
-    stage, path = mutate("row_from_wrong_rank", tmp_path)
+    stage, path = mutate("row_from_wrong_rank", kernel_dir)
     if not _runnable(stage.name):
         pytest.skip(f"{stage.name} does not run on this GPU")
     found, _ = gpu()
@@ -107,16 +109,16 @@ def test_a_row_taken_from_the_wrong_rank_is_caught(ranks, local, tmp_path):
     assert not all(torch.equal(m, e) for m, e in zip(mutated, expected))
 
 
-def test_a_crashing_kernel_is_reported_and_the_next_case_still_runs(tmp_path):
-    stage, path = mutate("crash", tmp_path)
+def test_a_crashing_kernel_is_reported_and_the_next_case_still_runs(kernel_dir):
+    stage, path = mutate("crash", kernel_dir)
     result = _grade(stage, path, only="Skv17 |Skv239 ", trials=1)
     cases = result["correctness"]["cases"]
     assert len(cases) >= 3 and all(not c["passed"] for c in cases)
     assert all("illegal memory address" in c["failure"] or "CUDA error" in c["failure"] for c in cases), cases
 
 
-def test_a_hanging_kernel_is_killed_and_reported(tmp_path):
-    stage, path = mutate("hang", tmp_path)
+def test_a_hanging_kernel_is_killed_and_reported(kernel_dir):
+    stage, path = mutate("hang", kernel_dir)
     result = _grade(stage, path, only="Sq17 Skv17 D64", timeout_s=20, trials=1)
     (case,) = result["correctness"]["cases"]
     assert not case["passed"] and case["failure"].startswith("timeout")

@@ -28,6 +28,10 @@
     <!-- expert-parallel-records -->   stage 11's records across GPUs, results/expert-parallel/*.json: the tables
                                        its runner prints, one heading per record (its records.py's
                                        lesson_tables), or "Not measured yet." without records
+    <!-- ops-figures -->               `python -m grader ops`'s figures, the "ops" entry of each results file
+                                       that has one (a tab per GPU): attention host µs and ms beside SDPA,
+                                       the host time by piece, the tiny shapes, ops.moe_layer, whole models;
+                                       "Not measured yet." where no file has them
   Every results file is shown, one per GPU: with several, each chart and table gets a tab per GPU,
   the H100's first, and the tabs of one GPU are linked across the page. A figure in prose reads the
   H100's file only (PROSE_GPU: the lessons say "on the H100" beside it). A figure that file does not
@@ -58,7 +62,7 @@ from mkdocs.exceptions import PluginError
 ROOT = Path(__file__).resolve().parents[2]
 STAGE_DIR = re.compile(r"stage(\d+)_\w+")
 KEY = r"\w+(?::\w+)?"  # a stage directory, then ":rung" for a rung of its ladder
-PLACEHOLDER = re.compile(rf"<!-- (ladder|stage-list|gpus|stall-reasons|expert-parallel-records|results:({KEY})|rungs:(\w+)|figure:({KEY}):([^:>]+):([\w.:]+)"
+PLACEHOLDER = re.compile(rf"<!-- (ladder|stage-list|gpus|stall-reasons|expert-parallel-records|ops-figures|results:({KEY})|rungs:(\w+)|figure:({KEY}):([^:>]+):([\w.:]+)"
                          rf"|profile:({KEY})) -->")
 COLORS = ["#3b82f6", "#f59e0b", "#10b981", "#ef4444", "#8b5cf6", "#06b6d4", "#ec4899", "#84cc16"]
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
@@ -345,6 +349,8 @@ def on_page_markdown(markdown, page, config, files):
             return stall_reasons_md()
         if m[1] == "expert-parallel-records":
             return expert_parallel_md()
+        if m[1] == "ops-figures":
+            return ops_md(runs)
         if m[2]:
             return results_md(m[2], runs)
         if m[3]:
@@ -835,6 +841,153 @@ def expert_parallel_md() -> str:
     each record's tables under a heading of its own, or "Not measured yet." without records."""
     tables = expert_parallel_records().lesson_tables(results_folder()[0] / "expert-parallel")
     return f'\n\n<div class="fm-results" markdown>\n\n{tables}\n\n</div>\n\n'
+
+
+# ---------------------------------------------------------------- `python -m grader ops` (docs/pytorch.md)
+
+def ops_of(run: dict) -> dict:
+    """The run's "ops" entry (grader/ops_benchmark.py's figures), {} where it has none or one marked stale."""
+    ops = run.get("ops") or {}
+    return {} if ops.get("stale") else ops
+
+
+def ops_md(runs: list[dict]) -> str:
+    """The ops' figures of each results file that has them, a tab per GPU where there are several."""
+    found = [run for run in runs if ops_of(run)]
+    if not found:
+        return (f'\n\n!!! note "{NOT_MEASURED}"\n    {NOT_MEASURED}. No `results/*.json` holds the figures of '
+                "`python -m grader ops`: run `python -m grader ops --json results/<gpu>.json` on your GPU to "
+                "see them.\n\n")
+    return gpu_tabs([(run, ops_run_md(run)) for run in found])
+
+
+def us(value) -> str:
+    return "—" if value is None else f"{value:,.0f}"
+
+
+def ms3(value) -> str:
+    return "—" if value is None else sig3(value)
+
+
+def times(value) -> str:
+    return "—" if not value else ratio(value)
+
+
+def attention_shape(shape: dict) -> str:
+    """{"B": 2, "H": 32, "Hkv": 8, "S": 2048, "D": 64} -> "B2 H32/8 S2048 D64"."""
+    heads = f"H{shape.get('H')}" + (f"/{shape['Hkv']}" if shape.get("Hkv") not in (None, shape.get("H")) else "")
+    return f"B{shape.get('B')} {heads} S{shape.get('S')} D{shape.get('D')}"
+
+
+def ops_run_md(run: dict) -> str:
+    ops = ops_of(run)
+    p = ops.get("provenance") or run.get("provenance") or {}
+    out = [f"\n\nOn the **{gpu_of(run)}** (`results/{run.get('_file', '?')}`), measured by `python -m grader ops` at {when(p)}, "
+           f"with {environment(p, ('sm_clock_mhz', 'driver', 'torch', 'cuda_core')) or 'no environment recorded'}. "
+           "Medians of side-by-side rounds; ms is wall time per call of a loop of calls.\n",
+           '<div class="fm-results" markdown>\n']
+    out += ops_attention_table(ops.get("attention") or [])
+    out += ops_breakdown_table(ops.get("host_breakdown") or {}, ops.get("attention") or [])
+    out += ops_tiny_table(ops.get("tiny") or [])
+    out += ops_moe_table(ops.get("moe_layer") or [])
+    out += ops_models_table(ops.get("models") or [])
+    out.append("\n</div>")
+    return "\n".join(out) + "\n\n"
+
+
+def ops_attention_table(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    dtype = DTYPES.get((rows[0].get("shape") or {}).get("dtype"), "")
+    out = [f"\n**`ops.attention`** ({dtype}, causal, q, k, v as the `[B, H, S, D]` views of `[B, S, H, D]` "
+           "projections), course / SDPA:\n",
+           "| shape | host µs forward | host µs backward | fwd + bwd ms | × SDPA |", "|---|--:|--:|--:|--:|"]
+    for row in rows:
+        host, ms = row.get("host_us") or {}, row.get("ms") or {}
+        out.append(f"| {attention_shape(row.get('shape') or {})} "
+                   f"| {us(host.get('course_forward'))} / {us(host.get('sdpa_forward'))} "
+                   f"| {us(host.get('course_backward'))} / {us(host.get('sdpa_backward'))} "
+                   f"| {ms3(ms.get('course_forward_backward'))} / {ms3(ms.get('sdpa_forward_backward'))} "
+                   f"| {times(row.get('speedup_forward_backward'))} |")
+    return out
+
+
+def ops_breakdown_table(pieces: dict, attention: list[dict]) -> list[str]:
+    """The host µs of one forward and one backward call, whole and by piece (the pieces the benchmark
+    names, in its order); the shape is the first attention shape's (ops_benchmark.host_breakdown's default)."""
+    directions = [d for d in ("forward", "backward") if isinstance(pieces.get(d), dict)]
+    if not directions:
+        return []
+    shape = pieces.get("shape") or (attention[0].get("shape") if attention else None)
+    at = f" at {attention_shape(shape)}" if shape else ""
+    names = list(dict.fromkeys(name for d in directions for name in pieces[d]))
+    out = [f"\nThe host time of one `ops.attention` call{at}, by piece (µs; a \"rest\" is a difference of "
+           "medians, so it can fall below zero):\n",
+           "| piece | " + " | ".join(directions) + " |", "|---|" + "--:|" * len(directions)]
+    for name in names:
+        cells = " | ".join(us(pieces[d].get(name)) for d in directions)
+        out.append(f"| {'**whole call**' if name == 'whole' else html.escape(name, quote=False)} | {cells} |")
+    return out
+
+
+def ops_tiny_table(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    out = ["\nThe specification's tiny shapes (forward):\n",
+           "| shape | course ms | SDPA ms | × SDPA |", "|---|--:|--:|--:|"]
+    for row in rows:
+        out.append(f"| {shape_label(row)} | {ms3(row.get('course_ms'))} | {ms3(row.get('sdpa_ms'))} "
+                   f"| {times(row.get('ratio'))} |")
+    return out
+
+
+def ops_moe_table(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    first = rows[0].get("shape") or {}
+    others = list(dict.fromkeys(k for row in rows for k in (row.get("ms") or {}) if k != "course"))
+    out = [f"\n**`ops.moe_layer`** ({moe_shape(first)}), forward:\n",
+           "| tokens | host µs | course ms | " + " | ".join(f"{name} ms | × {name}" for name in others) + " |",
+           "|--:|--:|--:|" + "--:|--:|" * len(others)]
+    for row in rows:
+        ms = row.get("ms") or {}
+        cells = "".join(f" {ms3(ms.get(name))} | {times(ms[name] / ms['course'] if ms.get(name) and ms.get('course') else None)} |"
+                        for name in others)
+        out.append(f"| {(row.get('shape') or {}).get('tokens', '—')} | {us(row.get('host_us'))} "
+                   f"| {ms3(ms.get('course'))} |{cells}")
+    return out
+
+
+def moe_shape(shape: dict) -> str:
+    """{"hidden": 4096, "inter": 14336, "experts": 8, "top_k": 2, "dtype": "bfloat16"} ->
+    "hidden 4096, inter 14336, 8 experts, top-2, bf16"."""
+    bits = [f"hidden {shape['hidden']}" if "hidden" in shape else "", f"inter {shape['inter']}" if "inter" in shape else "",
+            f"{shape['experts']} experts" if "experts" in shape else "", f"top-{shape['top_k']}" if "top_k" in shape else "",
+            DTYPES.get(shape.get("dtype"), shape.get("dtype") or "")]
+    return ", ".join(b for b in bits if b)
+
+
+def ops_models_table(rows: list[dict]) -> list[str]:
+    """Whole transformers models: the course's ops registered in them, beside SDPA and eager attention
+    (for the Mixtral block, "eager" is the block's own forward); a skipped measurement says why."""
+    timed_models = [row for row in rows if row.get("course_ms")]
+    skipped = [row["skipped"] for row in rows if row.get("skipped")]
+    out = [f"\nWhole models: not measured ({html.escape(str(why))})." for why in skipped]
+    if not timed_models:
+        return out
+    out += ["\nWhole transformers models, with the course's ops in them (ms per step):\n",
+            "| model | tokens | course ms | SDPA ms | eager ms | × SDPA | × eager |", "|---|--:|--:|--:|--:|--:|--:|"]
+    for row in timed_models:
+        name = str(row.get("model", "?"))
+        what = name.split(" ")[0] + (" forward" if "(forward)" in name else " forward + backward")
+        tokens = f"{row['batch']} × {row['seq']}" if row.get("batch") else str(row.get("tokens", "—"))
+        course, sdpa_ms, eager = row.get("course_ms"), row.get("sdpa_ms"), row.get("eager_ms")
+        out.append(f'| <span title="{html.escape(name)}">{html.escape(what, quote=False)}</span> | {tokens} | {ms3(course)} '
+                   f"| {ms3(sdpa_ms)} | {ms3(eager)} | {times(sdpa_ms / course if sdpa_ms else None)} "
+                   f"| {times(eager / course if eager else None)} |")
+    out.append("\n<small>Hover a model for its configuration. For a MoE block, \"eager\" is the block's own "
+               "forward.</small>")
+    return out
 
 
 def profile_md(key: str, runs: list[dict]) -> str:

@@ -1,0 +1,67 @@
+"""The GPU tests' kernels compiled up front (tests/gpu_kernels.py, conftest.py): on the CPU, that the warm-up
+compiles exactly what the GPU tests then ask the compiler for, so that their compiles all find the cache."""
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import stages
+from grader import exercise, run
+from mutations import MUTATIONS, mutate
+import gpu_kernels
+
+H100 = SimpleNamespace(name="NVIDIA H100 80GB HBM3", major=9, minor=0)  # as grader.device.probe's GpuInfo
+
+
+def graded_by_the_gpu_tests(kernel_dir: Path, names=None) -> list:
+    """The kernels tests/test_gpu.py and tests/test_block_sparse_stage.py grade on an H100, where they put them:
+    (stage, path) of each solution, untouched exercise and mutation of the stages `names` (all by default)."""
+    names = stages.stage_names() if names is None else names
+    kernels = []
+    for name in names:
+        stage = stages.load(name)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("FLASHMOE_WORKSPACE", str(kernel_dir / "workspace"))
+            kernels += [(stage, stage.source_path), (stage, exercise.init(stage, force=True))]
+    kernels += [mutate(m, kernel_dir) for m, mutation in MUTATIONS.items() if stages.load(mutation.stage).name in names]
+    return kernels
+
+
+def test_the_warm_up_lists_every_compile_of_the_grader_on_an_h100_and_no_other(tmp_path, monkeypatch):
+    asked = set()
+
+    def recorded(path, arch, defines=None, extra_source=""):
+        asked.add((str(Path(path).resolve()), arch, tuple(sorted(defines.items())), extra_source))
+        return None
+    monkeypatch.setattr(run, "compile_cubin", recorded)
+    for stage, path in graded_by_the_gpu_tests(tmp_path):
+        run.compile_stage(stage, path, stages.arch_for(H100, stage.archs))
+    listed = {(str(Path(p).resolve()), arch, tuple(sorted(d.items())), extra)
+              for p, arch, d, extra in gpu_kernels.builds(H100, *gpu_kernels.copies(tmp_path))}
+    graders = {job for job in listed if job[3]}  # the grader's carry its checks; the ops' and stage 11's none
+    assert graders == asked
+    without_checks = listed - graders
+    assert {Path(p).parent.name for p, *_ in without_checks} == \
+        {"stage4_hopper", "stage7_moe_layer", "stage9_hopper_backward", "stage11_expert_parallel"}
+
+
+def test_after_the_warm_up_the_gpu_tests_compiles_all_find_the_cache(tmp_path, monkeypatch):
+    """Stage 0's solution, exercise and mutations, compiled by the warm-up's processes; then the grader's own
+    compile of each finds every cubin in the cache (NVRTC is not called), and the cache holds no other."""
+    from stages.common import compiler
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FLASHMOE_CACHE", str(cache))  # the warm-up's processes read it as they start
+    monkeypatch.setattr(compiler, "CACHE_DIR", cache / "cubin")
+    names = ["stage0_naive"]
+    jobs = gpu_kernels.builds(H100, *gpu_kernels.copies(tmp_path / "kernels"), names=names)
+    results = gpu_kernels.compile_all(jobs, processes=2)
+    assert [error for *_, error in results if error] == []
+
+    import cuda.core
+
+    monkeypatch.setattr(cuda.core, "Program", lambda *a, **k: pytest.fail("compiled again: not in the cache"))
+    kernels = graded_by_the_gpu_tests(tmp_path / "kernels", names)
+    assert len(kernels) == 2 + sum(m.stage == "stage0" for m in MUTATIONS.values())
+    cubins = [c for stage, path in kernels for c in run.compile_stage(stage, path, "sm_90a").values()]
+    assert len(cubins) == len(jobs) and len(list((cache / "cubin").glob("*.cubin"))) == len(jobs)
