@@ -26,10 +26,10 @@ def _segments(offsets):
 class TorchGemms:
     """backward.cu's grouped GEMMs in PyTorch (fp32 accumulation, outputs rounded to the dtype), for the CPU."""
 
-    def up(self, x_perm, offsets, w1, h1):
-        h1.zero_()
+    def up(self, a_perm, offsets, weight, out):
+        out.zero_()
         for e, a, b in _segments(offsets):
-            h1[a:b] = (x_perm[a:b].float() @ w1[e].float()).to(h1.dtype)
+            out[a:b] = (a_perm[a:b].float() @ weight[e].float()).to(out.dtype)
 
     def data(self, a_perm, offsets, weight, out):
         out.zero_()

@@ -1,11 +1,12 @@
 """Stage 14 — the MoE layer's backward on Hopper: grouped GEMMs for the weights' gradients
 
 sm_90a only. The gradients of stage 7's layer (dX, dWr, dBias, dW1, dW2) from dY and the forward's
-routing. Five grouped GEMMs on TMA + wgmma (backward.cu): the forward's x·W1 again (stage 6's
+routing. Six grouped GEMMs on TMA + wgmma (backward.cu): the forward's x·W1 again (stage 6's
 expert_down), dH = dY·W2ᵀ and dX = [dG dU]·W1ᵀ with the weights read transposed (expert_grad_data),
 and dW2 = hᵀ·(w·dY), dW1 = xᵀ·[dG dU] as sums over each expert's rows (expert_grad_weight: a
-different K per expert, found on the device). The permutation, SwiGLU's backward, the combine's and the
-router's backward are PyTorch operations in the launch, in this first version.
+different K per expert, found on the device), and y = h·W2 again (expert_down) for the top-k weights'
+gradient. The permutation, SwiGLU's backward, the combine's and the router's backward are PyTorch
+operations in the launch, in this first version.
 """
 from __future__ import annotations
 
@@ -63,14 +64,15 @@ class HopperGemms:
 
         self.kernels, self.grid = kernels, (sm_count(device),)
 
-    def up(self, x_perm, offsets, w1, h1):
-        """h1 = x_perm · W1[e] over each expert's rows (stage 6's expert_down, W1 as its B)."""
+    def up(self, a_perm, offsets, weight, out):
+        """out = a_perm · W[e] over each expert's rows, W [E, k, n_out] (stage 6's expert_down, W as its B):
+        h1 = x·W1 and y = h·W2."""
         from stages.common.hopper import tensor_map
 
-        experts, hidden, two_inter = w1.shape
-        self.kernels.expert_down(self.grid, (NUM_THREADS,), tensor_map(x_perm[None], ROWS_BOX),
-                                 tensor_map(w1, WEIGHT_BOX), tensor_map(h1[None], OUT_BOX), offsets, experts,
-                                 two_inter, hidden, smem=SHARED_BYTES)
+        experts, k, n_out = weight.shape
+        self.kernels.expert_down(self.grid, (NUM_THREADS,), tensor_map(a_perm[None], ROWS_BOX),
+                                 tensor_map(weight, WEIGHT_BOX), tensor_map(out[None], OUT_BOX), offsets, experts,
+                                 n_out, k, smem=SHARED_BYTES)
 
     def data(self, a_perm, offsets, weight, out):
         """out = a_perm · W[e]ᵀ over each expert's rows, W [E, n_out, k]."""
@@ -128,9 +130,16 @@ def backward(gemms, x, wr, bias, w1, w2, top_k, topk_ids, topk_weights, dy, aux_
     silu = gate * sig
     h = (silu * up).to(dtype)
     dh_u = dh_unweighted.float()
-    # The top-k weight's gradient dY[t]·y_e(x[t]) = h·(dY·W2ᵀ): no y needed. (From y = h·W2 rounded to the
-    # dtype, as PyTorch's autograd has it, it was no closer on the CPU: 2 single-token cases off, not 1.)
-    g_rows = (h.float() * dh_u).sum(1)
+    # The top-k weight's gradient g = dY[t]·y_e(x[t]), y = h·W2 recomputed as PyTorch's autograd has it:
+    # h = silu(G)·U rounded twice (silu's, then the product's), y rounded, the dot product in fp32. dBias sums
+    # g's errors over every token (fp32 output: the tolerance is twice the library's error, no rounding term),
+    # and those come from the 16-bit GEMM outputs (h1, dH or y), not from the fp32 chain after them: g = h·dH,
+    # with h in fp32 or not, has other roundings than the library's, and over seeds on the CPU exceeded twice
+    # its error (up to 2.3x its tolerance); the library's own arithmetic stays at its error.
+    gate_d, up_d = h1.split(inter, dim=1)
+    y = torch.empty(rows, hidden, dtype=dtype, device=x.device)
+    gemms.up(torch.nn.functional.silu(gate_d) * up_d, offsets, w2, y)
+    g_rows = (y.float() * dy_perm.float()).sum(1)
     dh = dh_u * w_perm[:, None]
     dgu = torch.cat([dh * up * sig * (1 + gate * (1 - sig)), dh * silu], dim=1).to(dtype)
 
