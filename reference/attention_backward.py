@@ -180,12 +180,18 @@ def forward_backward_run(inputs: dict, attention):
 
 def backward_run(inputs: dict, attention):
     """A callable: the gradients of q, k, v for dO through attention's forward graph, which the first call
-    builds and keeps (built then, not here, so that the worker's first call, in a try, meets its OOM)."""
+    builds and keeps (built then, not here, so that the worker's first call, in a try, meets its OOM). Each
+    call runs the same graph's backward again (retain_graph=True), which a torch.compile'd attention refuses
+    where its backward donates the saved activations' buffers to its outputs (compiled FlexAttention on packed
+    documents did): the graph is built with that donation off."""
+    import torch._functorch.config as functorch_config
+
     leaves, graph = _leaves(inputs), []
 
     def run():
         if not graph:
-            graph.append(attention({**inputs, **leaves}))
+            with functorch_config.patch(donated_buffer=False):
+                graph.append(attention({**inputs, **leaves}))
         torch.autograd.grad(graph[0], tuple(leaves.values()), inputs["do"], retain_graph=True)
     return run
 

@@ -91,8 +91,7 @@ class BlockSparseAttentionBackwardProblem(Problem):
     def baselines(self, inputs: dict) -> dict:
         """The backward alone of compiled FlexAttention with the same BlockMask, and of SDPA with the dense
         boolean mask up to SDPA_MAX_TOKENS; on a GPU only."""
-        return {name: backward_run(inputs, kept_for_replay(attention))
-                for name, attention in library_attentions(inputs).items()}
+        return {name: backward_run(inputs, attention) for name, attention in library_attentions(inputs).items()}
 
     def forward_backward_baselines(self, inputs: dict) -> dict:
         """Forward and backward of the same libraries."""
@@ -133,16 +132,3 @@ def exact_gradients(inputs: dict) -> dict:
 
 
 PROBLEM = BlockSparseAttentionBackwardProblem()
-
-
-def kept_for_replay(attention):
-    """attention, compiled (on its first call) with a backward that may run again on the same graph, as
-    backward_run replays it: torch.compile's backward may otherwise donate the saved activations' buffers
-    to its outputs, and then refuses retain_graph=True (seen on the packed documents' FlexAttention)."""
-    import torch._functorch.config as functorch_config
-
-    def run(tensors):
-        with functorch_config.patch(donated_buffer=False):
-            return attention(tensors)
-    return run
-

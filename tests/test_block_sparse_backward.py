@@ -150,11 +150,17 @@ def test_flops_and_bytes_on_a_hand_counted_mask():
 
 def test_the_library_backward_is_compiled_without_donated_buffers():
     """backward_run replays a graph's backward (retain_graph=True), which a compiled backward with donated
-    buffers refuses: the library attentions run with donation off."""
+    buffers refuses: the graph is built with donation off, for that call alone."""
     import torch._functorch.config as functorch_config
 
-    from reference.block_sparse_attention_backward import kept_for_replay
+    from reference.attention_backward import backward_run
 
     seen = []
-    kept_for_replay(lambda tensors: seen.append(functorch_config.donated_buffer))({})
+
+    def attention(tensors):
+        seen.append(functorch_config.donated_buffer)
+        return tensors["q"] * tensors["k"] + tensors["v"]
+
+    inputs = {n: torch.randn(1, 1, 4, 8) for n in ("q", "k", "v", "do")}
+    backward_run(inputs, attention)()
     assert seen == [False] and functorch_config.donated_buffer is True

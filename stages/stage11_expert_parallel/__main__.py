@@ -4,7 +4,8 @@ Stage 11 on the GPUs of one machine, one process per GPU; without torchrun (pyth
 GPU. For each configuration, N × T tokens in bf16, the inputs made alike on every rank from the seed:
 
   correctness  every variant's gathered outputs against one GPU's stage 7 on the gathered inputs (the same
-               kernels row for row: equal bit for bit), and the problem's check (the float64 layer) on the first
+               kernels row for row, but the router, which splits its sums by the number of tokens: a few
+               elements may differ, NOTES 14), and the problem's check (the float64 layer) on the first
   layer        each variant's time: through NCCL, the counts' exchange or a fixed capacity, whole or in pieces
                by expert with SMs spared for NCCL; over NVLink by the stage's kernels; the same sharding in plain
                PyTorch; one GPU's stage 7 on one rank's tokens, the throughput bar's yardstick
