@@ -74,6 +74,15 @@ MUTATIONS = {
     "row_from_wrong_rank": Mutation("stage11", (("while (b.before[s * experts + e] + b.count[s * experts + e] <= p) ++s;",
                                                  "while (b.before[s * experts + e] + b.count[s * experts + e] < p) ++s;"),),
                                     None),
+    # stage 14's weight-gradient kernel stores nothing for an expert without rows: its dW1, dW2 keep the NaN
+    # the grader poisons the outputs with, instead of zeros
+    "moe_backward_empty_expert_unwritten": Mutation("stage14", (("            if (storer) {\n                // DATA:",
+                                                                 "            if (storer && tile.k_blocks > 0) {\n                // DATA:"),),
+                                                    "empty"),
+    # stage 14's weight-gradient kernel loads the first 64 columns of A (the transposed operand) for both
+    # consumer warpgroups: rows 64-127 of every 128-row tile of dW1 and dW2 are wrong
+    "moe_backward_same_a_columns": Mutation("stage14", (("tile.row0 + c * CONSUMER_ROWS, row, 0);",
+                                                         "tile.row0, row, 0);"),), "T1000 E32"),
     # a write far outside any buffer: an illegal address
     "crash": Mutation("stage0", (("    __syncthreads();\n\n    float dot",
                                   "    __syncthreads();\n    scores[(size_t)1 << 40] = 1.0f;\n\n    float dot"),), None),

@@ -21,6 +21,7 @@ TEACHES = {
     "stage11_expert_parallel": {"HGMMA", "UTMALDG"},
     "stage12_block_sparse": {"HGMMA", "UTMALDG"},
     "stage13_block_sparse_backward": {"HGMMA", "UTMALDG"},
+    "stage14_moe_backward": {"HGMMA", "UTMALDG"},
 }
 
 PAIRS = [(name, arch) for name in stages.stage_names() for arch in stages.load(name).archs]
