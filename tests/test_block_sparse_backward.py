@@ -150,7 +150,8 @@ def test_flops_and_bytes_on_a_hand_counted_mask():
 
 def test_the_library_backward_is_compiled_without_donated_buffers():
     """backward_run replays a graph's backward (retain_graph=True), which a compiled backward with donated
-    buffers refuses: the graph is built with donation off, for that call alone."""
+    buffers refuses when it is compiled, at the first backward: the first call's forward and backward both
+    run with donation off, and only they."""
     import torch._functorch.config as functorch_config
 
     from reference.attention_backward import backward_run
@@ -158,9 +159,14 @@ def test_the_library_backward_is_compiled_without_donated_buffers():
     seen = []
 
     def attention(tensors):
-        seen.append(functorch_config.donated_buffer)
-        return tensors["q"] * tensors["k"] + tensors["v"]
+        seen.append(("forward", functorch_config.donated_buffer))
+        out = tensors["q"] * tensors["k"] + tensors["v"]
+        out.register_hook(lambda grad: seen.append(("backward", functorch_config.donated_buffer)))
+        return out
 
     inputs = {n: torch.randn(1, 1, 4, 8) for n in ("q", "k", "v", "do")}
-    backward_run(inputs, attention)()
-    assert seen == [False] and functorch_config.donated_buffer is True
+    run = backward_run(inputs, attention)
+    run()
+    run()
+    assert seen == [("forward", False), ("backward", False), ("backward", True)]
+    assert functorch_config.donated_buffer is True
