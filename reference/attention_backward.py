@@ -180,25 +180,13 @@ def forward_backward_run(inputs: dict, attention):
 
 def backward_run(inputs: dict, attention):
     """A callable: the gradients of q, k, v for dO through attention's forward graph, which the first call
-    builds and keeps (built then, not here, so that the worker's first call, in a try, meets its OOM). Each
-    call runs the same graph's backward again (retain_graph=True), which a torch.compile'd attention refuses
-    where its backward donates the saved activations' buffers to its outputs (compiled FlexAttention on packed
-    documents did): the first call, forward and backward, runs with that donation off. The refusal is made
-    where the compiled backward is compiled, at the first backward, and the forward may come from a cache
-    compiled with donation on: both halves of the first call are inside the switch."""
-    import torch._functorch.config as functorch_config
-
+    builds and keeps (built then, not here, so that the worker's first call, in a try, meets its OOM)."""
     leaves, graph = _leaves(inputs), []
 
-    def backward():
-        torch.autograd.grad(graph[0], tuple(leaves.values()), inputs["do"], retain_graph=True)
-
     def run():
-        if graph:
-            return backward()
-        with functorch_config.patch(donated_buffer=False):
+        if not graph:
             graph.append(attention({**inputs, **leaves}))
-            backward()
+        torch.autograd.grad(graph[0], tuple(leaves.values()), inputs["do"], retain_graph=True)
     return run
 
 

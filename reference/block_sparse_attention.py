@@ -285,7 +285,16 @@ def sdpa_dense_mask(inputs: dict, visible: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def compiled_flex_attention():
+    """torch.compile'd FlexAttention, in a process whose compiled backwards donate no buffers. A backward baseline
+    replays one graph's backward (attention_backward.backward_run, retain_graph=True), which a backward that
+    donates its saved activations' buffers refuses; donation is decided when a graph is compiled, and a graph
+    compiled once is served again from torch's caches (in memory and on disk, whose keys do not record it), so
+    it is turned off for the whole process, before the first compile, not around one call (which on the H100
+    still met the refusal on the packed documents)."""
+    import torch._functorch.config as functorch_config
     from torch.nn.attention.flex_attention import flex_attention
+
+    functorch_config.donated_buffer = False
     return torch.compile(flex_attention)
 
 

@@ -148,25 +148,14 @@ def test_flops_and_bytes_on_a_hand_counted_mask():
     assert P.min_bytes(emptied) == query_side + key_side + 4 * (2 + 6)
 
 
-def test_the_library_backward_is_compiled_without_donated_buffers():
+def test_compiled_flex_attention_donates_no_buffers():
     """backward_run replays a graph's backward (retain_graph=True), which a compiled backward with donated
-    buffers refuses when it is compiled, at the first backward: the first call's forward and backward both
-    run with donation off, and only they."""
+    buffers refuses: compiling FlexAttention turns donation off for the process, before its first compile."""
     import torch._functorch.config as functorch_config
 
-    from reference.attention_backward import backward_run
+    from reference.block_sparse_attention import compiled_flex_attention
 
-    seen = []
-
-    def attention(tensors):
-        seen.append(("forward", functorch_config.donated_buffer))
-        out = tensors["q"] * tensors["k"] + tensors["v"]
-        out.register_hook(lambda grad: seen.append(("backward", functorch_config.donated_buffer)))
-        return out
-
-    inputs = {n: torch.randn(1, 1, 4, 8) for n in ("q", "k", "v", "do")}
-    run = backward_run(inputs, attention)
-    run()
-    run()
-    assert seen == [("forward", False), ("backward", False), ("backward", True)]
-    assert functorch_config.donated_buffer is True
+    compiled_flex_attention.cache_clear()
+    with functorch_config.patch(donated_buffer=True):
+        compiled_flex_attention()
+        assert functorch_config.donated_buffer is False
