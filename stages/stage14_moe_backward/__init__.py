@@ -93,6 +93,27 @@ class HopperGemms:
                                         experts, m_out, n_out, smem=SHARED_BYTES)
 
 
+SWIGLU_ROWS = 8192  # rows per piece of the fp32 arithmetic below: its temporaries stay ~10 × 8192 × inter × 4 B
+
+
+def swiglu_backward(h1: torch.Tensor, dh_unweighted: torch.Tensor, w_perm: torch.Tensor):
+    """(h, [dG dU]) in h1's dtype from h1 = [G U] and dH (without the top-k weight), in fp32, piece by piece:
+    h = silu(G)·U, dh = w·dH, dG = dh·U·silu'(G), dU = dh·silu(G)."""
+    inter = dh_unweighted.shape[1]
+    h = torch.empty_like(dh_unweighted)
+    dgu = torch.empty_like(h1)
+    for start in range(0, h1.shape[0], SWIGLU_ROWS):
+        rows = slice(start, start + SWIGLU_ROWS)
+        gate, up = h1[rows].float().split(inter, dim=1)
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        h[rows] = silu * up
+        dh = dh_unweighted[rows].float() * w_perm[rows, None]
+        dgu[rows, :inter] = dh * up * sig * (1 + gate * (1 - sig))
+        dgu[rows, inter:] = dh * silu
+    return h, dgu
+
+
 def check_shapes(experts: int, hidden: int, inter: int) -> None:
     assert experts <= MAX_EXPERTS, experts
     assert hidden % 8 == 0 and inter % 8 == 0 and min(hidden, inter) >= BLOCK_K, \
@@ -124,12 +145,7 @@ def backward(gemms, x, wr, bias, w1, w2, top_k, topk_ids, topk_weights, dy, aux_
     dh_unweighted = torch.empty(rows, inter, dtype=dtype, device=x.device)
     gemms.data(dy_perm, offsets, w2, dh_unweighted)
 
-    # SwiGLU's backward (fp32): h = silu(G)·U, dG = dh·U·silu'(G), dU = dh·silu(G), dh = w·dH.
-    gate, up = h1.float().split(inter, dim=1)
-    sig = torch.sigmoid(gate)
-    silu = gate * sig
-    h = (silu * up).to(dtype)
-    dh_u = dh_unweighted.float()
+    h, dgu = swiglu_backward(h1, dh_unweighted, w_perm)
     # The top-k weight's gradient g = dY[t]·y_e(x[t]), y = h·W2 recomputed as PyTorch's autograd has it:
     # h = silu(G)·U rounded twice (silu's, then the product's), y rounded, the dot product in fp32. dBias sums
     # g's errors over every token (fp32 output: the tolerance is twice the library's error, no rounding term),
@@ -139,9 +155,8 @@ def backward(gemms, x, wr, bias, w1, w2, top_k, topk_ids, topk_weights, dy, aux_
     gate_d, up_d = h1.split(inter, dim=1)
     y = torch.empty(rows, hidden, dtype=dtype, device=x.device)
     gemms.up(torch.nn.functional.silu(gate_d) * up_d, offsets, w2, y)
-    g_rows = (y.float() * dy_perm.float()).sum(1)
-    dh = dh_u * w_perm[:, None]
-    dgu = torch.cat([dh * up * sig * (1 + gate * (1 - sig)), dh * silu], dim=1).to(dtype)
+    g_rows = torch.cat([(y_rows.float() * dy_rows.float()).sum(1)
+                        for y_rows, dy_rows in zip(y.split(SWIGLU_ROWS), dy_perm.split(SWIGLU_ROWS))])
 
     # The data side, dX_perm = [dG dU]·W1ᵀ; the weights' side, sums over each expert's rows.
     dx_perm = torch.empty(rows, hidden, dtype=dtype, device=x.device)
