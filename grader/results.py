@@ -109,7 +109,8 @@ def load_all() -> dict[str, dict]:
 
 
 def write(path: Path, gpu_name: str, prov: dict, stage_results: dict) -> None:
-    """Write (or update: other stages' entries are kept when the GPU is the same) a results file."""
+    """Write (or update: other stages' entries are kept when the GPU is the same) a results file. A file may
+    name, under "not_measured", stages the GPU runs that it holds no entry for, each with the reason."""
     path = Path(path)
     data = {"gpu": gpu_name, "provenance": prov, "stages": {}}
     if path.exists():
@@ -121,6 +122,10 @@ def write(path: Path, gpu_name: str, prov: dict, stage_results: dict) -> None:
         if "profile" not in entry and "profile" in old_entry and old_entry.get("source_sha256") == entry.get("source_sha256"):
             entry["profile"] = old_entry["profile"]
     data["stages"].update(stage_results)
+    if not_measured := {k: why for k, why in data.get("not_measured", {}).items() if k not in data["stages"]}:
+        data["not_measured"] = not_measured  # a stage recorded now is no longer missing here
+    else:
+        data.pop("not_measured", None)
     data["stages"] = dict(sorted(data["stages"].items(), key=lambda kv: int(re.match(r"stage(\d+)", kv[0]).group(1))))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, default=float) + "\n")

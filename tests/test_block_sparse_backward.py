@@ -159,3 +159,23 @@ def test_compiled_flex_attention_donates_no_buffers():
     with functorch_config.patch(donated_buffer=True):
         compiled_flex_attention()
         assert functorch_config.donated_buffer is False
+
+
+def test_compiled_flex_attention_compiles_each_shape_for_itself():
+    """A benchmark shape after another must not run kernels compiled for symbolic sizes."""
+    from reference.block_sparse_attention import compiled_flex_attention
+
+    compiled_flex_attention.cache_clear()
+    seen = {}
+    real = torch.compile
+
+    def spy(fn, **options):
+        seen.update(options)
+        return real(fn, **options)
+    torch.compile = spy
+    try:
+        compiled_flex_attention()
+    finally:
+        torch.compile = real
+        compiled_flex_attention.cache_clear()
+    assert seen.get("dynamic") is False
