@@ -14,6 +14,7 @@ from grader import grading, sass
 from grader.exercise import shown
 from grader.gpus import spec_for
 from grader.isolation import run_items
+from grader.parallel_compile import compile_all
 from grader.results import source_digest
 from grader.protocol import PREVIOUS
 
@@ -46,15 +47,23 @@ def stage_builds(stage) -> list[tuple[dict, str]]:
             for defines in map(stage.defines, stage.variants(problem))]
 
 
+CACHED_S = 0.2  # seconds: a compile_cubin call that took longer compiled (the cache's answer takes ms)
+
+
 def compile_stage(stage, kernel_path: Path, arch: str) -> dict:
-    """{variant key: Cubin} for every dtype × specialization; GraderError for a signature or geometry problem."""
-    cubins = {}
-    for defines, checks in stage_builds(stage):
+    """{variant key: Cubin} for every dtype × specialization; GraderError for a signature or geometry problem.
+    Where the first variant was not in the compile cache, the others are compiled over all CPU cores
+    first (grader/parallel_compile.py, a thread per core), then each found in the cache in turn (its errors said here)."""
+    builds, cubins = stage_builds(stage), {}
+    for index, (defines, checks) in enumerate(builds):
+        start = time.perf_counter()
         try:
             cubins[variant_key(defines)] = compile_cubin(kernel_path, arch, defines, checks)
         except CompileError as error:
             raise (_explain_signature_error(error, stage, kernel_path)
                    or _explain_geometry_error(error, checks, stage.geometry(defines), defines, kernel_path) or error)
+        if index == 0 and len(builds) > 2 and time.perf_counter() - start > CACHED_S:
+            compile_all([(kernel_path, arch, defines, checks) for defines, checks in builds[1:]])
     return cubins
 
 

@@ -1,19 +1,17 @@
-"""The kernels the GPU tests compile, compiled up front in parallel processes.
+"""The kernels the GPU tests compile, compiled up front on every CPU core.
 
 Each grading compiles every variant of a stage (dtype × head dim × ...) with NVRTC, one after the other; on
 a fresh machine the GPU tests would spend most of their time there. `copies` writes the untouched exercises
 and the wrong kernels (tests/mutations.py) once per test session, to fixed paths, so that the tests that
 grade them share one compile; `builds` lists every compile_cubin call the GPU tests make (the grader's, with
-its checks appended, and the ops' and stage 11's, without), and `compile_all` makes them over a process pool:
-the tests' own calls then find their cubins in the compile cache (stages/common/compiler.py), whose key is
-the source, its headers, the options and the path NVRTC is given, exactly as a cold compile would make them.
+its checks appended, and the ops' and stage 11's, without), and grader/parallel_compile.py makes them on a pool
+of threads: the tests' own calls then find their cubins in the compile cache (stages/common/compiler.py),
+whose key is the source, its headers, the options and the path NVRTC is given, exactly as a cold compile
+would make them.
 """
 from __future__ import annotations
 
 import os
-import time
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 from pathlib import Path
 
 import reference
@@ -88,28 +86,3 @@ def builds(gpu, exercises: dict, mutations: dict, names=None) -> list[tuple]:
     for path, arch, defines, extra in jobs:
         unique.setdefault((str(path), arch, tuple(sorted(defines.items())), extra), (path, arch, defines, extra))
     return list(unique.values())
-
-
-def _compile(job: tuple) -> tuple[str, float, str | None]:
-    from stages.common.compiler import compile_cubin
-
-    path, arch, defines, extra = job
-    start = time.perf_counter()
-    try:
-        compile_cubin(path, arch, defines, extra)
-        error = None
-    except Exception as failure:  # the test that compiles it reports it, in its own words
-        error = f"{type(failure).__name__}: {failure}"
-    return f"{Path(path).name} {arch} {defines}", time.perf_counter() - start, error
-
-
-def compile_all(jobs: list[tuple], processes: int | None = None) -> list[tuple[str, float, str | None]]:
-    """Each job's (name, seconds, error or None), compiled over `processes` fresh processes (spawned: the
-    test process may hold a CUDA context, which a forked child must not inherit); one: in this process."""
-    processes = processes or os.cpu_count() or 1
-    if processes == 1:
-        return [_compile(job) for job in jobs]
-    # The longest first would balance best; the order the tests ask for them is good enough and keeps
-    # the first test's cubins early.
-    with ProcessPoolExecutor(min(processes, len(jobs)), mp_context=get_context("spawn")) as pool:
-        return list(pool.map(_compile, jobs))

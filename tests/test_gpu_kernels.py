@@ -1,5 +1,6 @@
 """The GPU tests' kernels compiled up front (tests/gpu_kernels.py, conftest.py): on the CPU, that the warm-up
 compiles exactly what the GPU tests then ask the compiler for, so that their compiles all find the cache."""
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -9,6 +10,7 @@ import stages
 from grader import exercise, run
 from mutations import MUTATIONS, mutate
 import gpu_kernels
+from grader.parallel_compile import compile_all
 
 H100 = SimpleNamespace(name="NVIDIA H100 80GB HBM3", major=9, minor=0)  # as grader.device.probe's GpuInfo
 
@@ -47,16 +49,15 @@ def test_the_warm_up_lists_every_compile_of_the_grader_on_an_h100_and_no_other(t
 
 
 def test_after_the_warm_up_the_gpu_tests_compiles_all_find_the_cache(tmp_path, monkeypatch):
-    """Stage 0's solution, exercise and mutations, compiled by the warm-up's processes; then the grader's own
+    """Stage 0's solution, exercise and mutations, compiled by the warm-up's threads; then the grader's own
     compile of each finds every cubin in the cache (NVRTC is not called), and the cache holds no other."""
     from stages.common import compiler
 
     cache = tmp_path / "cache"
-    monkeypatch.setenv("FLASHMOE_CACHE", str(cache))  # the warm-up's processes read it as they start
     monkeypatch.setattr(compiler, "CACHE_DIR", cache / "cubin")
     names = ["stage0_naive"]
     jobs = gpu_kernels.builds(H100, *gpu_kernels.copies(tmp_path / "kernels"), names=names)
-    results = gpu_kernels.compile_all(jobs, processes=2)
+    results = compile_all(jobs, threads=2)
     assert [error for *_, error in results if error] == []
 
     import cuda.core
@@ -66,3 +67,25 @@ def test_after_the_warm_up_the_gpu_tests_compiles_all_find_the_cache(tmp_path, m
     assert len(kernels) == 2 + sum(m.stage == "stage0" for m in MUTATIONS.values())
     cubins = [c for stage, path in kernels for c in run.compile_stage(stage, path, "sm_90a").values()]
     assert len(cubins) == len(jobs) and len(list((cache / "cubin").glob("*.cubin"))) == len(jobs)
+
+
+def test_a_stage_compiled_cold_compiles_its_other_variants_over_a_pool(monkeypatch):
+    """compile_stage: where its first variant had to be compiled, the others go to the thread pool before
+    the loop finds them in the cache; where it was cached, no pool is started."""
+    from stages.common.compiler import Cubin
+
+    stage = stages.load("stage12")
+    builds = run.stage_builds(stage)
+    pooled, seconds = [], {"first": 1.0}
+
+    def compile_cubin(path, arch, defines, checks):
+        time.sleep(seconds.pop("first", 0.0))  # the first call: a real compile's time
+        return Cubin(Path(path), arch, tuple(sorted(defines.items())), "")
+
+    monkeypatch.setattr(run, "compile_cubin", compile_cubin)
+    monkeypatch.setattr(run, "compile_all", lambda jobs: pooled.append(jobs))
+    assert len(run.compile_stage(stage, stage.source_path, "sm_90a")) == len(builds) > 2
+    assert [[defines for _, _, defines, _ in jobs] for jobs in pooled] == [[d for d, _ in builds[1:]]]
+    pooled.clear()
+    run.compile_stage(stage, stage.source_path, "sm_90a")  # cached: the first call returns at once
+    assert pooled == []
