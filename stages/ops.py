@@ -4,6 +4,7 @@
     o.transpose(1, 2).reshape(B, Sq, H * D)    # free: o [B, H, Sq, D] lies in memory as [B, Sq, H, D]
     o.backward(grad)                           # q.grad, k.grad, v.grad by the course's backward kernel
     out = ops.moe_layer(x, router_weight, w1, w2, top_k, router_bias=None)  # forward only
+    o = ops.block_sparse_attention(q, k, v, block_mask, element_mask="causal")  # a FlexAttention BlockMask
 
 q, k and v may be any views whose last dimension is contiguous: a model's [B, S, H, D] projections
 seen as [B, H, S, D] (`x.view(B, S, H, D).transpose(1, 2)`), slices of a fused QKV projection. On an
@@ -11,30 +12,39 @@ H100 or H200 the kernels read them where they lie, and the gradients come back i
 
 They are `torch.library` custom ops (namespace "flashmoe"), each with a fake implementation (the
 output shapes and dtypes alone), so that `torch.compile(fullgraph=True)` and `make_fx` trace a model
-that calls them; the attention has autograd through the course's backward stage:
+that calls them; the attentions have autograd through the course's backward stages:
 
     flashmoe::attention_forward(q, k, v, causal, scale) -> (o, lse)        lse fp32 [B, H, Sq], no gradient
     flashmoe::attention_backward(grad_o, q, k, v, o, lse, causal, scale) -> (dq, dk, dv)
     flashmoe::moe_layer(x, router_weight, router_bias, w1, w2, top_k) -> (out, topk_ids)
+    flashmoe::block_sparse_attention_forward(q, k, v, <mask>, scale) -> (o, lse)
+    flashmoe::block_sparse_attention_backward(grad_o, q, k, v, o, lse, <mask>, scale) -> (dq, dk, dv)
 
-Each op returns new tensors and mutates none of its inputs. `ops.attention` and `ops.moe_layer` refuse
-inputs the kernels do not take with one ValueError, in one line, before anything is launched (the ops
-check again when called directly).
+where <mask> is a BlockMask's kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, then
+document_ids (or None), element_mask and window (0 where none): ops.block_sparse_attention unpacks the
+BlockMask, which a custom op cannot take.
+
+Each op returns new tensors and mutates none of its inputs. `ops.attention`, `ops.moe_layer` and
+`ops.block_sparse_attention` refuse inputs the kernels do not take with one ValueError, in one line,
+before anything is launched (the ops check again when called directly).
 
 The host cost of a call is what a model pays on every layer, so eager calls on plain CUDA tensors skip
-the custom ops' dispatch, tens of microseconds a call: ops.attention goes through a torch.autograd.Function
-(or straight to the launch where no gradient is wanted) whose forward and backward run the very launches
-the custom ops run. Under torch.compile, make_fx, FakeTensorMode or any other dispatch mode, the custom ops
-are called, as tracing needs. (docs/pytorch.md measures each piece of a call.)
+the custom ops' dispatch, tens of microseconds a call: ops.attention and ops.block_sparse_attention go
+through a torch.autograd.Function (or straight to the launch where no gradient is wanted) whose forward
+and backward run the very launches the custom ops run. Under torch.compile, make_fx, FakeTensorMode or
+any other dispatch mode, the custom ops are called, as tracing needs. (docs/pytorch.md measures each
+piece of a call.)
 
 Each problem runs the fastest course stage this GPU runs (`stages.fastest_stage`): the highest-numbered stage
 solving it, or the highest rung of that stage's ladder, that compiles for the GPU. The forward
 attention: stage 4 on sm_90a (an H100 or H200), stage 3 elsewhere; its backward: stage 9 on sm_90a,
-stage 8 elsewhere; the MoE layer: stage 7 on sm_90a, stage 7's mma_sync rung elsewhere. A stage is compiled
-on first use for the variant the inputs need (the problem's `variant`: dtype, head dimension), with the
--D macros the grader uses, into the compile cache on disk (stages/common/compiler.py); the process keeps
-its kernels and launches them through the problem's own `run_stage`, the call the grader makes, on the
-caller's tensors and current stream. Only the stages that run are imported.
+stage 8 elsewhere; the MoE layer: stage 7 on sm_90a, stage 7's mma_sync rung elsewhere; block-sparse
+attention: stages 12 and 13 on sm_90a, none elsewhere (the call is refused there, in one line). A
+stage is compiled on first use for the variant the inputs need (the problem's `variant`: dtype, head
+dimension, element mask), with the -D macros the grader uses, into the compile cache on disk
+(stages/common/compiler.py); the process keeps its kernels and launches them through the problem's own
+`run_stage`, the call the grader makes, on the caller's tensors and current stream. Only the stages that
+run are imported.
 """
 from __future__ import annotations
 
@@ -45,6 +55,7 @@ import torch
 
 import reference
 import stages
+from reference.block_sparse_attention import BLOCK, ELEMENT_MASKS, LAYOUT
 from stages.common.compiler import compile_cubin
 from stages.common.launcher import KernelSet
 from stages.common.moe import MAX_EXPERTS, MAX_TOP_K
@@ -57,6 +68,12 @@ HEAD_DIMS = ATTENTION.parameters["D"]
 MOE_DTYPES = {getattr(torch, name): name for name in MOE_LAYER.dtypes}
 MOE_MIN_DIM = 64   # hidden and inter: multiples of 8 (16-byte rows, TMA strides), at least a 64-wide tile
 ALIGNMENT = 16     # bytes: the kernels load 16-byte vectors (cp.async, TMA) from each tensor's start and row
+BLOCK_SPARSE = reference.load("block_sparse_attention")
+BLOCK_SPARSE_BACKWARD = reference.load("block_sparse_attention_backward")
+BLOCK_SPARSE_CALLER = "ops.block_sparse_attention"
+# the block-sparse ops' arguments after q, k and v (scale last): the problem's mask inputs
+MASK_ARGUMENTS = (*LAYOUT, "document_ids", "element_mask", "window")
+assert BLOCK_SPARSE.parameters["D"] == HEAD_DIMS and BLOCK_SPARSE.dtypes == ATTENTION.dtypes  # checked as attention's
 
 
 # ================================================================ attention
@@ -103,19 +120,30 @@ class _Attention(torch.autograd.Function):
 
 def forward_launch(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) by the fastest forward stage, for inputs already checked."""
-    o = output_like(q)
-    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-    launch_fastest(ATTENTION, dict(q=q, k=k, v=v, scale=scale, causal=causal), dict(o=o, lse=lse))
-    return o, lse
+    return outputs_launch(ATTENTION, dict(q=q, k=k, v=v, scale=scale, causal=causal))
 
 
 def backward_launch(grad_o, q, k, v, o, lse, causal: bool, scale: float):
     """(dq, dk, dv) by the fastest backward stage, in the layouts of q, k and v where they are dense."""
+    return gradients_launch(ATTENTION_BACKWARD, dict(q=q, k=k, v=v, o=o, lse=lse, do=grad_o, scale=scale,
+                                                     causal=causal))
+
+
+def outputs_launch(problem, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) of an attention problem (dense or block-sparse) by its fastest stage, for inputs already checked."""
+    o, lse = outputs_like(inputs["q"])
+    launch_fastest(problem, inputs, dict(o=o, lse=lse))
+    return o, lse
+
+
+def gradients_launch(problem, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of an attention backward problem by its fastest stage, in the layouts of q, k and v where
+    they are dense; the output's gradient inputs["do"] may have any strides (made dense where they do not fit)."""
+    grad_o = inputs["do"]
     if not strides_fit(grad_o) or grad_o.data_ptr() % ALIGNMENT:  # e.g. o.sum()'s, one value expanded
-        grad_o = grad_o.contiguous()
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    launch_fastest(ATTENTION_BACKWARD, dict(q=q, k=k, v=v, o=o, lse=lse, do=grad_o, scale=scale, causal=causal),
-                   dict(dq=dq, dk=dk, dv=dv))
+        inputs["do"] = grad_o.contiguous()
+    dq, dk, dv = (torch.empty_like(inputs[name]) for name in "qkv")
+    launch_fastest(problem, inputs, dict(dq=dq, dk=dk, dv=dv))
     return dq, dk, dv
 
 
@@ -130,6 +158,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
 
 @attention_forward.register_fake
 def _(q, k, v, causal, scale):
+    return outputs_like(q)
+
+
+def outputs_like(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """O (output_like) and the LSE, fp32 [B, H, Sq], for the attention of q, to be written."""
     return output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -225,8 +258,11 @@ def shapes_of(tensors: dict) -> str:
 
 def attention_backward_input_problem(grad_o, q, k, v, o, lse) -> str | None:
     """attention_input_problem, and o, lse and grad_o as the forward gives them for q, k, v."""
-    if problem := attention_input_problem(q, k, v):
-        return problem
+    return attention_input_problem(q, k, v) or forward_results_problem(grad_o, q, o, lse)
+
+
+def forward_results_problem(grad_o, q, o, lse) -> str | None:
+    """What is wrong with o, lse and grad_o, as the forward gives them for q (checked), for a backward."""
     if not all(isinstance(t, torch.Tensor) for t in (grad_o, o, lse)):
         return "grad_o, o and lse must be tensors"
     if grad_o.shape != q.shape or o.shape != q.shape or lse.shape != q.shape[:3]:
@@ -238,6 +274,221 @@ def attention_backward_input_problem(grad_o, q, k, v, o, lse) -> str | None:
     # grad_o may have any strides (the op makes others dense); o and lse are the forward's.
     return strides_problem({"o": o}) or layout_problem({"lse": lse}) or \
         device_problem({"q": q, "grad_o": grad_o, "o": o, "lse": lse})
+
+
+# ================================================================ block-sparse attention
+
+def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, *, element_mask: str,
+                           window: int | None = None, document_ids: torch.Tensor | None = None,
+                           scale: float | None = None) -> torch.Tensor:
+    """Compiled FlexAttention's flex_attention(q, k, v, block_mask=block_mask, scale=scale) for a BlockMask
+    whose mask_mod is one of the element masks the kernels compile in, differentiable: reference/
+    block_sparse_attention.py's problem. block_mask: a torch.nn.attention.flex_attention.BlockMask of
+    128 × 128 blocks (create_block_mask's default), one for every batch and head (B=None, H=None), made for
+    the length S of q, k and v. Its lists are read as they are; its mask_mod is not (a kernel cannot call a
+    Python function): element_mask names what it computes, applied in the mask's partial blocks only, i the
+    query's token and j the key's:
+
+        "none"            every pair (mask_mod noop_mask, as from BlockMask.from_kv_blocks)
+        "causal"          j <= i
+        "document"        j <= i and document_ids[i] == document_ids[j] (int32 [S], on q's GPU)
+        "sliding_window"  0 <= i - j < window
+
+    q [B, H, S, D], k and v [B, H_kv, S, D] (H_kv dividing H), strides and dtypes as ops.attention takes
+    them; scale defaults to 1/√D. A query row that sees no key outputs 0, as FlexAttention's. The stages
+    (12 forward, 13 backward) are sm_90a's only: on another GPU the call is refused."""
+    refuse(BLOCK_SPARSE_CALLER, attention_input_problem(q, k, v) or block_mask_problem(block_mask, q.shape[2]))
+    mask = (*mask_lists(block_mask), document_ids, element_mask, 0 if window is None else window)
+    refuse(BLOCK_SPARSE_CALLER, block_sparse_input_problem(q, k, v, mask, BLOCK_SPARSE))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if not plain_eager(q, k, v, *(t for t in mask[:5] if t is not None)):
+        return block_sparse_attention_forward(q, k, v, *mask, scale)[0]
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _BlockSparseAttention.apply(q, k, v, scale, *mask)
+    return outputs_launch(BLOCK_SPARSE, block_sparse_inputs(q, k, v, mask, scale))[0]
+
+
+def mask_lists(block_mask) -> tuple:
+    """A BlockMask's lists as the kernels read them, in LAYOUT's order; one made without its full blocks
+    apart (BlockMask.from_kv_blocks given none) has none: every listed block is partial, as FlexAttention
+    reads it."""
+    counts, indices = block_mask.kv_num_blocks, block_mask.kv_indices
+    if block_mask.full_kv_num_blocks is None:
+        return counts, indices, torch.zeros_like(counts), indices
+    return counts, indices, block_mask.full_kv_num_blocks, block_mask.full_kv_indices
+
+
+def block_sparse_inputs(q, k, v, mask: tuple, scale: float) -> dict:
+    """The problem's inputs, as its run_stage takes them, of the ops' arguments (mask: MASK_ARGUMENTS)."""
+    return dict(q=q, k=k, v=v, scale=scale, **dict(zip(MASK_ARGUMENTS, mask)))
+
+
+class _BlockSparseAttention(torch.autograd.Function):
+    """ops.block_sparse_attention's autograd in eager mode: the custom ops' launches, without their dispatch."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, *mask):
+        o, lse = outputs_launch(BLOCK_SPARSE, block_sparse_inputs(q, k, v, mask, scale))
+        save_block_sparse(ctx, q, k, v, mask, scale, o, lse)
+        return o
+
+    @staticmethod
+    def backward(ctx, grad_o):
+        q, k, v, o, lse, mask, scale = saved_block_sparse(ctx)
+        inputs = dict(block_sparse_inputs(q, k, v, mask, scale), o=o, lse=lse, do=grad_o)
+        return *gradients_launch(BLOCK_SPARSE_BACKWARD, inputs), None, *(None,) * len(MASK_ARGUMENTS)
+
+
+def save_block_sparse(ctx, q, k, v, mask: tuple, scale: float, o, lse) -> None:
+    ctx.save_for_backward(q, k, v, o, lse, *mask[:5])  # the lists and the document ids (None where absent)
+    ctx.element_mask, ctx.window, ctx.scale = mask[5], mask[6], scale
+
+
+def saved_block_sparse(ctx) -> tuple:
+    """(q, k, v, o, lse, mask, scale) as save_block_sparse saved them."""
+    q, k, v, o, lse, *tensors = ctx.saved_tensors
+    return q, k, v, o, lse, (*tensors, ctx.element_mask, ctx.window), ctx.scale
+
+
+@torch.library.custom_op("flashmoe::block_sparse_attention_forward", mutates_args=())
+def block_sparse_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_num_blocks: torch.Tensor,
+                                   kv_indices: torch.Tensor, full_kv_num_blocks: torch.Tensor,
+                                   full_kv_indices: torch.Tensor, document_ids: Optional[torch.Tensor],
+                                   element_mask: str, window: int,
+                                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) of block-sparse attention over a BlockMask's four lists (see ops.block_sparse_attention;
+    window 0 and document_ids None where the element mask has none)."""
+    mask = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, document_ids, element_mask, window)
+    refuse("flashmoe::block_sparse_attention_forward", block_sparse_input_problem(q, k, v, mask, BLOCK_SPARSE))
+    return outputs_launch(BLOCK_SPARSE, block_sparse_inputs(q, k, v, mask, scale))
+
+
+@block_sparse_attention_forward.register_fake
+def _(q, k, v, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, document_ids, element_mask,
+      window, scale):
+    return outputs_like(q)
+
+
+@torch.library.custom_op("flashmoe::block_sparse_attention_backward", mutates_args=())
+def block_sparse_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                    o: torch.Tensor, lse: torch.Tensor, kv_num_blocks: torch.Tensor,
+                                    kv_indices: torch.Tensor, full_kv_num_blocks: torch.Tensor,
+                                    full_kv_indices: torch.Tensor, document_ids: Optional[torch.Tensor],
+                                    element_mask: str, window: int,
+                                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) for the output's gradient grad_o (any strides) and the forward's o and lse."""
+    mask = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, document_ids, element_mask, window)
+    refuse("flashmoe::block_sparse_attention_backward", block_sparse_input_problem(q, k, v, mask, BLOCK_SPARSE_BACKWARD)
+           or forward_results_problem(grad_o, q, o, lse))
+    return gradients_launch(BLOCK_SPARSE_BACKWARD, dict(block_sparse_inputs(q, k, v, mask, scale), o=o, lse=lse,
+                                                        do=grad_o))
+
+
+@block_sparse_attention_backward.register_fake
+def _(grad_o, q, k, v, o, lse, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, document_ids,
+      element_mask, window, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _save_for_block_sparse_backward(ctx, inputs, output):
+    q, k, v, *mask, scale = inputs
+    save_block_sparse(ctx, q, k, v, tuple(mask), scale, *output)
+    ctx.mark_non_differentiable(output[1])  # the LSE, as the dense attention's
+
+
+def _block_sparse_gradients(ctx, grad_o, grad_lse):
+    q, k, v, o, lse, mask, scale = saved_block_sparse(ctx)
+    dq, dk, dv = block_sparse_attention_backward(grad_o, q, k, v, o, lse, *mask, scale)
+    return dq, dk, dv, *(None,) * (len(MASK_ARGUMENTS) + 1)
+
+
+block_sparse_attention_forward.register_autograd(_block_sparse_gradients,
+                                                 setup_context=_save_for_block_sparse_backward)
+
+
+def block_mask_problem(block_mask, seq_len: int) -> str | None:
+    """What is wrong with a BlockMask for the kernels and a length S, in words; None if nothing."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if not isinstance(block_mask, BlockMask):
+        return f"block_mask must be a FlexAttention BlockMask (create_block_mask); got {type(block_mask).__name__}"
+    if tuple(block_mask.BLOCK_SIZE) != (BLOCK, BLOCK):
+        return (f"the BlockMask's blocks must be {BLOCK} by {BLOCK} tokens, the kernels' tiles (create_block_mask's "
+                f"default BLOCK_SIZE); got {tuple(block_mask.BLOCK_SIZE)}")
+    if tuple(block_mask.kv_num_blocks.shape[:-1]) != (1, 1):
+        return (f"the BlockMask must be one for every batch and head (create_block_mask(mask_mod, None, None, S, S)); "
+                f"got one of batches and heads {tuple(block_mask.kv_num_blocks.shape[:-1])}")
+    if tuple(block_mask.seq_lengths) != (seq_len, seq_len):
+        return f"the BlockMask was made for lengths {tuple(block_mask.seq_lengths)}; q, k and v have S = {seq_len}"
+    return None
+
+
+def block_sparse_input_problem(q, k, v, mask: tuple, problem) -> str | None:
+    """What is wrong with q, k, v and the mask's lists, element mask, window and document ids (MASK_ARGUMENTS)
+    for the kernels, in words; None if nothing. The GPU last, then whether a stage solves `problem` on it."""
+    if found := attention_input_problem(q, k, v):
+        return found
+    if q.shape[2] != k.shape[2]:
+        return f"q, k and v must have one length S (self-attention); got q {list(q.shape)}, k {list(k.shape)}"
+    arguments = dict(zip(MASK_ARGUMENTS, mask))
+    lists = {name: arguments[name] for name in LAYOUT}
+    ids = {} if arguments["document_ids"] is None else {"document_ids": arguments["document_ids"]}
+    return mask_lists_problem(lists, q.shape[2]) or \
+        element_mask_problem(arguments["element_mask"], arguments["window"], arguments["document_ids"], q.shape[2]) \
+        or layout_problem({**lists, **ids}) or device_problem({"q": q, **lists, **ids}) or stage_problem(problem, q)
+
+
+def mask_lists_problem(lists: dict, seq_len: int) -> str | None:
+    """The four lists int32 tensors, [1, 1, Qb] (counts) and [1, 1, Qb, Qb] (indices), Qb = ⌈S / BLOCK⌉."""
+    if not all(isinstance(t, torch.Tensor) for t in lists.values()):
+        return f"{', '.join(LAYOUT)} must be tensors"
+    blocks = -(-seq_len // BLOCK)
+    expected = {name: (1, 1, blocks) if "num" in name else (1, 1, blocks, blocks) for name in LAYOUT}
+    if any(tuple(t.shape) != expected[name] or t.dtype != torch.int32 for name, t in lists.items()):
+        got = ", ".join(f"{name} {t.dtype} {list(t.shape)}" for name, t in lists.items())
+        return (f"the block mask's lists must be int32, counts [1, 1, {blocks}] and indices [1, 1, {blocks}, "
+                f"{blocks}] for S = {seq_len} in blocks of {BLOCK}; got {got}")
+    return None
+
+
+def element_mask_problem(element_mask, window, document_ids, seq_len: int) -> str | None:
+    """The element mask one of ELEMENT_MASKS, with a window (int >= 1) for "sliding_window" alone and
+    document ids (int32 [S]) for "document" alone."""
+    if element_mask not in ELEMENT_MASKS:
+        return f"element_mask must be one of {', '.join(map(repr, ELEMENT_MASKS))}; got {element_mask!r}"
+    if element_mask == "sliding_window":
+        if isinstance(window, bool) or not isinstance(window, (int, torch.SymInt)) or window < 1:
+            return (f"element_mask 'sliding_window' needs window, an int of at least 1 (0 <= i - j < window); "
+                    f"got {window!r}")
+    elif window:
+        return f"window is for element_mask 'sliding_window' alone; got window {window!r} with {element_mask!r}"
+    if element_mask != "document":
+        return None if document_ids is None else \
+            f"document_ids are for element_mask 'document' alone; got them with {element_mask!r}"
+    if not isinstance(document_ids, torch.Tensor) or document_ids.dtype != torch.int32 or \
+            tuple(document_ids.shape) != (seq_len,):
+        got = f"{document_ids.dtype} {list(document_ids.shape)}" if isinstance(document_ids, torch.Tensor) else \
+            repr(document_ids)
+        return f"element_mask 'document' needs document_ids, int32 [S] = [{seq_len}], each token's document; got {got}"
+    return None
+
+
+_RUNS_HERE: dict = {}  # (problem, GPU) -> why no course stage solves it there, or None
+
+
+def stage_problem(problem, tensor: torch.Tensor) -> str | None:
+    """Why no course stage solves `problem` on the GPU of `tensor`, in one line; None if one does. Asked once
+    per GPU; a traced call (fake tensors, Dynamo) is asked when its op runs."""
+    if torch.compiler.is_compiling() or type(tensor) is not torch.Tensor:
+        return None
+    key = (problem.name, tensor.device.index)
+    if key not in _RUNS_HERE:
+        try:
+            fastest_stage_on(problem.name, tensor.device.index)
+            _RUNS_HERE[key] = None
+        except RuntimeError as error:
+            _RUNS_HERE[key] = str(error)
+    return _RUNS_HERE[key]
 
 
 # ================================================================ the MoE layer
