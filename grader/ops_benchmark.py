@@ -10,6 +10,10 @@ checks, descriptors, launches) and the layouts it hands over. This measures that
   tensor maps, launches);
 - tiny: the specification's small shapes (fp16, D 64, forward), course ms per call against SDPA's;
 - moe_layer: ops.moe_layer's host µs and ms per call beside PyTorch's grouped-GEMM layer;
+- block_sparse_serving: the specification's serving figures, in-process, at block-sparse attention's first
+  benchmark shape (B1, the 100K-token neighbourhood graph, D 64, fp16): latency P50 and P99 over 100
+  synchronized calls of ops.block_sparse_attention's forward from Python, and calls per second of 100
+  calls ended by one synchronization, beside compiled FlexAttention with the same BlockMask;
 - models: a transformers Llama (forward + backward) with the course's attention registered, beside the
   same model on SDPA and on eager attention; a Mixtral MoE block's forward on ops.moe_layer beside the
   block's own (needs transformers: `pip install -e ".[models]"`, skipped with the reason where absent).
@@ -39,6 +43,9 @@ MOE_SHAPE = dict(hidden=4096, inter=14336, experts=8, top_k=2)
 LLAMA = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4, num_attention_heads=32,
              num_key_value_heads=8, vocab_size=32000)
 MODEL_BATCHES = [(2, 2048), (8, 512)]  # (batch, sequence)
+SERVING_CALLS = 100  # the specification's serving figures: latencies of 100 calls, and a loop of 100
+# its bars: P99 within 1.1 × P50, and calls per second at least 0.9 / P50 (a loop keeps up with single calls)
+SERVING_BARS = {"p99_over_p50_at_most": 1.1, "calls_per_second_times_p50_at_least": 0.9}
 COURSE = "course"  # the name the course's attention is registered under in transformers (not "flash…")
 
 
@@ -241,6 +248,83 @@ def measure_moe_layer(ops) -> list:
     return rows
 
 
+# ---------------------------------------------------------------- block-sparse attention as a server calls it
+
+def measure_block_sparse_serving(ops, calls: int = SERVING_CALLS) -> dict:
+    """The serving figures (serving_figures) of ops.block_sparse_attention's forward and of compiled FlexAttention
+    with the same BlockMask, at the problem's first benchmark shape, on the inputs the grader times there; a
+    GPU no stage runs it on is skipped with the reason."""
+    from reference import block_sparse_attention as problem_module
+
+    problem = problem_module.PROBLEM
+    shape = problem.benchmarks()[0]
+    inputs = problem.make_inputs(shape, shape["dtype"], seed=0)
+    if why := ops.stage_problem(problem, inputs["q"]):
+        return {"skipped": why}
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    block_mask = problem_module.to_block_mask(inputs, shape["S"], problem_module.element_mask_mod(inputs))
+    arguments = ops_mask_arguments(inputs)
+    flex_attention = problem_module.compiled_flex_attention()
+    contenders = {"course": lambda: ops.block_sparse_attention(q, k, v, block_mask, **arguments),
+                  "flex_attention": lambda: flex_attention(q, k, v, block_mask=block_mask, scale=inputs["scale"],
+                                                           enable_gqa=k.shape[1] != q.shape[1])}
+    with torch.no_grad():
+        figures = {name: serving_figures(call, calls) for name, call in contenders.items()}
+    return {"shape": dict(shape, label=problem.shape_label(shape)), "calls": calls, "bars": SERVING_BARS, **figures}
+
+
+def ops_mask_arguments(inputs: dict) -> dict:
+    """ops.block_sparse_attention's element mask arguments for the block-sparse problem's inputs."""
+    arguments = {"element_mask": inputs["element_mask"]}
+    if inputs["element_mask"] == "sliding_window":
+        arguments["window"] = inputs["window"]
+    if inputs["element_mask"] == "document":
+        arguments["document_ids"] = inputs["document_ids"]
+    return arguments
+
+
+def serving_figures(call, calls: int) -> dict:
+    """latency_figures of call(): the wall ms of each of `calls` calls ended by a synchronization (a served
+    request's latency), and the calls per second of `calls` calls ended by one (warm calls first)."""
+    for _ in range(3):  # compiled, loaded, descriptors encoded
+        call()
+    torch.cuda.synchronize()
+    latencies = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        latencies.append((time.perf_counter() - start) * 1e3)
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    torch.cuda.synchronize()
+    return latency_figures(latencies, calls / (time.perf_counter() - start))
+
+
+def latency_figures(latencies_ms: list, calls_per_second: float) -> dict:
+    """P50 and P99 of the latencies (interpolated between the calls around them), the calls per second, and the
+    two ratios SERVING_BARS bound."""
+    percentiles = statistics.quantiles(latencies_ms, n=100, method="inclusive")
+    p50, p99 = percentiles[49], percentiles[98]
+    return {"p50_ms": p50, "p99_ms": p99, "calls_per_second": calls_per_second, "p99_over_p50": p99 / p50,
+            "calls_per_second_times_p50": calls_per_second * p50 / 1e3}
+
+
+def describe_serving(record: dict) -> str:
+    if "skipped" in record:
+        return f"block-sparse serving: skipped ({record['skipped']})"
+    return (f"block-sparse serving at {record['shape']['label']}: "
+            + "; ".join(describe_latencies(name, record[name]) for name in ("course", "flex_attention")))
+
+
+def describe_latencies(name: str, figures: dict) -> str:
+    bars = SERVING_BARS
+    return (f"{name} P50 {figures['p50_ms']:.3f} ms, P99 {figures['p99_ms']:.3f} ms ({figures['p99_over_p50']:.2f}x "
+            f"P50, bar {bars['p99_over_p50_at_most']}), {figures['calls_per_second']:.1f} calls/s "
+            f"({figures['calls_per_second_times_p50']:.2f} / P50, bar {bars['calls_per_second_times_p50_at_least']})")
+
+
 # ---------------------------------------------------------------- whole models from transformers
 
 def register_course_attention(ops) -> None:
@@ -344,6 +428,8 @@ def run(report=print, with_models: bool = True) -> dict:
                                   for r in result["tiny"]))
     result["moe_layer"] = measure_moe_layer(ops)
     report(f"  moe_layer: {result['moe_layer']}")
+    result["block_sparse_serving"] = measure_block_sparse_serving(ops)
+    report("  " + describe_serving(result["block_sparse_serving"]))
     if with_models:
         result["models"] = measure_models(ops)
         report(f"  models: {result['models']}")
