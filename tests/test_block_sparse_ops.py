@@ -5,8 +5,8 @@ run_stage as the problem's own layout for the same mask; every input the kernels
 one line before anything is launched (another GPU than sm_90a's included); the autograd plumbing, eager and
 traced (make_fx, torch.compile fullgraph), gives the exact gradients with PyTorch math standing in for the
 kernels. On an H100 or H200: the output, the LSE and the gradients pass the problem's checks (odd lengths,
-GQA, each element mask, query blocks that see no key), opcheck passes and torch.compile(fullgraph=True)
-runs the forward and backward through the custom ops."""
+GQA, each element mask, query blocks that see no key, a mask without full blocks apart), opcheck passes
+and torch.compile(fullgraph=True) runs the forward and backward through the custom ops."""
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -18,6 +18,7 @@ from grader.ops_benchmark import latency_figures, ops_mask_arguments
 from reference.block_sparse_attention import (LAYOUT, block_layout, blockwise_attention, dense_visible,
                                               element_mask_mod, listed, to_block_mask)
 from reference.block_sparse_attention_backward import exact_gradients
+from reference.tolerance import relative_to_library
 from stages import ops
 from test_ops import A100, H100, L4, called_ops
 
@@ -458,3 +459,23 @@ def test_torch_compile_fullgraph_runs_the_forward_and_backward_as_eager():
         # the same kernels; the backward's dQ sums by atomics may round in another order
         torch.testing.assert_close(compiled, eager, atol=1e-2, rtol=1e-2, msg=name)
     torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", [CAUSAL_ODD, GRAPH], ids=lambda i: CASES[i].name)
+def test_a_mask_without_full_blocks_apart_passes_the_problems_checks(index):
+    """BlockMask.from_kv_blocks given no full blocks: every listed block partial, the element mask applied in
+    each ("none": every pair of the neighbourhood graph's blocks visible all the same)."""
+    needs_stages_12_and_13()
+    inputs = case_inputs(index, device="cuda", backward=True)
+    every = listed(inputs["kv_num_blocks"], inputs["kv_indices"]) | \
+        listed(inputs["full_kv_num_blocks"], inputs["full_kv_indices"])
+    inputs |= {n: t.cuda() for n, t in block_layout(every.cpu(), torch.zeros_like(every.cpu())).items()}
+    seq_len = inputs["q"].shape[2]
+    block_mask = BlockMask.from_kv_blocks(inputs["kv_num_blocks"], inputs["kv_indices"], BLOCK_SIZE=128,
+                                          seq_lengths=(seq_len, seq_len))
+    o, dq, dk, dv = gradients(lambda q, k, v: ops.block_sparse_attention(q, k, v, block_mask,
+                                                                         **ops_mask_arguments(inputs)), inputs)
+    checks = [relative_to_library("o", o, FORWARD.reference(inputs)["o"], FORWARD.library_output(inputs)["o"]),
+              *BACKWARD.check(dict(dq=dq, dk=dk, dv=dv), BACKWARD.reference(inputs), BACKWARD.library_output(inputs))]
+    assert all(c.passed for c in checks), failures(checks)
