@@ -8,13 +8,11 @@ import re
 import pytest
 import torch
 
-import reference
-import stages
-from conftest import gpu
 from mutations import mutate
+from stage_on_gpu import StageOnGpu
 
-STAGE = stages.load("stage13")
-PROBLEM = reference.load(STAGE.problem)
+ON_GPU = StageOnGpu("stage13")  # its kernels run here on one case at a time
+STAGE, PROBLEM = ON_GPU.stage, ON_GPU.problem
 CASES = PROBLEM.cases(0)
 LISTS = (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"))
 
@@ -39,52 +37,10 @@ def test_the_transposed_lists_name_the_query_blocks_that_name_each_key_block(cas
 
 # ---------------------------------------------------------------- on a GPU
 
-def _arch():
-    found, _ = gpu()
-    try:
-        return stages.arch_for(found, STAGE.archs)
-    except ValueError as why:
-        pytest.skip(str(why))
-
-
-_LOADED: dict = {}
-
-
-def _kernels(path, inputs):
-    """The KernelSet of the stage's kernels at `path` for these inputs (compiled once per path)."""
-    from cuda.core import Device
-
-    from grader.run import compile_stage
-    from stages import variant_key
-    from stages.common.launcher import KernelSet
-
-    if path not in _LOADED:
-        arch = _arch()
-        torch.cuda.init()
-        Device().set_current()  # PyTorch's primary context, as the grader's worker loads kernels
-        _LOADED[path] = (compile_stage(STAGE, path, arch), {})
-    cubins, sets = _LOADED[path]
-    key = variant_key(STAGE.defines(PROBLEM.variant(inputs)))
-    if key not in sets:
-        sets[key] = KernelSet(cubins[key].path, STAGE.kernels)
-    return sets[key]
-
-
-def _run(case, path=None, edit=lambda inputs: inputs):
-    """The check of the kernels at `path` (the stage's own by default) on `case`, the kernels given the
-    inputs `edit` makes of the case's, the check made against the case's own."""
-    _arch()
-    inputs = PROBLEM.make_inputs(case.shape, case.dtype, case.seed, case.input_scale)
-    outputs = PROBLEM.allocate_outputs(inputs)  # poisoned with NaN
-    PROBLEM.run_stage(STAGE, _kernels(path or STAGE.source_path, inputs), edit(dict(inputs)), outputs)
-    torch.cuda.synchronize()
-    return PROBLEM.check(outputs, PROBLEM.reference(inputs), PROBLEM.library_output(inputs))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_every_case_passes_the_problems_check(case):
-    failed = [c.name for c in _run(case) if not c.passed]
+    failed = [c.name for c in ON_GPU.check(case) if not c.passed]
     assert not failed, f"{case.name}: {failed}"
 
 
@@ -96,7 +52,7 @@ def test_partial_blocks_taken_as_full_fail(case, kernel_dir):
     skipped, so queries see the keys after them -- fails the check. At S = 1 there is no key after a
     query: such a case cannot tell, and is not one of these."""
     _, path = mutate("block_sparse_backward_partial_as_full", kernel_dir)  # where the warm-up compiled it
-    assert not all(c.passed for c in _run(case, path))
+    assert not all(c.passed for c in ON_GPU.check(case, path))
 
 
 @pytest.mark.gpu
@@ -109,4 +65,4 @@ def test_the_mask_the_kernel_is_given_matters():
         for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
             inputs[name] = inputs[name].roll(1, dims=2).contiguous()
         return inputs
-    assert not all(c.passed for c in _run(case, edit=shifted))
+    assert not all(c.passed for c in ON_GPU.check(case, edit=shifted))

@@ -5,65 +5,21 @@ grader's worker as every stage; this file names the cases one by one.)"""
 import re
 
 import pytest
-import torch
 
-import reference
-import stages
-from conftest import gpu
 from mutations import mutate
+from stage_on_gpu import StageOnGpu
 
 pytestmark = pytest.mark.gpu
 
-STAGE = stages.load("stage12")
-PROBLEM = reference.load(STAGE.problem)
+ON_GPU = StageOnGpu("stage12")  # its kernels run here on one case at a time
+STAGE, PROBLEM = ON_GPU.stage, ON_GPU.problem
 CASES = PROBLEM.cases(0)
 
-
-def _arch():
-    found, _ = gpu()
-    try:
-        return stages.arch_for(found, STAGE.archs)
-    except ValueError as why:
-        pytest.skip(str(why))
-
-
-_LOADED: dict = {}
-
-
-def _kernels(path, inputs):
-    """The KernelSet of the stage's kernel at `path` for these inputs (compiled once per path)."""
-    from cuda.core import Device
-
-    from grader.run import compile_stage
-    from stages import variant_key
-    from stages.common.launcher import KernelSet
-
-    if path not in _LOADED:
-        arch = _arch()
-        torch.cuda.init()
-        Device().set_current()  # PyTorch's primary context, as the grader's worker loads kernels
-        _LOADED[path] = (compile_stage(STAGE, path, arch), {})
-    cubins, sets = _LOADED[path]
-    key = variant_key(STAGE.defines(PROBLEM.variant(inputs)))
-    if key not in sets:
-        sets[key] = KernelSet(cubins[key].path, STAGE.kernels)
-    return sets[key]
-
-
-def _run(case, path=None, edit=lambda inputs: inputs):
-    """The check of the kernel at `path` (the stage's own by default) on `case`, the kernel given the
-    inputs `edit` makes of the case's, the check made against the case's own."""
-    _arch()
-    inputs = PROBLEM.make_inputs(case.shape, case.dtype, case.seed, case.input_scale)
-    outputs = PROBLEM.allocate_outputs(inputs)  # poisoned with NaN
-    PROBLEM.run_stage(STAGE, _kernels(path or STAGE.source_path, inputs), edit(dict(inputs)), outputs)
-    torch.cuda.synchronize()
-    return PROBLEM.check(outputs, PROBLEM.reference(inputs), PROBLEM.library_output(inputs))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_every_case_passes_the_problems_check(case):
-    failed = [c.name for c in _run(case) if not c.passed]
+    failed = [c.name for c in ON_GPU.check(case) if not c.passed]
     assert not failed, f"{case.name}: {failed}"
 
 
@@ -71,7 +27,7 @@ def test_every_case_passes_the_problems_check(case):
 def test_rows_left_unwritten_fail(case, kernel_dir):
     """The kernel skipping the query blocks whose lists are empty leaves their NaN poison: the check fails."""
     _, path = mutate("block_sparse_empty_rows_unwritten", kernel_dir)
-    assert not all(c.passed for c in _run(case, path))
+    assert not all(c.passed for c in ON_GPU.check(case, path))
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if re.search("causal|window|documents", c.name)
@@ -80,7 +36,7 @@ def test_a_wrong_mask_fails(case, kernel_dir):
     """The element mask off by one in the kernel (each query sees the next key) fails the check. At S = 1
     there is no next key: such a case cannot tell, and is not one of these."""
     _, path = mutate("block_sparse_mask_off_by_one", kernel_dir)
-    assert not all(c.passed for c in _run(case, path))
+    assert not all(c.passed for c in ON_GPU.check(case, path))
 
 
 def test_the_mask_the_kernel_is_given_matters():
@@ -91,4 +47,4 @@ def test_the_mask_the_kernel_is_given_matters():
         for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
             inputs[name] = inputs[name].roll(1, dims=2).contiguous()
         return inputs
-    assert not all(c.passed for c in _run(case, edit=shifted))
+    assert not all(c.passed for c in ON_GPU.check(case, edit=shifted))

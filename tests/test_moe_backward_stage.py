@@ -7,14 +7,12 @@ one that gives both consumers the same columns of A, fail. Skipped without an sm
 import pytest
 import torch
 
-import reference
-import stages
-from conftest import gpu
 from mutations import mutate
+from stage_on_gpu import StageOnGpu
 from stages.stage14_moe_backward import backward
 
-STAGE = stages.load("stage14")
-PROBLEM = reference.load(STAGE.problem)
+ON_GPU = StageOnGpu("stage14")  # its kernels run here on one case at a time
+STAGE, PROBLEM = ON_GPU.stage, ON_GPU.problem
 CASES = PROBLEM.cases(0)
 
 
@@ -74,50 +72,10 @@ def test_the_permutation_pads_every_expert_to_whole_tiles():
 
 # ---------------------------------------------------------------- on the GPU
 
-def _arch():
-    found, _ = gpu()
-    try:
-        return stages.arch_for(found, STAGE.archs)
-    except ValueError as why:
-        pytest.skip(str(why))
-
-
-_LOADED: dict = {}
-
-
-def _kernels(path, inputs):
-    """The KernelSet of the stage's kernel at `path` for these inputs (compiled once per path)."""
-    from cuda.core import Device
-
-    from grader.run import compile_stage
-    from stages import variant_key
-    from stages.common.launcher import KernelSet
-
-    if path not in _LOADED:
-        arch = _arch()
-        torch.cuda.init()
-        Device().set_current()  # PyTorch's primary context, as the grader's worker loads kernels
-        _LOADED[path] = (compile_stage(STAGE, path, arch), {})
-    cubins, sets = _LOADED[path]
-    key = variant_key(STAGE.defines(PROBLEM.variant(inputs)))
-    if key not in sets:
-        sets[key] = KernelSet(cubins[key].path, STAGE.kernels)
-    return sets[key]
-
-
-def _run(case, path=None):
-    _arch()
-    inputs = PROBLEM.make_inputs(case.shape, case.dtype, case.seed, case.input_scale)
-    outputs = PROBLEM.allocate_outputs(inputs)  # poisoned with NaN
-    PROBLEM.run_stage(STAGE, _kernels(path or STAGE.source_path, inputs), inputs, outputs)
-    torch.cuda.synchronize()
-    return _check(inputs, outputs)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_every_case_passes_the_problems_check(case):
-    failed = [c.output for c in _run(case) if not c.passed]
+    failed = [c.output for c in ON_GPU.check(case) if not c.passed]
     assert not failed, f"{case.name}: {failed}"
 
 
@@ -126,7 +84,7 @@ def test_every_case_passes_the_problems_check(case):
 def test_an_empty_experts_unwritten_weight_gradient_fails(case, tmp_path):
     """The weight kernel storing nothing for an expert without rows leaves its dW's NaN poison."""
     _, path = mutate("moe_backward_empty_expert_unwritten", tmp_path)
-    assert not all(c.passed for c in _run(case, path))
+    assert not all(c.passed for c in ON_GPU.check(case, path))
 
 
 @pytest.mark.gpu
@@ -135,4 +93,4 @@ def test_both_consumers_on_the_same_columns_of_a_fail(case, tmp_path):
     """The weight kernel loading the same 64 columns of A for both consumer warpgroups: dW's rows 64-127 of
     every 128-row tile are wrong (the transposed A's box coordinates matter)."""
     _, path = mutate("moe_backward_same_a_columns", tmp_path)
-    assert not all(c.passed for c in _run(case, path))
+    assert not all(c.passed for c in ON_GPU.check(case, path))
