@@ -20,7 +20,8 @@ from grader import exercise
 from grader.run import stage_builds
 from mutations import MUTATIONS, mutate
 
-OPS_PROBLEMS = ("attention", "attention_backward", "moe_layer")  # what stages.ops runs (stage 10 through it)
+# What stages.ops runs (stage 10 through it).
+OPS_PROBLEMS = ("attention", "attention_backward", "moe_layer", "moe_layer_backward")
 
 
 def copies(folder: Path) -> tuple[dict, dict]:
