@@ -331,8 +331,9 @@ def test_on_the_kernels_no_router_bias_gives_no_dbias_and_a_zero_bias_gradients(
 
 @pytest.mark.gpu
 def test_on_the_kernels_a_callers_balance_loss_makes_the_problems_gradients():
+    """One expert per token, as on the CPU: the router's gradients are the balance loss's alone."""
     needs_the_backward()
-    inputs = problem_inputs(case_named(GPU_CASES[1]))
+    inputs = problem_inputs(case_named(TOP_1))
     gradients = layer_gradients(LAYERS["ops.moe_layer"], inputs, extra_loss=caller_balance_loss)
     inputs["aux_coef"] = ALPHA
     assert not failures(inputs, gradients), failures(inputs, gradients)
