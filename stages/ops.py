@@ -3,7 +3,8 @@
     o = ops.attention(q, k, v, causal=True)   # q [B, H, Sq, D], k and v [B, H_kv, Skv, D] (H_kv | H), fp16 or bf16
     o.transpose(1, 2).reshape(B, Sq, H * D)    # free: o [B, H, Sq, D] lies in memory as [B, Sq, H, D]
     o.backward(grad)                           # q.grad, k.grad, v.grad by the course's backward kernel
-    out = ops.moe_layer(x, router_weight, w1, w2, top_k, router_bias=None)  # forward only
+    out = ops.moe_layer(x, router_weight, w1, w2, top_k, router_bias=None)
+    out.backward(grad)                         # x, router_weight, router_bias, w1, w2's .grad: on sm_90a only
     o = ops.block_sparse_attention(q, k, v, block_mask, element_mask="causal")  # a FlexAttention BlockMask
 
 q, k and v may be any views whose last dimension is contiguous: a model's [B, S, H, D] projections
@@ -12,11 +13,13 @@ H100 or H200 the kernels read them where they lie, and the gradients come back i
 
 They are `torch.library` custom ops (namespace "flashmoe"), each with a fake implementation (the
 output shapes and dtypes alone), so that `torch.compile(fullgraph=True)` and `make_fx` trace a model
-that calls them; the attentions have autograd through the course's backward stages:
+that calls them; the attentions and the MoE layer have autograd through the course's backward stages:
 
     flashmoe::attention_forward(q, k, v, causal, scale) -> (o, lse)        lse fp32 [B, H, Sq], no gradient
     flashmoe::attention_backward(grad_o, q, k, v, o, lse, causal, scale) -> (dq, dk, dv)
-    flashmoe::moe_layer(x, router_weight, router_bias, w1, w2, top_k) -> (out, topk_ids)
+    flashmoe::moe_layer(x, router_weight, router_bias, w1, w2, top_k) -> (out, topk_ids)    no gradient of topk_ids
+    flashmoe::moe_layer_backward(grad_out, x, router_weight, router_bias, w1, w2, topk_ids)
+        -> (dx, dwr, dbias, dw1, dw2)                                   dbias fp32 [E], no load-balancing loss
     flashmoe::block_sparse_attention_forward(q, k, v, <mask>, scale) -> (o, lse)
     flashmoe::block_sparse_attention_backward(grad_o, q, k, v, o, lse, <mask>, scale) -> (dq, dk, dv)
 
@@ -29,16 +32,17 @@ Each op returns new tensors and mutates none of its inputs. `ops.attention`, `op
 before anything is launched (the ops check again when called directly).
 
 The host cost of a call is what a model pays on every layer, so eager calls on plain CUDA tensors skip
-the custom ops' dispatch, tens of microseconds a call: ops.attention and ops.block_sparse_attention go
-through a torch.autograd.Function (or straight to the launch where no gradient is wanted) whose forward
-and backward run the very launches the custom ops run. Under torch.compile, make_fx, FakeTensorMode or
-any other dispatch mode, the custom ops are called, as tracing needs. (docs/pytorch.md measures each
-piece of a call.)
+the custom ops' dispatch, tens of microseconds a call: ops.attention, ops.moe_layer and
+ops.block_sparse_attention go through a torch.autograd.Function (or straight to the launch where no
+gradient is wanted) whose forward and backward run the very launches the custom ops run. Under
+torch.compile, make_fx, FakeTensorMode or any other dispatch mode, the custom ops are called, as tracing
+needs. (docs/pytorch.md measures each piece of a call.)
 
 Each problem runs the fastest course stage this GPU runs (`stages.fastest_stage`): the highest-numbered stage
 solving it, or the highest rung of that stage's ladder, that compiles for the GPU. The forward
 attention: stage 4 on sm_90a (an H100 or H200), stage 3 elsewhere; its backward: stage 9 on sm_90a,
-stage 8 elsewhere; the MoE layer: stage 7 on sm_90a, stage 7's mma_sync rung elsewhere; block-sparse
+stage 8 elsewhere; the MoE layer: stage 7 on sm_90a, stage 7's mma_sync rung elsewhere; its backward: stage 14,
+on sm_90a alone (elsewhere a backward through ops.moe_layer raises one ValueError); block-sparse
 attention: stages 12 and 13 on sm_90a, none elsewhere (the call is refused there, in one line). A
 stage is compiled on first use for the variant the inputs need (the problem's `variant`: dtype, head
 dimension, element mask), with the -D macros the grader uses, into the compile cache on disk
@@ -48,6 +52,7 @@ run are imported.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -55,6 +60,7 @@ import torch
 
 import reference
 import stages
+from reference import moe
 from reference.block_sparse_attention import BLOCK, ELEMENT_MASKS, LAYOUT
 from stages.common.compiler import compile_cubin
 from stages.common.launcher import KernelSet
@@ -63,6 +69,7 @@ from stages.common.moe import MAX_EXPERTS, MAX_TOP_K
 ATTENTION = reference.load("attention")  # the problems the ops solve: their dtypes, head dims, run_stage
 ATTENTION_BACKWARD = reference.load("attention_backward")
 MOE_LAYER = reference.load("moe_layer")
+MOE_LAYER_BACKWARD = reference.load("moe_layer_backward")
 DTYPES = {getattr(torch, name): name for name in ATTENTION.dtypes}
 HEAD_DIMS = ATTENTION.parameters["D"]
 MOE_DTYPES = {getattr(torch, name): name for name in MOE_LAYER.dtypes}
@@ -495,7 +502,7 @@ def stage_problem(problem, tensor: torch.Tensor) -> str | None:
 
 def moe_layer(x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, top_k: int,
               router_bias: torch.Tensor | None = None, return_topk_ids: bool = False):
-    """reference/moe_layer.py's layer (Mixtral-style, SwiGLU experts), forward only:
+    """reference/moe_layer.py's layer (Mixtral-style, SwiGLU experts), differentiable on sm_90a:
 
         logits = x · router_weight + router_bias (fp32); each token's top_k experts by logit, weighted by
         the softmax of their logits; out[t] = Σ_j w[t, j] · (silu(x[t]·W1[e][:, :I]) * (x[t]·W1[e][:, I:])) · W2[e]
@@ -506,13 +513,45 @@ def moe_layer(x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor, w2
     E <= 256, 1 <= top_k <= min(E, 8). Returns out [T, hidden] in x's dtype, and with return_topk_ids also
     each token's experts, int32 [T, top_k] by decreasing logit.
 
-    No autograd: the course has no backward for the layer, so a backward through `out` raises PyTorch's
-    "no autograd formula was registered" error (the forward runs even on weights that require grad)."""
+    A backward through `out` gives the gradients of x, router_weight, router_bias, w1 and w2 (those that
+    require grad), in their dtypes, by stage 14 (reference/moe_layer_backward.py), which runs on sm_90a
+    alone (an H100 or H200): elsewhere the backward raises one ValueError. No gradient flows through the
+    discrete top-k choice. The layer returns no load-balancing loss, so the backward adds none (aux_coef 0):
+    a model that wants one computes it in PyTorch from the router's logits and the returned topk_ids
+    (reference.moe.balance_loss), and autograd adds its gradient to x's and the router's."""
     refuse("ops.moe_layer", moe_layer_input_problem(x, router_weight, router_bias, w1, w2, top_k))
-    grad_wanted = torch.is_grad_enabled() and any(t.requires_grad for t in (x, router_weight, w1, w2))
-    run = moe_launch if plain_eager(x, router_weight, w1, w2) and not grad_wanted else moe_layer_op
-    out, topk_ids = run(x, router_weight, router_bias, w1, w2, int(top_k))
+    top_k = int(top_k)
+    if not plain_eager(x, router_weight, w1, w2):
+        out, topk_ids = moe_layer_op(x, router_weight, router_bias, w1, w2, top_k)
+    elif torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                         for t in (x, router_weight, router_bias, w1, w2)):
+        out, topk_ids = _MoeLayer.apply(x, router_weight, router_bias, w1, w2, top_k)
+    else:
+        out, topk_ids = moe_launch(x, router_weight, router_bias, w1, w2, top_k)
     return (out, topk_ids) if return_topk_ids else out
+
+
+class _MoeLayer(torch.autograd.Function):
+    """ops.moe_layer's autograd in eager mode: the custom ops' launches, without their dispatch."""
+
+    @staticmethod
+    def forward(ctx, x, router_weight, router_bias, w1, w2, top_k):
+        out, topk_ids = moe_launch(x, router_weight, router_bias, w1, w2, top_k)
+        ctx.save_for_backward(x, router_weight, router_bias, w1, w2, topk_ids)
+        ctx.mark_non_differentiable(topk_ids)
+        return out, topk_ids
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_topk_ids):
+        x = ctx.saved_tensors[0]
+        refuse("ops.moe_layer", moe_backward_gpu_problem(x.device.index))
+        return *wanted_gradients(ctx, moe_backward_launch(grad_out, *ctx.saved_tensors)), None
+
+
+def wanted_gradients(ctx, gradients: tuple) -> tuple:
+    """(dx, dwr, dbias, dw1, dw2) with None for each input that needs none: one that does not require grad,
+    a router_bias of None."""
+    return tuple(g if needed else None for g, needed in zip(gradients, ctx.needs_input_grad))
 
 
 def moe_launch(x, router_weight, router_bias, w1, w2, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -522,6 +561,26 @@ def moe_launch(x, router_weight, router_bias, w1, w2, top_k: int) -> tuple[torch
     launch_fastest(MOE_LAYER, dict(x=x, wr=router_weight, bias=router_bias, w1=w1, w2=w2, top_k=top_k),
                    dict(out=out, topk_ids=topk_ids))
     return out, topk_ids
+
+
+def moe_backward_launch(grad_out, x, router_weight, router_bias, w1, w2, topk_ids) -> tuple:
+    """(dx, dwr, dbias, dw1, dw2) by the fastest MoE backward stage, for inputs already checked: the
+    problem's inputs with a zero bias for None, the top-k weights recomputed (the softmax of the fp32 logits
+    at the forward's ids) and no load-balancing loss (aux_coef 0: ops.moe_layer returns none)."""
+    bias = x.new_zeros(router_weight.shape[1], dtype=torch.float32) if router_bias is None else router_bias
+    logits = moe.router_logits(x, router_weight, bias)
+    topk_weights = torch.softmax(logits.gather(1, topk_ids.long()), dim=-1)
+    inputs = dict(x=x, wr=router_weight, bias=bias, w1=w1, w2=w2, top_k=topk_ids.shape[1], topk_ids=topk_ids,
+                  topk_weights=topk_weights, dy=grad_out.contiguous(), aux_coef=0.0)
+    gradients = empty_moe_gradients(x, router_weight, w1, w2)
+    launch_fastest(MOE_LAYER_BACKWARD, inputs, dict(zip(MOE_LAYER_BACKWARD.outputs, gradients)))
+    return gradients
+
+
+def empty_moe_gradients(x, router_weight, w1, w2) -> tuple:
+    """dx, dwr, dbias (fp32 [E]), dw1, dw2, unwritten (the real op's and its fake's)."""
+    dbias = x.new_empty(router_weight.shape[1], dtype=torch.float32)
+    return torch.empty_like(x), torch.empty_like(router_weight), dbias, torch.empty_like(w1), torch.empty_like(w2)
 
 
 @torch.library.custom_op("flashmoe::moe_layer", mutates_args=())
@@ -535,6 +594,37 @@ def moe_layer_op(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Opti
 @moe_layer_op.register_fake
 def _(x, router_weight, router_bias, w1, w2, top_k):
     return torch.empty_like(x), x.new_empty((x.shape[0], top_k), dtype=torch.int32)
+
+
+@torch.library.custom_op("flashmoe::moe_layer_backward", mutates_args=())
+def moe_layer_backward(grad_out: torch.Tensor, x: torch.Tensor, router_weight: torch.Tensor,
+                       router_bias: Optional[torch.Tensor], w1: torch.Tensor, w2: torch.Tensor,
+                       topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                        torch.Tensor]:
+    """(dx, dwr, dbias, dw1, dw2) for out's gradient grad_out (any strides) and the forward's topk_ids, with no
+    load-balancing loss; dbias fp32 [E] (that of a zero bias where router_bias is None)."""
+    refuse("flashmoe::moe_layer_backward",
+           moe_layer_backward_input_problem(grad_out, x, router_weight, router_bias, w1, w2, topk_ids))
+    return moe_backward_launch(grad_out, x, router_weight, router_bias, w1, w2, topk_ids)
+
+
+@moe_layer_backward.register_fake
+def _(grad_out, x, router_weight, router_bias, w1, w2, topk_ids):
+    return empty_moe_gradients(x, router_weight, w1, w2)
+
+
+def _save_for_moe_layer_backward(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:5], output[1])  # x, router_weight, router_bias, w1, w2, topk_ids
+    ctx.mark_non_differentiable(output[1])
+
+
+def _moe_layer_gradients(ctx, grad_out, grad_topk_ids):
+    return *wanted_gradients(ctx, moe_layer_backward(grad_out, *ctx.saved_tensors)), None
+
+
+moe_layer_op.register_autograd(_moe_layer_gradients, setup_context=_save_for_moe_layer_backward)
+
+
 def moe_layer_input_problem(x, router_weight, router_bias, w1, w2, top_k) -> str | None:
     """What is wrong with the MoE layer's inputs for stage 7, in words; None if nothing (the GPU last)."""
     tensors = {"x": x, "router_weight": router_weight, "w1": w1, "w2": w2}
@@ -565,6 +655,31 @@ def moe_layer_input_problem(x, router_weight, router_bias, w1, w2, top_k) -> str
     if router_bias is not None:
         tensors["router_bias"] = router_bias
     return layout_problem(tensors) or device_problem(tensors)
+
+
+def moe_layer_backward_input_problem(grad_out, x, router_weight, router_bias, w1, w2, topk_ids) -> str | None:
+    """grad_out and topk_ids as the forward gives them for x, moe_layer_input_problem, and a GPU that runs the
+    backward (the GPU last)."""
+    if not all(isinstance(t, torch.Tensor) for t in (grad_out, x, topk_ids)) or topk_ids.dim() != 2:
+        return "grad_out and x must be tensors, topk_ids a tensor [T, top_k]"
+    if grad_out.shape != x.shape or grad_out.dtype != x.dtype or topk_ids.shape[0] != x.shape[0] or \
+            topk_ids.dtype != torch.int32:
+        return (f"expected grad_out of x's shape {list(x.shape)} and dtype {x.dtype}, topk_ids int32 [T, top_k]; "
+                f"got grad_out {grad_out.dtype} {list(grad_out.shape)}, topk_ids {topk_ids.dtype} "
+                f"{list(topk_ids.shape)}")
+    return moe_layer_input_problem(x, router_weight, router_bias, w1, w2, topk_ids.shape[1]) or \
+        device_problem({"x": x, "grad_out": grad_out, "topk_ids": topk_ids}) or moe_backward_gpu_problem(x.device.index)
+
+
+@functools.cache
+def moe_backward_gpu_problem(device_index: int) -> str | None:
+    """Why no course stage runs the MoE layer's backward on this GPU, in words; None where one does (stage 14,
+    on sm_90a alone)."""
+    try:
+        fastest_stage_on(MOE_LAYER_BACKWARD.name, device_index)
+    except RuntimeError as error:
+        return f"the MoE layer's backward needs an H100 or H200 (sm_90a, where stage 14 runs); {error}"
+    return None
 
 
 # ================================================================ shared checks and the launch

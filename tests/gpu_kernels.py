@@ -20,8 +20,8 @@ from grader import exercise
 from grader.run import stage_builds
 from mutations import MUTATIONS, mutate
 
-# what stages.ops runs (stage 10 through it)
-OPS_PROBLEMS = ("attention", "attention_backward", "moe_layer", "block_sparse_attention",
+# What stages.ops runs (stage 10 through it).
+OPS_PROBLEMS = ("attention", "attention_backward", "moe_layer", "moe_layer_backward", "block_sparse_attention",
                 "block_sparse_attention_backward")
 
 

@@ -253,7 +253,7 @@ def test_the_backward_is_stage_9_on_hopper_and_stage_8_elsewhere(gpu, stage, arc
 
 # ---------------------------------------------------------------- registration and fake implementations
 
-OPS = ("attention_forward", "attention_backward", "moe_layer")
+OPS = ("attention_forward", "attention_backward", "moe_layer", "moe_layer_backward")
 
 
 @pytest.mark.parametrize("name", OPS)
