@@ -3,9 +3,8 @@
 Each job is a compile_cubin call (the kernel's path, the arch, the -D macros, the source appended), run on
 a pool of threads: NVRTC releases Python's lock while it compiles, and each call has its own program, so
 the compiles run side by side (stage 12's 16 variants: 11.8 s one after the other, 6.5 s on two threads,
-on a 2-core CPU ), the same cubins as one after the other. The
-cubins land in the compile cache (stages/common/compiler.py), where the caller's own compile_cubin calls
-then find them. A job that fails is reported, not raised: the caller's own call raises it, in its words.
+on a 2-core CPU, on 2026-11-27), and make the same cubins as one after the other. The cubins land in the
+compile cache (stages/common/compiler.py), where the caller's own compile_cubin calls then find them. A job that fails is reported, not raised: the caller's own call raises it, in its words.
 """
 from __future__ import annotations
 

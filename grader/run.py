@@ -52,8 +52,8 @@ CACHED_S = 0.2  # seconds: a compile_cubin call that took longer compiled (the c
 
 def compile_stage(stage, kernel_path: Path, arch: str) -> dict:
     """{variant key: Cubin} for every dtype × specialization; GraderError for a signature or geometry problem.
-    Where the first variant was not in the compile cache, the others are compiled over all CPU cores
-    first (grader/parallel_compile.py, a thread per core), then each found in the cache in turn (its errors said here)."""
+    Where the first variant was not in the compile cache, the others are compiled on every CPU core first
+    (grader/parallel_compile.py), then each is found in the cache in turn (its errors said here)."""
     builds, cubins = stage_builds(stage), {}
     for index, (defines, checks) in enumerate(builds):
         start = time.perf_counter()

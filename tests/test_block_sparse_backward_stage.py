@@ -40,7 +40,7 @@ def test_the_transposed_lists_name_the_query_blocks_that_name_each_key_block(cas
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_every_case_passes_the_problems_check(case):
-    failed = [c.name for c in ON_GPU.check(case) if not c.passed]
+    failed = [c.output for c in ON_GPU.check(case) if not c.passed]
     assert not failed, f"{case.name}: {failed}"
 
 

@@ -19,7 +19,7 @@ CASES = PROBLEM.cases(0)
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_every_case_passes_the_problems_check(case):
-    failed = [c.name for c in ON_GPU.check(case) if not c.passed]
+    failed = [c.output for c in ON_GPU.check(case) if not c.passed]
     assert not failed, f"{case.name}: {failed}"
 
 
