@@ -4,9 +4,16 @@ The child (`grader/worker.py`) prints JSON events; `run_job` hands each to a cal
 most `timeout_s` for the next one. If the child hangs it is killed; if it dies, its last words
 (the error event, or the tail of its stderr) say why. Jobs that go through a list of items
 (`run_items`) start a new child after a crash and go on with the item after the one that crashed.
+
+The grader's own worker serves job after job (`--serve`: job files named on its stdin, "job_end" after
+each): starting Python, PyTorch and a CUDA context costs seconds, and a stage's grading runs several jobs,
+the GPU tests dozens. A worker that hung, died, reported an error or failed an item is not used again
+(its CUDA context may be gone, or a wrong kernel may have written where it should not); the next job gets
+a fresh one. Other commands (the tests' stand-ins, the worker under Nsight Compute) run one job each.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import queue
@@ -17,7 +24,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from grader.protocol import NOTE
+from grader.protocol import JOB_END, NOTE
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,47 +44,86 @@ def _reader(stream, lines: queue.Queue) -> None:
 WORKER = [sys.executable, "-m", "grader.worker"]
 
 
-def run_job(job: dict, on_event, timeout_s: float, worker: list[str] = WORKER) -> Failure | None:
-    """Run one worker (`worker` + the job file); None if it finished cleanly, else the Failure that ended it."""
+class _Child:
+    """A worker process, the queue its stdout's lines arrive on, and the file its stderr goes to."""
+
+    def __init__(self, command: list[str]):
+        self.stderr = tempfile.TemporaryFile("w+")
+        self.process = subprocess.Popen(command, cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
+                                        text=True)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=_reader, args=(self.process.stdout, self.lines), daemon=True).start()
+
+    def stderr_tail(self) -> str:
+        self.stderr.seek(0)
+        return "\n".join(self.stderr.read().strip().splitlines()[-5:])
+
+    def end(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        self.stderr.close()
+
+
+_serving: dict[tuple, _Child] = {}  # command -> the serving worker waiting for its next job
+
+
+@atexit.register
+def _end_serving() -> None:
+    while _serving:
+        _serving.popitem()[1].end()
+
+
+def run_job(job: dict, on_event, timeout_s: float, worker: list[str] = WORKER,
+            serves: bool | None = None) -> Failure | None:
+    """Run one job on `worker`; None if it finished cleanly, else the Failure that ended it. A worker that
+    `serves` (by default the grader's own) is kept for the next job when it can take one, and used again."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
-    stderr = tempfile.TemporaryFile("w+")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    child = subprocess.Popen([*worker, f.name], cwd=REPO, env=env,
-                             stdout=subprocess.PIPE, stderr=stderr, text=True)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=_reader, args=(child.stdout, lines), daemon=True).start()
-    failure = None
+    serves = worker == WORKER if serves is None else serves
+    child = _serving.pop(tuple(worker), None) if serves else None
+    if child is None:
+        child = _Child([*worker, "--serve"] if serves else [*worker, f.name])
+    if serves:
+        child.process.stdin.write(f.name + "\n")
+        child.process.stdin.flush()
+    failure, reusable = None, False
     try:
-        while True:
-            try:
-                line = lines.get(timeout=timeout_s)
-            except queue.Empty:
-                child.kill()
-                failure = Failure("timeout", f"no progress for {timeout_s:.0f} s: the kernel hangs (killed)")
-                break
-            if line is None:
-                break
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # something the stage printed; not ours
-            if event["event"] == "error":
-                failure = Failure("error", _describe_error(event))
-            else:
-                on_event(event)
-        code = child.wait()
-        if failure is None and code != 0:
-            stderr.seek(0)
-            tail = "\n".join(stderr.read().strip().splitlines()[-5:])
-            failure = Failure("crash", f"the worker died (exit status {code}): {tail or 'no message'}")
+        failure, reusable = _follow(child, on_event, timeout_s)
     finally:
-        if child.poll() is None:
-            child.kill()
-        child.wait()
         os.unlink(f.name)
-        stderr.close()
+        if reusable and serves:
+            _serving[tuple(worker)] = child
+        else:
+            child.end()
     return failure
+
+
+def _follow(child: _Child, on_event, timeout_s: float) -> tuple[Failure | None, bool]:
+    """Hand the child's events to `on_event` until its job ends: (the Failure, or None; whether the child
+    is alive, clean and waiting for another job)."""
+    while True:
+        try:
+            line = child.lines.get(timeout=timeout_s)
+        except queue.Empty:
+            child.process.kill()
+            return Failure("timeout", f"no progress for {timeout_s:.0f} s: the kernel hangs (killed)"), False
+        if line is None:
+            break
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # something the stage printed; not ours
+        if event["event"] == "error":
+            return Failure("error", _describe_error(event)), False
+        if event["event"] == JOB_END:
+            return None, event.get("clean", False)
+        on_event(event)
+    code = child.process.wait()
+    if code != 0:
+        return Failure("crash", f"the worker died (exit status {code}): {child.stderr_tail() or 'no message'}"), False
+    return None, False
 
 
 def _describe_error(event: dict) -> str:
@@ -91,7 +137,7 @@ def _describe_error(event: dict) -> str:
 
 
 def run_items(job: dict, key: str, items: list, on_done, timeout_s: float, worker: list[str] = WORKER,
-              on_progress=lambda event: None) -> dict[int, Failure]:
+              on_progress=lambda event: None, serves: bool | None = None) -> dict[int, Failure]:
     """Run a job over `items` ([(index, item)] under job[key]); a crash fails that item and a new
     worker carries on with the next. Returns {index: Failure} for the items that did not finish.
     `on_done` hears each item's "_done" event; `on_progress` its "_start" and the notes in between."""
@@ -110,7 +156,7 @@ def run_items(job: dict, key: str, items: list, on_done, timeout_s: float, worke
                 state["done"].add(event["index"])
                 on_done(event)
 
-        failure = run_job(dict(job, **{key: remaining}), on_event, timeout_s, worker)
+        failure = run_job(dict(job, **{key: remaining}), on_event, timeout_s, worker, serves)
         if failure is None:
             break
         if state["current"] is None or state["current"] in state["done"]:

@@ -1,7 +1,8 @@
 """What the grader and its child process (grader/worker.py) say to each other, shared by both sides.
 
-The grader writes a job (a JSON file: the stage, the phase, the cubins, the items) and starts
-`python -m grader.worker JOB.json` (isolation.WORKER). The worker prints one JSON object per line, an
+The grader writes a job (a JSON file: the stage, the phase, the cubins, the items) and names it to
+`python -m grader.worker --serve` (isolation.WORKER), a worker kept for the next job when it ends one
+cleanly (JOB_END). The worker prints one JSON object per line, an
 event: "ready"; per item, "<item>_start" then "<item>_done" with the item's results ("case", "bench",
 "profile"); "note" for what it is doing within an item (a baseline's first call, which may compile for
 minutes); "error" with the exception that ended it. Every event counts as progress for the grader's time
@@ -18,6 +19,7 @@ PREVIOUS = "previous stage"
 RANGES = {"kernel": "flashmoe_kernel", "reference": "flashmoe_reference"}
 
 NOTE = "note"
+JOB_END = "job_end"  # a serving worker's (`--serve`) last event of a job; "clean": whether it takes another
 
 
 def emit(event: str, **fields) -> None:

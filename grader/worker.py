@@ -1,9 +1,11 @@
-"""The child process that runs a kernel: `python -m grader.worker JOB.json`.
+"""The child process that runs a kernel: `python -m grader.worker JOB.json` runs one job,
+`python -m grader.worker --serve` runs the jobs whose files are named on its stdin, one after another.
 
 It prints one JSON object per line (an "event") as it goes, so that the grader, reading them with
 a time limit, knows which case was running if this process crashes or hangs. A CUDA error
 is reported as an event, then the process exits: after an illegal address the CUDA context is
-unusable, and the grader starts a new worker for the remaining cases.
+unusable, and the grader starts a new worker for the remaining cases. A serving worker also exits after
+a job in which a case failed: a wrong kernel may have written outside its outputs.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import os
 import sys
 import traceback
 
-from grader.protocol import NOTE, PREVIOUS, RANGES, emit
+from grader.protocol import JOB_END, NOTE, PREVIOUS, RANGES, emit
 
 # The MoE benchmarks allocate and free buffers of several GB next to 9-23 GB of weights: with fixed
 # segments the cache fragments until an allocation fails with half the memory free.
@@ -36,6 +38,7 @@ class Worker:
         from cuda.core import Device
         Device().set_current()  # the primary context, the same one PyTorch uses
         self.job = job
+        self.clean = True  # no case failed: this process can serve another job
         self.stage = stages.load(job["stage"])
         self.problem = reference.load(self.stage.problem)
         self._kernel_sets = {}
@@ -78,14 +81,16 @@ class Worker:
                     if is_cuda_error(error):
                         raise  # the CUDA context is gone: this worker cannot go on
                     emit("case_done", index=index, passed=False, failure=f"{type(error).__name__}: {error}")
+                    self.clean = False
                     break
                 if worst is None or not all(c["passed"] for c in checks):
                     worst = checks
                 if not unmodified:
                     break
             else:
-                emit("case_done", index=index, checks=worst, inputs_unmodified=unmodified,
-                     passed=unmodified and all(c["passed"] for c in worst))
+                passed = unmodified and all(c["passed"] for c in worst)
+                self.clean &= passed
+                emit("case_done", index=index, checks=worst, inputs_unmodified=unmodified, passed=passed)
 
     def check_once(self, case: dict, seed: int):
         import torch
@@ -227,7 +232,9 @@ class Worker:
         return lambda: self.problem.run_stage(stage, kernels, inputs, outputs)
 
 
-def main(path: str) -> int:
+def main(path: str) -> bool | None:
+    """Run the job in the file at `path`: None after an error (reported as an event), else whether the
+    process is fit for another job."""
     job = json.loads(open(path).read())
     try:
         worker = Worker(job)
@@ -235,9 +242,28 @@ def main(path: str) -> int:
         getattr(worker, job["phase"])()
     except Exception as error:  # noqa: BLE001  (every failure goes back to the grader as an event)
         emit("error", kind=type(error).__name__, message=str(error).strip(), traceback=traceback.format_exc())
-        return 3
+        return None
+    return worker.clean
+
+
+def serve() -> int:
+    """Run the jobs named on stdin, one per line, each ended by a JOB_END event; between two jobs, give
+    back what the last one held, so that the next starts as it would in a new process."""
+    import gc
+
+    for line in sys.stdin:
+        clean = main(line.strip())
+        if clean is None:
+            return 3
+        gc.collect()
+        if "torch._dynamo" in sys.modules:  # compiled baselines: the next job compiles its own
+            sys.modules["torch._dynamo"].reset()
+        sys.modules["torch"].cuda.empty_cache()
+        emit(JOB_END, clean=clean)
+        if not clean:
+            return 0
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(serve() if sys.argv[1] == "--serve" else 0 if main(sys.argv[1]) is not None else 3)

@@ -23,3 +23,32 @@ def test_a_worker_that_cannot_start_fails_every_item_once():
     broken = [sys.executable, "-c", "import sys; sys.exit(1)"]
     failures = run_items({}, "items", list(enumerate(["a", "b"])), lambda e: None, timeout_s=5, worker=broken)
     assert set(failures) == {0, 1} and failures[0].kind == "crash"
+
+
+def _pids(items, **kw) -> list[int]:
+    done = []
+    run_items({}, "items", list(enumerate(items)), done.append, timeout_s=5, worker=FAKE, serves=True, **kw)
+    return [e["pid"] for e in done]
+
+
+def test_a_serving_worker_takes_job_after_job_in_one_process():
+    first, second = _pids(["ok", "ok"]), _pids(["ok"])
+    assert len(set(first + second)) == 1
+
+
+def test_after_a_hang_a_crash_an_error_or_a_failed_item_the_next_job_gets_a_new_worker():
+    before = _pids(["ok"])
+    for bad in ("hang", "crash", "error", "wrong"):
+        _pids([bad])  # on the worker kept from the job before
+        after = _pids(["ok"])
+        assert after != before, f"the worker that met {bad!r} took the next job"
+        assert _pids(["ok"]) == after  # a clean job's worker is kept
+        before = after
+
+
+def test_each_bad_item_fails_alone_on_a_serving_worker_too():
+    items = list(enumerate(["ok", "hang", "ok", "crash", "ok", "error", "ok"]))
+    done = []
+    failures = run_items({}, "items", items, lambda e: done.append(e["index"]), timeout_s=5, worker=FAKE,
+                         serves=True)
+    assert done == [0, 2, 4, 6] and set(failures) == {1, 3, 5}
