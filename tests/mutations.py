@@ -7,6 +7,8 @@ a mutation CI fails, not only the GPU half that runs the wrong kernels (tests/te
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 import stages
 
 
@@ -103,3 +105,24 @@ def mutate(name: str, folder: Path) -> tuple:
     path = folder / f"{name}.cu"
     path.write_text(source)
     return stage, path
+
+
+def regroup_piece(ranks: int, local: int, device: str):
+    """Stage 11's traffic for `local` experts from `ranks` source ranks, random counts, no padding (align 1):
+    what tests/test_gpu.py hands the mutated regroup kernel, and test_mutations.py the PyTorch regroup on
+    the CPU (so that a change of the Piece it is built from fails in CI, not only on a GPU)."""
+    from stages.stage11_expert_parallel.dispatch import Piece
+
+    counts = torch.randint(1, 300, (ranks, local), generator=torch.Generator().manual_seed(ranks), dtype=torch.int32)
+    rows = int(counts.sum())
+    return Piece(experts=slice(0, local), send_token=None, send_splits=[], recv_splits=counts.sum(1).tolist(),
+                 recv_counts=counts.to(device), grouped_rows=rows)
+
+
+def regroup_in_pytorch(piece):
+    """PyTorch's regroup of `piece` with align 1 (stage 11's Parts.regroup_index)."""
+    from types import SimpleNamespace
+
+    from stages.stage11_expert_parallel.dispatch import Parts
+
+    return Parts.regroup_index(SimpleNamespace(align=1), piece)

@@ -13,7 +13,7 @@ from conftest import gpu
 from grader import exercise
 from grader.grading import BANDS
 from grader.run import benchmark, compile_stage, grade_stage, graded
-from mutations import MUTATIONS, mutate
+from mutations import MUTATIONS, mutate, regroup_in_pytorch, regroup_piece
 
 pytestmark = pytest.mark.gpu
 
@@ -90,8 +90,7 @@ def test_a_row_taken_from_the_wrong_rank_is_caught(ranks, local, kernel_dir):
     from cuda.core import Device
 
     from stages.common.launcher import KernelSet
-    from stages.stage11_expert_parallel import KernelParts, dispatch
-    from stages.stage11_expert_parallel.dispatch import Exchange
+    from stages.stage11_expert_parallel import KernelParts
 
     stage, path = mutate("row_from_wrong_rank", kernel_dir)
     if not _runnable(stage.name):
@@ -102,11 +101,8 @@ def test_a_row_taken_from_the_wrong_rank_is_caught(ranks, local, kernel_dir):
     Device().set_current()  # PyTorch's primary context, as stages.ops loads kernels
     parts = KernelParts(KernelSet(next(iter(cubins.values())).path, stage.kernels), None, None, None, None, 1)
     parts.align = 1  # no padding rows: every grouped row is a received one
-    counts = torch.randint(1, 300, (ranks, local), generator=torch.Generator().manual_seed(ranks), dtype=torch.int32)
-    rows = int(counts.sum())
-    mutated = [t.cpu().long() for t in parts.regroup_index(Exchange(None, [], counts.sum(1).tolist(), counts.cuda(),
-                                                                     rows, None))]
-    expected = [t.long() for t in dispatch.regroup_index(counts, rows, rows, 1)]
+    mutated = [t.cpu().long() for t in parts.regroup_index(regroup_piece(ranks, local, "cuda"))]
+    expected = [t.long() for t in regroup_in_pytorch(regroup_piece(ranks, local, "cpu"))]
     assert not all(torch.equal(m, e) for m, e in zip(mutated, expected))
 
 

@@ -30,3 +30,17 @@ def test_an_orphaned_mutation_is_caught(tmp_path, monkeypatch):
     monkeypatch.setitem(MUTATIONS, "gone", Mutation("stage0", (("no such text", "x"),), None))
     with pytest.raises(AssertionError, match="no longer in attention.cu once"):
         mutate("gone", tmp_path)
+
+
+def test_the_wrong_rank_tests_traffic_goes_through_pytorchs_regroup():
+    """The GPU test of "row_from_wrong_rank" compares the kernel with PyTorch's regroup on traffic built
+    here: built and regrouped on the CPU, every grouped row is a received row, each once."""
+    import torch
+
+    from mutations import regroup_in_pytorch, regroup_piece
+
+    piece = regroup_piece(8, 4, "cpu")
+    offsets, source_row, grouped_row = regroup_in_pytorch(piece)
+    assert int(offsets[-1]) == piece.grouped_rows == piece.received_rows
+    assert torch.equal(source_row.sort().values.long(), torch.arange(piece.received_rows))
+    assert torch.equal(grouped_row.sort().values.long(), torch.arange(piece.received_rows))
