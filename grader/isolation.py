@@ -66,13 +66,19 @@ class _Child:
         self.stderr.close()
 
 
-_serving: dict[tuple, _Child] = {}  # command -> the serving worker waiting for its next job
+# command -> its serving workers: the one kept from the last job first, then spares starting up
+_serving: dict[tuple, list[_Child]] = {}
+# Spares started when a worker is not kept (a wrong kernel's job: the GPU tests run one after another), so
+# that the next jobs find a worker that has already imported PyTorch and made its CUDA context.
+SPARES = 2
 
 
 @atexit.register
 def _end_serving() -> None:
-    while _serving:
-        _serving.popitem()[1].end()
+    for children in _serving.values():
+        for child in children:
+            child.end()
+    _serving.clear()
 
 
 def run_job(job: dict, on_event, timeout_s: float, worker: list[str] = WORKER,
@@ -82,9 +88,7 @@ def run_job(job: dict, on_event, timeout_s: float, worker: list[str] = WORKER,
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
     serves = worker == WORKER if serves is None else serves
-    child = _serving.pop(tuple(worker), None) if serves else None
-    if child is None:
-        child = _Child([*worker, "--serve"] if serves else [*worker, f.name])
+    child = _serving_worker(worker) if serves else _Child([*worker, f.name])
     if serves:
         child.process.stdin.write(f.name + "\n")
         child.process.stdin.flush()
@@ -94,10 +98,28 @@ def run_job(job: dict, on_event, timeout_s: float, worker: list[str] = WORKER,
     finally:
         os.unlink(f.name)
         if reusable and serves:
-            _serving[tuple(worker)] = child
+            _serving[tuple(worker)].insert(0, child)
         else:
             child.end()
+            if serves:
+                _start_spares(worker)
     return failure
+
+
+def _serving_worker(worker: list[str]) -> _Child:
+    """A live serving worker of `worker`: the kept one, else a spare, else a new one."""
+    children = _serving.setdefault(tuple(worker), [])
+    while children:
+        child = children.pop(0)
+        if child.process.poll() is None:
+            return child
+        child.end()
+    return _Child([*worker, "--serve"])
+
+
+def _start_spares(worker: list[str]) -> None:
+    children = _serving.setdefault(tuple(worker), [])
+    children.extend(_Child([*worker, "--serve"]) for _ in range(SPARES - len(children)))
 
 
 def _follow(child: _Child, on_event, timeout_s: float) -> tuple[Failure | None, bool]:

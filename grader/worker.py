@@ -232,6 +232,17 @@ class Worker:
         return lambda: self.problem.run_stage(stage, kernels, inputs, outputs)
 
 
+def warm_up() -> None:
+    import torch
+    from cuda.core import Device
+
+    import reference  # noqa: F401
+    import stages  # noqa: F401
+
+    torch.cuda.init()
+    Device().set_current()
+
+
 def main(path: str) -> bool | None:
     """Run the job in the file at `path`: None after an error (reported as an event), else whether the
     process is fit for another job."""
@@ -248,9 +259,15 @@ def main(path: str) -> bool | None:
 
 def serve() -> int:
     """Run the jobs named on stdin, one per line, each ended by a JOB_END event; between two jobs, give
-    back what the last one held, so that the next starts as it would in a new process."""
+    back what the last one held, so that the next starts as it would in a new process. The seconds of
+    start-up (PyTorch, the CUDA context) are spent before the first job is read: a spare worker spends
+    them while the grader is still busy with the job before."""
     import gc
 
+    try:
+        warm_up()
+    except Exception:  # noqa: BLE001  (no GPU here: the first job meets the same error and reports it)
+        pass
     for line in sys.stdin:
         clean = main(line.strip())
         if clean is None:

@@ -52,3 +52,13 @@ def test_each_bad_item_fails_alone_on_a_serving_worker_too():
     failures = run_items({}, "items", items, lambda e: done.append(e["index"]), timeout_s=5, worker=FAKE,
                          serves=True)
     assert done == [0, 2, 4, 6] and set(failures) == {1, 3, 5}
+
+
+def test_after_a_worker_is_not_kept_spares_start_for_the_next_jobs():
+    from grader import isolation
+
+    _pids(["wrong"])
+    spares = isolation._serving[tuple(FAKE)]
+    assert len(spares) == isolation.SPARES and all(c.process.poll() is None for c in spares)
+    first_spare = spares[0].process.pid
+    assert _pids(["ok"]) == [first_spare]
