@@ -68,9 +68,10 @@ class _Child:
 
 # command -> its serving workers: the one kept from the last job first, then spares starting up
 _serving: dict[tuple, list[_Child]] = {}
-# Spares started when a worker is not kept (a wrong kernel's job: the GPU tests run one after another), so
-# that the next jobs find a worker that has already imported PyTorch and made its CUDA context.
-SPARES = 2
+# Spare workers to keep starting up beside the kept one, for callers that run many jobs in which kernels
+# fail (the GPU tests: each wrong kernel's worker is not used again), so that the next job finds one that has
+# already imported PyTorch and made its CUDA context. None for the grader: after a failed case it stops.
+SPARES = 0
 
 
 @atexit.register
@@ -102,7 +103,7 @@ def run_job(job: dict, on_event, timeout_s: float, worker: list[str] = WORKER,
         else:
             child.end()
             if serves:
-                _start_spares(worker)
+                start_spares(worker)
     return failure
 
 
@@ -117,7 +118,8 @@ def _serving_worker(worker: list[str]) -> _Child:
     return _Child([*worker, "--serve"])
 
 
-def _start_spares(worker: list[str]) -> None:
+def start_spares(worker: list[str] = WORKER) -> None:
+    """Start serving workers until `worker` has SPARES of them (with the kept one), each warming up."""
     children = _serving.setdefault(tuple(worker), [])
     children.extend(_Child([*worker, "--serve"]) for _ in range(SPARES - len(children)))
 

@@ -40,7 +40,12 @@ def compiled_up_front(request):
         return
     import gpu_kernels
 
+    from grader import isolation
     from grader.parallel_compile import compile_all
 
+    # Workers for the grades, starting up while the kernels compile: three in reserve, as wrong kernels
+    # retire theirs one test after another.
+    isolation.SPARES = 3
+    isolation.start_spares()
     jobs = gpu_kernels.builds(found, *gpu_kernels.copies(request.getfixturevalue("kernel_dir")))
     compile_all(jobs)

@@ -54,9 +54,10 @@ def test_each_bad_item_fails_alone_on_a_serving_worker_too():
     assert done == [0, 2, 4, 6] and set(failures) == {1, 3, 5}
 
 
-def test_after_a_worker_is_not_kept_spares_start_for_the_next_jobs():
+def test_after_a_worker_is_not_kept_spares_start_for_the_next_jobs(monkeypatch):
     from grader import isolation
 
+    monkeypatch.setattr(isolation, "SPARES", 2)
     _pids(["wrong"])
     spares = isolation._serving[tuple(FAKE)]
     assert len(spares) == isolation.SPARES and all(c.process.poll() is None for c in spares)
