@@ -161,7 +161,8 @@ def _describe_error(event: dict) -> str:
 
 
 def run_items(job: dict, key: str, items: list, on_done, timeout_s: float, worker: list[str] = WORKER,
-              on_progress=lambda event: None, serves: bool | None = None) -> dict[int, Failure]:
+              on_progress=lambda event: None, serves: bool | None = None,
+              stop_after_failure: bool = False) -> dict[int, Failure]:
     """Run a job over `items` ([(index, item)] under job[key]); a crash fails that item and a new
     worker carries on with the next. Returns {index: Failure} for the items that did not finish.
     `on_done` hears each item's "_done" event; `on_progress` its "_start" and the notes in between."""
@@ -190,6 +191,8 @@ def run_items(job: dict, key: str, items: list, on_done, timeout_s: float, worke
                     failures[index] = failure
             break
         failures[state["current"]] = failure
+        if stop_after_failure:
+            break
         position = [i for i, _ in remaining].index(state["current"])
         remaining = remaining[position + 1:]
     return failures

@@ -116,7 +116,9 @@ def resources(cubins: dict) -> dict:
     return out
 
 
-def check_cases(stage, cubins, seed: int, trials: int, timeout_s: float, progress, only: str | None = None) -> dict:
+def check_cases(stage, cubins, seed: int, trials: int, timeout_s: float, progress, only: str | None = None,
+                first_failure: bool = False) -> dict:
+    """The correctness cases' results (all of them; with `first_failure`, those up to the first that fails)."""
     problem = reference.load(stage.problem)
     cases = [c for c in problem.cases(seed) if only is None or re.search(only, c.name)]
     if not cases:
@@ -127,8 +129,9 @@ def check_cases(stage, cubins, seed: int, trials: int, timeout_s: float, progres
         results[event["index"]] = event
         progress("case", len(results), len(cases), cases[event["index"]].name, event["passed"])
 
-    job = _job(stage, cubins, "correctness", trials=trials)
-    failures = run_items(job, "cases", [(i, vars(c)) for i, c in enumerate(cases)], on_done, timeout_s)
+    job = _job(stage, cubins, "correctness", trials=trials, first_failure=first_failure)
+    failures = run_items(job, "cases", [(i, vars(c)) for i, c in enumerate(cases)], on_done, timeout_s,
+                         stop_after_failure=first_failure)
     rows = []
     for i, case in enumerate(cases):
         if i in failures:
@@ -141,7 +144,7 @@ def check_cases(stage, cubins, seed: int, trials: int, timeout_s: float, progres
             event = results[i]
             rows.append({"name": case.name, "seed": case.seed, "passed": event["passed"],
                          "inputs_unmodified": event["inputs_unmodified"], "checks": event["checks"]})
-        else:
+        elif not first_failure:
             rows.append({"name": case.name, "seed": case.seed, "passed": False, "failure": "not run"})
     passed = sum(r["passed"] for r in rows)
     return {"passed": passed, "failed": len(rows) - passed, "seed": seed, "trials": trials, "cases": rows}
@@ -290,10 +293,10 @@ def _job(stage, cubins, phase: str, **extra) -> dict:
 
 def grade_stage(stage, kernel_path: Path, gpu, arch: str, *, seed=0, trials=2, timeout_s=60.0,
                 budget_s=4.0, bench=True, only: str | None = None, shapes: str | None = None,
-                progress=lambda *a: None) -> dict:
+                first_failure: bool = False, progress=lambda *a: None) -> dict:
     """Everything the report shows; without a GPU, compile only. `only` keeps the cases whose
     name matches that regular expression (and skips the benchmarks); `shapes`, the benchmark shapes
-    whose label matches."""
+    whose label matches; `first_failure` stops the cases at the first that fails."""
     clock = PhaseClock()
     cubins = compile_stage(stage, kernel_path, arch)
     progress("compiled", len(cubins), len(cubins), arch, True)
@@ -302,7 +305,7 @@ def grade_stage(stage, kernel_path: Path, gpu, arch: str, *, seed=0, trials=2, t
     clock.done("compile")
     if gpu is None:
         return result
-    result["correctness"] = check_cases(stage, cubins, seed, trials, timeout_s, progress, only)
+    result["correctness"] = check_cases(stage, cubins, seed, trials, timeout_s, progress, only, first_failure)
     clock.done("correctness")
     if not bench or only or result["correctness"]["failed"]:
         result["benchmarks"] = []

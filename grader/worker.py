@@ -73,24 +73,30 @@ class Worker:
     def correctness(self) -> None:
         for index, case in self.job["cases"]:
             emit("case_start", index=index)
-            worst = None
-            for trial in range(self.job["trials"]):
-                try:
-                    checks, unmodified = self.check_once(case, case["seed"] * 100 + trial)
-                except Exception as error:  # noqa: BLE001
-                    if is_cuda_error(error):
-                        raise  # the CUDA context is gone: this worker cannot go on
-                    emit("case_done", index=index, passed=False, failure=f"{type(error).__name__}: {error}")
-                    self.clean = False
-                    break
-                if worst is None or not all(c["passed"] for c in checks):
-                    worst = checks
-                if not unmodified:
-                    break
-            else:
-                passed = unmodified and all(c["passed"] for c in worst)
-                self.clean &= passed
-                emit("case_done", index=index, checks=worst, inputs_unmodified=unmodified, passed=passed)
+            passed = self.check_case(index, case)
+            self.clean &= passed
+            if not passed and self.job.get("first_failure"):
+                return
+
+    def check_case(self, index: int, case: dict) -> bool:
+        """The case's trials, each on fresh inputs, then its "case_done" (the worst trial's checks); whether
+        it passed."""
+        worst, unmodified = None, True
+        for trial in range(self.job["trials"]):
+            try:
+                checks, unmodified = self.check_once(case, case["seed"] * 100 + trial)
+            except Exception as error:  # noqa: BLE001
+                if is_cuda_error(error):
+                    raise  # the CUDA context is gone: this worker cannot go on
+                emit("case_done", index=index, passed=False, failure=f"{type(error).__name__}: {error}")
+                return False
+            if worst is None or not all(c["passed"] for c in checks):
+                worst = checks
+            if not unmodified:
+                break  # the kernel wrote into its inputs: the case fails whatever its outputs
+        passed = unmodified and all(c["passed"] for c in worst)
+        emit("case_done", index=index, checks=worst, inputs_unmodified=unmodified, passed=passed)
+        return passed
 
     def check_once(self, case: dict, seed: int):
         import torch

@@ -55,19 +55,22 @@ MUTATIONS = {
                                                   "causal"),
     # stage 12's partial blocks with the causal part of the element mask off by one (each query also sees
     # the next key): causal, document and sliding-window masks all go wrong
+    # in-process on the GPU: tests/test_block_sparse_stage.py
     "block_sparse_mask_off_by_one": Mutation("stage12", (("visible = visible && key <= query;",
                                                           "visible = visible && key <= query + 1;"),),
-                                             "causal|window|documents"),
+                                             None),
     # stage 12 skips the rows of query blocks whose lists are empty: they keep the NaN the grader poisons
     # the outputs with, instead of O = 0 and LSE = -inf
+    # in-process on the GPU: tests/test_block_sparse_stage.py
     "block_sparse_empty_rows_unwritten": Mutation("stage12", (("        write_output_or_empty(o_acc,",
                                                                "        if (num_tiles > 0) write_output_or_empty(o_acc,"),),
-                                                  "no key"),
+                                                  None),
     # stage 13 takes the first partial query block of each key block's lists as full: its element mask is
     # skipped there, so queries see keys after them (causal, documents and windows alike)
+    # in-process on the GPU: tests/test_block_sparse_backward_stage.py
     "block_sparse_backward_partial_as_full": Mutation("stage13", (("const bool partial = t >= full;",
                                                                    "const bool partial = t >= full + 1;"),),
-                                                      "causal|window|documents"),
+                                                      None),
     # RoPE turned the wrong way (by -p·θ): attention sees the keys' positions mirrored
     "rope_turned_backwards": Mutation("stage10", (("n0 = to_float(n.e[0]), n1 = to_float(n.e[1]);",
                                                    "n0 = -to_float(n.e[0]), n1 = -to_float(n.e[1]);"),), "S128|S333"),
@@ -78,13 +81,15 @@ MUTATIONS = {
                                     None),
     # stage 14's weight-gradient kernel stores nothing for an expert without rows: its dW1, dW2 keep the NaN
     # the grader poisons the outputs with, instead of zeros
+    # in-process on the GPU: tests/test_moe_backward_stage.py
     "moe_backward_empty_expert_unwritten": Mutation("stage14", (("            if (storer) {\n                // DATA:",
                                                                  "            if (storer && tile.k_blocks > 0) {\n                // DATA:"),),
-                                                    "empty"),
+                                                    None),
     # stage 14's weight-gradient kernel loads the first 64 columns of A (the transposed operand) for both
     # consumer warpgroups: rows 64-127 of every 128-row tile of dW1 and dW2 are wrong
+    # in-process on the GPU: tests/test_moe_backward_stage.py
     "moe_backward_same_a_columns": Mutation("stage14", (("tile.row0 + c * CONSUMER_ROWS, row, 0);",
-                                                         "tile.row0, row, 0);"),), "T1000 E32"),
+                                                         "tile.row0, row, 0);"),), None),
     # a write far outside any buffer: an illegal address
     "crash": Mutation("stage0", (("    __syncthreads();\n\n    float dot",
                                   "    __syncthreads();\n    scores[(size_t)1 << 40] = 1.0f;\n\n    float dot"),), None),

@@ -1,7 +1,7 @@
-"""On a GPU: stage 12 (block-sparse attention on Hopper) against the problem's own check, case by case,
-in this process: every case passes; outputs the kernel leaves unwritten (the NaN the outputs are poisoned
-with) and a wrong mask fail. Skipped without an sm_90 GPU. (tests/test_gpu.py grades it through the
-grader's worker as every stage; this file names the cases one by one.)"""
+"""On a GPU: wrong versions of stage 12 (block-sparse attention on Hopper) against the problem's own check,
+in this process: outputs the kernel leaves unwritten (the NaN the outputs are poisoned with) and a wrong
+mask fail. Skipped without an sm_90 GPU. (Every case of the stage's own kernel: tests/test_gpu.py, through
+the grader's worker as every stage.)"""
 import re
 
 import pytest
@@ -15,12 +15,6 @@ ON_GPU = StageOnGpu("stage12")  # its kernels run here on one case at a time
 STAGE, PROBLEM = ON_GPU.stage, ON_GPU.problem
 CASES = PROBLEM.cases(0)
 
-
-
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_every_case_passes_the_problems_check(case):
-    failed = [c.output for c in ON_GPU.check(case) if not c.passed]
-    assert not failed, f"{case.name}: {failed}"
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if "no key" in c.name][:2], ids=lambda c: c.name)

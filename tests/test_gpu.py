@@ -69,7 +69,7 @@ def test_an_untouched_exercise_fails_or_grades_two_bands_below_the_solution(name
     stage = stages.load(name)
     monkeypatch.setenv("FLASHMOE_WORKSPACE", str(kernel_dir / "workspace"))
     untouched = exercise.init(stage, force=True)  # where the session compiled it (conftest.py)
-    if _grade(stage, untouched, trials=1, timeout_s=2 * HANG_S)["correctness"]["failed"]:
+    if _grade(stage, untouched, trials=1, timeout_s=2 * HANG_S, first_failure=True)["correctness"]["failed"]:
         return
     mine, solution = _quick_grade(stage, untouched), _quick_grade(stage, stage.source_path)
     gap = LETTERS.index(mine) - LETTERS.index(solution)

@@ -63,3 +63,10 @@ def test_after_a_worker_is_not_kept_spares_start_for_the_next_jobs(monkeypatch):
     assert len(spares) == isolation.SPARES and all(c.process.poll() is None for c in spares)
     first_spare = spares[0].process.pid
     assert _pids(["ok"]) == [first_spare]
+
+
+def test_stop_after_failure_runs_no_item_after_a_crash():
+    done = []
+    failures = run_items({}, "items", list(enumerate(["ok", "crash", "ok"])), lambda e: done.append(e["index"]),
+                         timeout_s=5, worker=FAKE, stop_after_failure=True)
+    assert done == [0] and set(failures) == {1}

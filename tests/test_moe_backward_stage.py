@@ -1,9 +1,10 @@
-"""Stage 14 (the MoE layer's backward on Hopper) against the problem's own check, case by case.
+"""Stage 14 (the MoE layer's backward on Hopper) against the problem's own check.
 
 On the CPU: the launch's arithmetic (the permutation, SwiGLU's, the combine's and the router's backward)
-with PyTorch's grouped GEMMs in place of backward.cu's, on cases of many tokens. On a GPU (sm_90a): the
-stage's own kernels, every case; a weight-gradient kernel that leaves an empty expert's dW unwritten, and
-one that gives both consumers the same columns of A, fail. Skipped without an sm_90 GPU."""
+with PyTorch's grouped GEMMs in place of backward.cu's, on cases of many tokens. On a GPU (sm_90a): a
+weight-gradient kernel that leaves an empty expert's dW unwritten, and one that gives both consumers the
+same columns of A, fail (every case of the stage's own kernel: tests/test_gpu.py). Skipped without an
+sm_90 GPU."""
 import pytest
 import torch
 
@@ -71,13 +72,6 @@ def test_the_permutation_pads_every_expert_to_whole_tiles():
 
 
 # ---------------------------------------------------------------- on the GPU
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_every_case_passes_the_problems_check(case):
-    failed = [c.output for c in ON_GPU.check(case) if not c.passed]
-    assert not failed, f"{case.name}: {failed}"
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [c for c in CASES if "empty" in c.name][:2], ids=lambda c: c.name)

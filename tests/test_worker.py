@@ -1,0 +1,70 @@
+"""The worker's correctness loop on the CPU, with check_once standing in for a kernel's run and check:
+what each case reports, when a job stops, and whether the process may serve another job."""
+import pytest
+
+from grader import worker as worker_module
+from grader.worker import Worker
+
+
+def _worker(outcomes: dict, trials=2, first_failure=False):
+    """A Worker whose check_once gives outcomes[case name] ("pass", "fail", "writes inputs", "raises")."""
+    worker = Worker.__new__(Worker)  # no GPU: nothing of __init__ is needed by the loop
+    worker.job = {"cases": [(i, {"name": name, "seed": i}) for i, name in enumerate(outcomes)], "trials": trials,
+                  "first_failure": first_failure}
+    worker.clean = True
+
+    def check_once(case, seed):
+        outcome = outcomes[case["name"]]
+        if outcome == "raises":
+            raise ValueError("shape not supported")
+        return [{"output": "o", "passed": outcome == "pass"}], outcome != "writes inputs"
+
+    worker.check_once = check_once
+    return worker
+
+
+@pytest.fixture
+def events(monkeypatch):
+    heard = []
+    monkeypatch.setattr(worker_module, "emit", lambda event, **fields: heard.append((event, fields)))
+    return heard
+
+
+def _done(events) -> dict:
+    return {fields["index"]: fields for event, fields in events if event == "case_done"}
+
+
+def test_every_case_is_reported_and_a_failed_one_makes_the_worker_unfit_for_another_job(events):
+    worker = _worker({"a": "pass", "b": "fail", "c": "writes inputs", "d": "raises", "e": "pass"})
+    worker.correctness()
+    done = _done(events)
+    assert [done[i]["passed"] for i in range(5)] == [True, False, False, False, True]
+    assert done[2]["inputs_unmodified"] is False and "ValueError" in done[3]["failure"]
+    assert not worker.clean
+
+
+def test_a_clean_job_leaves_the_worker_fit(events):
+    worker = _worker({"a": "pass", "b": "pass"})
+    worker.correctness()
+    assert worker.clean and all(fields["passed"] for fields in _done(events).values())
+
+
+def test_first_failure_stops_the_job_after_the_first_failed_case(events):
+    _worker({"a": "pass", "b": "writes inputs", "c": "fail"}, first_failure=True).correctness()
+    assert sorted(_done(events)) == [0, 1]
+
+
+def test_check_cases_with_first_failure_lists_the_cases_up_to_the_first_failed_one(monkeypatch):
+    """The rows of the cases run (the worker stopped after case 1), none "not run" for the others."""
+    import stages
+    from grader import run
+
+    def run_items(job, key, items, on_done, timeout_s, stop_after_failure=False):
+        assert job["first_failure"] and stop_after_failure
+        on_done({"index": 0, "passed": True, "inputs_unmodified": True, "checks": []})
+        on_done({"index": 1, "passed": False, "inputs_unmodified": True, "checks": []})
+        return {}
+
+    monkeypatch.setattr(run, "run_items", run_items)
+    result = run.check_cases(stages.load("stage0"), {}, 0, 1, 5.0, lambda *a: None, first_failure=True)
+    assert [c["passed"] for c in result["cases"]] == [True, False] and result["failed"] == 1
