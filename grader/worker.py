@@ -265,7 +265,7 @@ def main(path: str) -> bool | None:
 
 def serve() -> int:
     """Run the jobs named on stdin, one per line, each ended by a JOB_END event; between two jobs, give
-    back what the last one held, so that the next starts as it would in a new process. The seconds of
+    back what the last one held (its tensors, torch.compile's code for its baselines). The seconds of
     start-up (PyTorch, the CUDA context) are spent before the first job is read: a spare worker spends
     them while the grader is still busy with the job before."""
     import gc
