@@ -190,6 +190,23 @@ def host_breakdown(ops, shape=ATTENTION_SHAPES[0]) -> dict:
     return pieces
 
 
+def moe_host_breakdown(ops, layer: dict, top_k: int) -> dict:
+    """Median host µs of one ops.moe_layer call, whole and by piece: the input checks, the stage's launch
+    (its kernel launches apart), and the rest of the op (the outputs' allocation)."""
+    import stages.common.launcher as launcher
+
+    x, wr, w1, w2 = layer["x"], layer["wr"], layer["w1"], layer["w2"]
+    out, topk_ids = torch.empty_like(x), torch.empty(x.shape[0], top_k, dtype=torch.int32, device=x.device)
+    io = (ops.MOE_LAYER, dict(x=x, wr=wr, bias=None, w1=w1, w2=w2, top_k=top_k), dict(out=out, topk_ids=topk_ids))
+    whole = host_us(lambda: ops.moe_layer(x, wr, w1, w2, top_k))
+    checks = host_us(lambda: ops.moe_layer_input_problem(x, wr, None, w1, w2, top_k))
+    stage_launch = host_us(lambda: ops.launch_fastest(*io))
+    launches = _timed_launches(launcher, lambda: ops.launch_fastest(*io))
+    return {"whole": whole, "checks": checks, "kernel launches": launches,
+            "stage launch, rest (allocations, routing sizes, tensor maps)": stage_launch - launches,
+            "ops, rest (outputs, dispatch)": whole - stage_launch - checks}
+
+
 def _tensor_maps(views, count: int) -> None:
     from stages.common.hopper import tensor_map
 
@@ -242,7 +259,7 @@ def measure_moe_layer(ops) -> list:
         steps = {"course": course, **moe.grouped_mm_baseline(lambda: moe.layer_grouped_mm(layer, k))}
         ms = side_by_side(steps)
         rows.append({"shape": dict(tokens=tokens, **MOE_SHAPE, dtype="bfloat16"), "host_us": host_us(course),
-                     "ms": ms})
+                     "ms": ms, "host_us_by_piece": moe_host_breakdown(ops, layer, k)})
         del layer
         torch.cuda.empty_cache()
     return rows
