@@ -311,10 +311,13 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-def attend(q, k, v, how: str) -> torch.Tensor:
+def attend(q, k, v, how: str | Callable) -> torch.Tensor:
     """Causal attention, q [B, H, S, D], k and v [B, KV, S, D]: "sdpa" (PyTorch's fused attention, GQA by
-    enable_gqa), "naive" (matmul, softmax in fp32, matmul, as Llama's reference code) or "exact" (in q's dtype,
-    one batch element at a time, for float64)."""
+    enable_gqa), "naive" (matmul, softmax in fp32, matmul, as Llama's reference code), "exact" (in q's dtype,
+    one batch element at a time, for float64), or how(q, k, v) for a callable: another attention (GQA its own
+    to do) returning [B, H, S, D], such as the course's ops.attention with causal=True."""
+    if callable(how):
+        return how(q, k, v)
     groups = q.shape[1] // k.shape[1]
     scale = 1.0 / math.sqrt(q.shape[-1])
     if how == "sdpa":
@@ -332,9 +335,12 @@ def attend(q, k, v, how: str) -> torch.Tensor:
     return out
 
 
-def moe_block(m: torch.Tensor, wr, w1, w2, top_k: int, impl: str) -> torch.Tensor:
+def moe_block(m: torch.Tensor, wr, w1, w2, top_k: int, impl: str | Callable) -> torch.Tensor:
     """reference/moe.py's layer on m [T, hidden]: "exact" (float64 logits and layer), "loop" (its loop over
-    the experts: fp32 logits, fp32 combine) or "grouped_mm"."""
+    the experts: fp32 logits, fp32 combine), "grouped_mm", or impl(m, wr, w1, w2, top_k) for a callable:
+    another MoE layer returning [T, hidden], such as the course's ops.moe_layer."""
+    if callable(impl):
+        return impl(m, wr, w1, w2, top_k)
     layer = dict(x=m, wr=wr, w1=w1, w2=w2)
     if impl == "exact":
         ids, weights = moe.topk_exact(moe.router_logits(m, wr, dtype=torch.float64), top_k)
@@ -360,7 +366,7 @@ def model_start(x: torch.Tensor, attn_norm: torch.Tensor, config: dict) -> tuple
 
 
 def decoder_layer(h: torch.Tensor, a: torch.Tensor, cos, sin, weights: dict, next_norm: torch.Tensor, config: dict,
-                  attention: str, moe_impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+                  attention: str | Callable, moe_impl: str | Callable) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer (module docstring) on the residual stream h [B, S, hidden], given a, its RMSNorm by the
     layer's attn_norm, and the layer's `weights` (layer_weights): (h after the layer, its RMSNorm by
     next_norm: the next layer's attn_norm, or the final norm)."""
@@ -398,11 +404,12 @@ def layer_weights(weights: dict, layer: int, dtype, experts: int) -> dict:
             for n in ("wqkv", "wo", "mlp_norm", "wr", "w1", "w2") if n in weights}
 
 
-def forward(x: torch.Tensor, weights: dict, config: dict, *, exact: bool = False, attention: str = "sdpa",
-            moe_impl: str = "loop", final_norm: bool = True, regions: Regions = EAGER) -> torch.Tensor:
+def forward(x: torch.Tensor, weights: dict, config: dict, *, exact: bool = False, attention: str | Callable = "sdpa",
+            moe_impl: str | Callable = "loop", final_norm: bool = True, regions: Regions = EAGER) -> torch.Tensor:
     """The model (module docstring) on x [B, S, hidden]: in x's dtype as Hugging Face computes it, or (exact)
     in float64, each layer's weights widened when its turn comes. Returns [B, S, hidden] in x's dtype, or
-    float64 if exact; without final_norm, the residual stream before the final RMSNorm."""
+    float64 if exact; without final_norm, the residual stream before the final RMSNorm. `attention` and
+    `moe_impl`: attend's and moe_block's options, names or callables."""
     L = config["layers"]
     dtype = torch.float64 if exact else x.dtype
     if exact:

@@ -150,6 +150,32 @@ def test_every_path_of_the_torch_model_computes_the_same_maths(shape, attention,
     torch.testing.assert_close(out, P.reference(inputs)["hidden"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [TINY, TINY_MOE], ids=["dense", "moe"])
+def test_callables_in_place_of_the_named_attention_and_moe_layer_are_called_once_a_layer(shape):
+    """forward passes a callable attention(q, k, v) and moe_impl(m, wr, w1, w2, top_k) to every layer, with
+    the named options' arguments: callables that compute "naive" and "grouped_mm" give their outputs exactly."""
+    inputs, calls = inputs_of(shape, "float32", seed=6), []
+    B, S, H, KV, E = (shape[n] for n in ("B", "S", "heads", "kv_heads", "experts"))
+    D = M.head_dim(shape)
+
+    def attention(q, k, v):
+        calls.append(("attention", q.shape, k.shape, v.shape))
+        return M.attend(q, k, v, "naive")
+
+    def moe_layer(m, wr, w1, w2, top_k):
+        calls.append(("moe", m.shape, wr.shape, top_k))
+        return M.moe_block(m, wr, w1, w2, top_k, "grouped_mm")
+
+    def model(attention, moe_impl):
+        return M.forward(inputs["x"], M.weights_of(inputs), inputs["config"], attention=attention, moe_impl=moe_impl)
+
+    torch.testing.assert_close(model(attention, moe_layer), model("naive", "grouped_mm"), rtol=0, atol=0)
+    layer_calls = [("attention", (B, H, S, D), (B, KV, S, D), (B, KV, S, D))]
+    if E:
+        layer_calls.append(("moe", (B * S, shape["hidden"]), (shape["hidden"], E), shape["top_k"]))
+    assert calls == layer_calls * shape["layers"]
+
+
 def test_compiled_regions_compile_one_layer_for_every_layer_and_compute_the_same():
     """Regional compilation: the start and one decoder layer are compiled, whatever the number of layers,
     and the compiled model computes what the eager one does (here through dynamo's graphs, run as traced)."""
