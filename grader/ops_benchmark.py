@@ -119,7 +119,7 @@ def measure_attention(ops, shape) -> dict:
     both = {name: (lambda f=f: f(*views()).backward(grad)) for name, f in contenders.items()}
     host = {}
     for name, f in contenders.items():
-        host[f"{name}_forward"] = host_us(lambda f=f: f(*views()))
+        host[f"{name}_forward"] = host_us(lambda qkv, f=f: f(*qkv), before=views)
         host[f"{name}_backward"] = host_us(lambda o: o.backward(grad), before=lambda f=f: f(*views()))
     ms = {f"{name}_forward": t for name, t in side_by_side(forward).items()}
     ms |= {f"{name}_forward_backward": t for name, t in side_by_side(both).items()}
@@ -174,15 +174,16 @@ def host_breakdown(ops, shape=ATTENTION_SHAPES[0]) -> dict:
     pieces = {}
     for direction, io in (("forward", forward_io), ("backward", backward_io)):
         if direction == "forward":
-            whole = host_us(lambda: ops.attention(*views(), causal=True))
+            whole = host_us(lambda qkv: ops.attention(*qkv, causal=True), before=views)
         else:
             whole = host_us(lambda o: o.backward(grad), before=lambda: ops.attention(*views(), causal=True))
         stage_launch = host_us(lambda: ops.launch_fastest(*io))
         op_launch = host_us(lambda: ops.forward_launch(q, k, v, True, 1.0)) if direction == "forward" else \
             host_us(lambda: ops.backward_launch(grad, q, k, v, o, lse, True, 1.0))
         launches = _timed_launches(launcher, lambda: ops.launch_fastest(*io))
-        maps = host_us(lambda: _tensor_maps(views(), stage_maps[direction]))
-        checks = host_us(lambda: ops.attention_input_problem(*views())) if direction == "forward" else 0.0
+        maps = host_us(lambda qkv: _tensor_maps(qkv, stage_maps[direction]), before=views)
+        checks = host_us(lambda qkv: ops.attention_input_problem(*qkv), before=views) if direction == "forward" \
+            else 0.0
         pieces[direction] = {"whole": whole, "checks": checks, "tensor maps": maps, "kernel launches": launches,
                              "stage launch, rest (allocations, geometry)": stage_launch - maps - launches,
                              "op's launch function (allocations, the stage launch)": op_launch,

@@ -30,3 +30,39 @@ def test_the_moe_layers_host_time_by_piece(monkeypatch):
     assert pieces["kernel launches"] >= 2 * LAUNCH_S * 1e6
     assert pieces["kernel launches"] > pieces["checks"]
     assert abs(pieces["whole"] - sum(v for k, v in pieces.items() if k != "whole")) < 1e-6
+
+
+VIEWS_S = 1e-3  # the harness's own work per call (clearing the leaves' gradients, making the views)
+
+
+def test_the_attention_host_times_leave_out_the_making_of_the_inputs(monkeypatch):
+    """A views() that takes 1 ms is not in the forward's host time, its checks or its tensor maps."""
+    import stages.common.hopper as hopper
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(launcher.KernelSet, "_launch", lambda self, *args: time.sleep(LAUNCH_S))
+    monkeypatch.setattr(hopper, "tensor_map", lambda x, box: b"")
+
+    def model_views(B, H, Hkv, S, D, seed=0):
+        leaves = [torch.zeros(B, S, heads, D, requires_grad=True) for heads in (H, Hkv, Hkv)]
+
+        def views():
+            time.sleep(VIEWS_S)
+            return [t.transpose(1, 2) for t in leaves]
+        return views, torch.zeros(B, H, S, D)
+
+    def launch_fastest(problem, inputs, outputs):
+        launcher.KernelSet._launch(None, problem)
+
+    def attention(q, k, v, causal):
+        launch_fastest("attention", {}, {})
+        return (q * 1.0).requires_grad_()
+
+    ops = SimpleNamespace(ATTENTION="attention", ATTENTION_BACKWARD="attention_backward", attention=attention,
+                          launch_fastest=launch_fastest, attention_input_problem=lambda q, k, v: None,
+                          forward_launch=lambda q, k, v, causal, scale: (q * 1.0, q[..., 0].float()),
+                          backward_launch=lambda *args: launch_fastest("attention_backward", {}, {}))
+    monkeypatch.setattr(ops_benchmark, "model_views", model_views)
+    forward = ops_benchmark.host_breakdown(ops, shape=(1, 2, 1, 8, 4))["forward"]
+    assert LAUNCH_S * 1e6 <= forward["whole"] < (LAUNCH_S + VIEWS_S / 2) * 1e6
+    assert forward["checks"] < VIEWS_S / 2 * 1e6 and forward["tensor maps"] < VIEWS_S / 2 * 1e6
