@@ -91,8 +91,11 @@ def run_job(job: dict, on_event, timeout_s: float, worker: list[str] = WORKER,
     serves = worker == WORKER if serves is None else serves
     child = _serving_worker(worker) if serves else _Child([*worker, f.name])
     if serves:
-        child.process.stdin.write(f.name + "\n")
-        child.process.stdin.flush()
+        try:
+            child.process.stdin.write(f.name + "\n")
+            child.process.stdin.flush()
+        except OSError:  # it died while it waited: the reading below finds its exit status
+            pass
     failure, reusable = None, False
     try:
         failure, reusable = _follow(child, on_event, timeout_s)

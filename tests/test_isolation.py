@@ -70,3 +70,13 @@ def test_stop_after_failure_runs_no_item_after_a_crash():
     failures = run_items({}, "items", list(enumerate(["ok", "crash", "ok"])), lambda e: done.append(e["index"]),
                          timeout_s=5, worker=FAKE, stop_after_failure=True)
     assert done == [0] and set(failures) == {1}
+
+
+def test_a_kept_worker_that_died_while_it_waited_fails_the_job_as_a_crash(monkeypatch):
+    from grader import isolation
+
+    dead = isolation._Child([sys.executable, "-c", "import sys; sys.exit(7)"])
+    dead.process.wait()
+    monkeypatch.setattr(isolation, "_serving_worker", lambda worker: dead)
+    failures = run_items({}, "items", [(0, "ok")], lambda e: None, timeout_s=5, worker=FAKE, serves=True)
+    assert failures[0].kind == "crash" and "exit status 7" in failures[0].message
