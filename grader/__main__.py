@@ -18,7 +18,8 @@ USAGE = """python -m grader STAGE [STAGE ...] [options]   grade stages in turn (
 ARCH = re.compile(r"sm_(\d+)(a?)")  # sm_80, sm_90a: a GPU generation, "a" for its arch-specific features
 LOWEST_ARCH = 80                    # the course's kernels use cp.async, ldmatrix and bf16 mma.sync
 # options that only a GPU run uses
-GPU_ONLY = ("cases", "shapes", "no_bench", "json", "seed", "trials", "budget", "timeout", "profile", "beside")
+GPU_ONLY = ("cases", "first_failure", "shapes", "no_bench", "json", "seed", "trials", "budget", "timeout", "profile",
+            "beside")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -33,6 +34,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--trials", type=int, default=2, help="fresh random inputs per case (default 2)")
     p.add_argument("--no-bench", action="store_true", help="check correctness only")
     p.add_argument("--cases", metavar="REGEX", help="only the correctness cases whose name matches (no benchmarks)")
+    p.add_argument("-x", "--first-failure", action="store_true",
+                   help="stop the correctness cases at the first that fails (quick feedback while you work)")
     p.add_argument("--shapes", metavar="REGEX", help="time only the benchmark shapes whose label matches; with "
                    "--json, merged into the shapes recorded for the same source")
     p.add_argument("--budget", type=float, default=4.0, help="seconds of timing per benchmark shape (default 4)")
@@ -305,7 +308,8 @@ def grade_one(stage, args, gpu) -> tuple[dict | None, int]:
             else:
                 result = grade_stage(stage, kernel_path, gpu, arch, seed=args.seed, trials=args.trials,
                                      timeout_s=args.timeout, budget_s=args.budget, bench=not args.no_bench,
-                                     only=args.cases, shapes=args.shapes, progress=progress)
+                                     only=args.cases, shapes=args.shapes, first_failure=args.first_failure,
+                                     progress=progress)
     except (GraderError, ProfileError, FileNotFoundError, ValueError) as error:
         return None, fail(f"{stage.key}: {error}")
     except CompileError as error:

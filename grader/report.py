@@ -102,7 +102,8 @@ def print_correctness(correctness: dict) -> None:
             rows.append([case["name"] if i == 0 else "", check["output"], _fmt(k["max_abs"], ".2e"),
                          _fmt(k["mean_abs"], ".2e"), _fmt(k["max_rel"], ".2e"), _fmt(check["tolerance"], ".2e"),
                          check["quality"], ("[green]pass[/green]" if ok else "[red]FAIL[/red]") + note])
-    show(f"Correctness: {correctness['passed']} passed, {correctness['failed']} failed "
+    stopped = f", {correctness['not_run']} not run (stopped at the first failure)" if "not_run" in correctness else ""
+    show(f"Correctness: {correctness['passed']} passed, {correctness['failed']} failed{stopped} "
          f"(seed {correctness['seed']}, {correctness['trials']} trials each, fresh inputs per trial)",
          ["case", "output", "max abs", "mean abs", "max rel", "tolerance", "quality", "result"], rows)
 

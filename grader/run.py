@@ -147,7 +147,10 @@ def check_cases(stage, cubins, seed: int, trials: int, timeout_s: float, progres
         elif not first_failure:
             rows.append({"name": case.name, "seed": case.seed, "passed": False, "failure": "not run"})
     passed = sum(r["passed"] for r in rows)
-    return {"passed": passed, "failed": len(rows) - passed, "seed": seed, "trials": trials, "cases": rows}
+    result = {"passed": passed, "failed": len(rows) - passed, "seed": seed, "trials": trials, "cases": rows}
+    if first_failure and len(rows) < len(cases):
+        result["not_run"] = len(cases) - len(rows)  # the cases after the first failure
+    return result
 
 
 def previous_stage_job(stage, gpu) -> dict | None:

@@ -52,6 +52,12 @@ def test_gpu_only_options_without_a_gpu_are_named_in_one_line():
     assert "compiling only" in note and "--cases --no-bench" in note and "Compiled for" in r.stdout
 
 
+def test_first_failure_is_a_gpu_option_named_when_there_is_none():
+    r = grader("stage0", "-x")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "not used without a GPU run: --first-failure" in r.stdout.splitlines()[0]
+
+
 def test_arch_option_compiles_for_that_arch():
     r = grader("stage0", "--arch", "sm_80")
     assert r.returncode == 0 and "Compiled for sm_80" in r.stdout

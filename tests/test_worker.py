@@ -2,6 +2,7 @@
 what each case reports, when a job stops, and whether the process may serve another job."""
 import pytest
 
+import reference
 from grader import worker as worker_module
 from grader.worker import Worker
 
@@ -66,5 +67,19 @@ def test_check_cases_with_first_failure_lists_the_cases_up_to_the_first_failed_o
         return {}
 
     monkeypatch.setattr(run, "run_items", run_items)
-    result = run.check_cases(stages.load("stage0"), {}, 0, 1, 5.0, lambda *a: None, first_failure=True)
+    stage = stages.load("stage0")
+    result = run.check_cases(stage, {}, 0, 1, 5.0, lambda *a: None, first_failure=True)
     assert [c["passed"] for c in result["cases"]] == [True, False] and result["failed"] == 1
+    assert result["not_run"] == len(reference.load(stage.problem).cases(0)) - 2
+
+
+def test_the_report_says_how_many_cases_a_stop_at_the_first_failure_left(monkeypatch):
+    from rich.console import Console
+
+    from grader import report
+
+    monkeypatch.setattr(report, "console", Console(record=True, width=200))
+    report.print_correctness({"passed": 1, "failed": 1, "not_run": 32, "seed": 0, "trials": 2, "cases": [
+        {"name": "a", "passed": True, "inputs_unmodified": True, "checks": []},
+        {"name": "b", "passed": False, "failure": "timeout: no progress for 60 s"}]})
+    assert "1 passed, 1 failed, 32 not run (stopped at the first failure)" in report.console.export_text()
