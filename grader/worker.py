@@ -29,14 +29,10 @@ def is_cuda_error(error: Exception) -> bool:
 
 class Worker:
     def __init__(self, job: dict):
-        import torch
-
         import reference
         import stages
 
-        torch.cuda.init()
-        from cuda.core import Device
-        Device().set_current()  # the primary context, the same one PyTorch uses
+        warm_up()  # at once where a serving worker already did it
         self.job = job
         self.clean = True  # no case failed: this process can serve another job
         self.stage = stages.load(job["stage"])
@@ -239,6 +235,8 @@ class Worker:
 
 
 def warm_up() -> None:
+    """What every job needs first: PyTorch, the course's modules, and the CUDA context, made current as
+    the primary context (the one PyTorch uses)."""
     import torch
     from cuda.core import Device
 
