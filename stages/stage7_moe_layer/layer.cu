@@ -24,85 +24,115 @@
 #include "stage6_grouped_gemm/experts.cu"
 #endif
 
-constexpr int ROUTER_THREADS = 256;                     // 16 token groups × 16 expert groups
-constexpr int ROUTER_TOKENS = 64;                       // tokens per block: 4 per thread
-constexpr int ROUTER_K = 32;                            // hidden elements per shared-memory chunk
+#include "mma.cuh"
+
+constexpr int ROUTER_THREADS = 256;                     // 8 warps: 4 groups of 16 tokens × 2 halves of the experts
+constexpr int ROUTER_TOKENS = 64;                       // tokens per block
+constexpr int ROUTER_K = 32;                            // hidden elements per shared-memory chunk: two mma k-steps
+constexpr int ROUTER_X_STRIDE = ROUTER_K + 8;           // elements per row in shared memory: the 8 rows an
+constexpr int ROUTER_W_STRIDE = MAX_EXPERTS + 8;        // ldmatrix reads land in distinct banks
 
 // --8<-- [start:router]
-// Router logits, fp32: block (b, s) computes tokens 64b .. 64b+63 × all E experts over the hidden
-// elements [s·per_split, (s+1)·per_split). Thread (token group tg, expert group eg) accumulates tokens
-// 4tg .. 4tg+3 × experts eg, eg + 16, ... (EPT of them) -- a 4 × EPT register tile, as stage 1's -- over
-// chunks of 32 hidden elements staged in shared memory in fp32 (x transposed, so that a thread's 4
-// tokens are one float4). With one split (gridDim.y = 1) it writes logits + bias (a null bias adds
-// nothing); with several, each writes its partial sums to its own [tokens, E] slice of `out`, and
-// router_sum adds them: a few tokens (a 128-token prefill: 2 blocks of 64) would otherwise leave all but
-// two SMs idle while two blocks walk all of hidden, chunk after chunk, each chunk a round trip to
-// memory. The order of the sum is fixed, so the logits, and the routing, are the same on every run.
+// Router logits, fp32, on the tensor cores: a thin GEMM (E is 8 to 256 columns, hidden 4096 to 7168
+// deep) that CUDA cores took 0.7 ms for at 4096 tokens × 256 experts; mma.sync does it in a few
+// hundredths. Block (b, s) computes tokens 64b .. 64b+63 × all E experts over the hidden elements
+// [s·per_split, (s+1)·per_split), in chunks of 32 staged in shared memory: x's rows as they are (the A
+// operand, hidden contiguous) and Wr's (the B operand, experts contiguous: ldmatrix.trans turns it,
+// as V in stage 2). Warp w holds tokens 16·(w % 4) .. +15 × its half of the experts, 8·N_FRAGS columns
+// from (w / 4)·8·N_FRAGS, in N_FRAGS fp32 fragments. With one split (gridDim.y = 1) it writes logits +
+// bias (a null bias adds nothing); with several, each writes its partial sums to its own [tokens, E]
+// slice of `out`, and router_sum adds them: a few tokens (a 128-token prefill: 2 blocks of 64) would
+// otherwise leave all but two SMs idle while two blocks walk all of hidden, chunk after chunk, each
+// chunk a round trip to memory. The order of the sum is fixed, so the logits, and the routing, are the
+// same on every run.
 struct RouterShared {
-    float xs[ROUTER_K][ROUTER_TOKENS];  // x chunk, transposed
-    float ws[ROUTER_K][MAX_EXPERTS];    // Wr chunk
+    elem_t xs[ROUTER_TOKENS][ROUTER_X_STRIDE];  // x chunk
+    elem_t ws[ROUTER_K][ROUTER_W_STRIDE];       // Wr chunk; columns past E are never stored from
 };
 
-template <int EPT>
-__device__ void router_tile(const elem_t* __restrict__ x, const elem_t* __restrict__ wr, const float* __restrict__ bias,
-                            float* __restrict__ out, int tokens, int hidden, int experts, int per_split,
-                            RouterShared& sh) {
-    auto& xs = sh.xs;
-    auto& ws = sh.ws;
-    const int tg = threadIdx.x / 16, eg = threadIdx.x % 16, token0 = blockIdx.x * ROUTER_TOKENS;
-    const int k_begin = blockIdx.y * per_split, k_end = min(hidden, k_begin + per_split);
-    float* logits = out + (size_t)blockIdx.y * tokens * experts;  // this split's slice
-    float acc[4][EPT] = {};
-    for (int k0 = k_begin; k0 < k_end; k0 += ROUTER_K) {
-        {   // x: 64 tokens × 32 elements = 256 vectors of 8, one per thread (hidden % 8 == 0)
-            const int t = threadIdx.x / 4, k = 8 * (threadIdx.x % 4);
-            float v[8] = {};
-            if (token0 + t < tokens && k0 + k < hidden) load8(x + (size_t)(token0 + t) * hidden + k0 + k, v);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) xs[k + i][t] = v[i];
+// One chunk of x and Wr into shared memory; rows past `tokens` or `hidden` as zeros (0 · garbage could be
+// NaN). hidden % 8 == 0: x in 16-byte vectors, one per thread; Wr too when E % 8 == 0.
+__device__ void router_stage_chunk(const elem_t* __restrict__ x, const elem_t* __restrict__ wr, int token0, int k0,
+                                   int tokens, int hidden, int experts, RouterShared& sh) {
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    {
+        const int t = threadIdx.x / 4, k = 8 * (threadIdx.x % 4);
+        const bool inside = token0 + t < tokens && k0 + k < hidden;
+        *reinterpret_cast<uint4*>(&sh.xs[t][k]) =
+            inside ? *reinterpret_cast<const uint4*>(x + (size_t)(token0 + t) * hidden + k0 + k) : zero;
+    }
+    if (experts % 8 == 0) {
+        const int vectors = experts / 8;
+        for (int i = threadIdx.x; i < ROUTER_K * vectors; i += ROUTER_THREADS) {
+            const int k = i / vectors, e = 8 * (i % vectors);
+            *reinterpret_cast<uint4*>(&sh.ws[k][e]) =
+                k0 + k < hidden ? *reinterpret_cast<const uint4*>(wr + (size_t)(k0 + k) * experts + e) : zero;
         }
+    } else {  // 16-bit values as bits: zero is 0 in both element types
+        const auto* bits = reinterpret_cast<const unsigned short*>(wr);
+        auto* ws = reinterpret_cast<unsigned short(*)[ROUTER_W_STRIDE]>(sh.ws);
         for (int i = threadIdx.x; i < ROUTER_K * experts; i += ROUTER_THREADS) {
             const int k = i / experts, e = i % experts;
-            ws[k][e] = k0 + k < hidden ? to_float(wr[(size_t)(k0 + k) * experts + e]) : 0.0f;
-        }
-        __syncthreads();
-#pragma unroll 8
-        for (int k = 0; k < ROUTER_K; ++k) {
-            const float4 xv = *reinterpret_cast<const float4*>(&xs[k][4 * tg]);
-            const float xk[4] = {xv.x, xv.y, xv.z, xv.w};
-#pragma unroll
-            for (int j = 0; j < EPT; ++j) {
-                const float w = ws[k][eg + 16 * j];  // columns past E: stale, never stored
-#pragma unroll
-                for (int i = 0; i < 4; ++i) acc[i][j] = fmaf(xk[i], w, acc[i][j]);
-            }
-        }
-        __syncthreads();
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int t = token0 + 4 * tg + i;
-#pragma unroll
-        for (int j = 0; j < EPT; ++j) {
-            const int e = eg + 16 * j;
-            if (t < tokens && e < experts)
-                logits[(size_t)t * experts + e] = acc[i][j] + (gridDim.y == 1 && bias ? bias[e] : 0.0f);
+            ws[k][e] = k0 + k < hidden ? bits[(size_t)(k0 + k) * experts + e] : 0;
         }
     }
 }
 
-// EPT = experts per thread, rounded up to a power of two so that few variants are compiled and no
-// thread runs idle multiply-adds for experts that do not exist (E = 32: EPT = 2, not 16).
+template <int N_FRAGS>
+__device__ void router_tile(const elem_t* __restrict__ x, const elem_t* __restrict__ wr, const float* __restrict__ bias,
+                            float* __restrict__ out, int tokens, int hidden, int experts, int per_split,
+                            RouterShared& sh) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row0 = 16 * (warp % 4), column0 = warp / 4 * 8 * N_FRAGS;  // the warp's tokens and experts
+    const int token0 = blockIdx.x * ROUTER_TOKENS;
+    const int k_begin = blockIdx.y * per_split, k_end = min(hidden, k_begin + per_split);
+    float* logits = out + (size_t)blockIdx.y * tokens * experts;  // this split's slice
+    float acc[N_FRAGS][4] = {};
+    for (int k0 = k_begin; k0 < k_end; k0 += ROUTER_K) {
+        router_stage_chunk(x, wr, token0, k0, tokens, hidden, experts, sh);
+        __syncthreads();
+        if (column0 < experts) {  // with E <= 16 the second half of the warps has no experts
+#pragma unroll
+            for (int kk = 0; kk < ROUTER_K / 16; ++kk) {
+                unsigned a[4];
+                ldmatrix_x4(a, shared_address(&sh.xs[row0 + a_order_row(lane)][16 * kk + 8 * a_order_chunk(lane)]));
+#pragma unroll
+                for (int n16 = 0; n16 < N_FRAGS / 2; ++n16) {
+                    unsigned b[4];  // b[0], b[1] of experts +0..7, then b[0], b[1] of experts +8..15
+                    ldmatrix_x4_trans(b, shared_address(&sh.ws[16 * kk + a_order_row(lane)]
+                                                              [column0 + 16 * n16 + 8 * a_order_chunk(lane)]));
+                    mma_m16n8k16<elem_t>(acc[2 * n16], a, b[0], b[1]);
+                    mma_m16n8k16<elem_t>(acc[2 * n16 + 1], a, b[2], b[3]);
+                }
+            }
+        }
+        __syncthreads();
+    }
+    // Fragment f, register 2r + c: token row0 + lane / 4 + 8r, expert column0 + 8f + 2·(lane % 4) + c.
+#pragma unroll
+    for (int f = 0; f < N_FRAGS; ++f) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int t = token0 + row0 + lane / 4 + 8 * r, e = column0 + 8 * f + 2 * (lane % 4) + c;
+                if (t < tokens && e < experts)
+                    logits[(size_t)t * experts + e] = acc[f][2 * r + c] + (gridDim.y == 1 && bias ? bias[e] : 0.0f);
+            }
+        }
+    }
+}
+
+// N_FRAGS = 8-column fragments per warp: half of E, rounded up to a power of two of at least 16 columns
+// (ldmatrix.trans reads 16), so that few variants are compiled.
 // per_split: hidden elements per split, a multiple of ROUTER_K (the launch rounds it).
 extern "C" __global__ void __launch_bounds__(ROUTER_THREADS)
 router_logits(const elem_t* __restrict__ x, const elem_t* __restrict__ wr, const float* __restrict__ bias,
               float* __restrict__ out, int tokens, int hidden, int experts, int per_split) {
-    __shared__ __align__(16) RouterShared sh;  // 40 KB
-    const int per_thread = (experts + 15) / 16;
-    if (per_thread <= 1) router_tile<1>(x, wr, bias, out, tokens, hidden, experts, per_split, sh);
-    else if (per_thread <= 2) router_tile<2>(x, wr, bias, out, tokens, hidden, experts, per_split, sh);
-    else if (per_thread <= 4) router_tile<4>(x, wr, bias, out, tokens, hidden, experts, per_split, sh);
-    else if (per_thread <= 8) router_tile<8>(x, wr, bias, out, tokens, hidden, experts, per_split, sh);
+    __shared__ __align__(16) RouterShared sh;  // 22 KB
+    if (experts <= 32) router_tile<2>(x, wr, bias, out, tokens, hidden, experts, per_split, sh);
+    else if (experts <= 64) router_tile<4>(x, wr, bias, out, tokens, hidden, experts, per_split, sh);
+    else if (experts <= 128) router_tile<8>(x, wr, bias, out, tokens, hidden, experts, per_split, sh);
     else router_tile<16>(x, wr, bias, out, tokens, hidden, experts, per_split, sh);
 }
 
