@@ -26,7 +26,7 @@
 
 #include "mma.cuh"
 
-constexpr int ROUTER_THREADS = 256;                     // 8 warps: 4 groups of 16 tokens × 2 halves of the experts
+constexpr int ROUTER_THREADS = 512;                     // 16 warps: 4 groups of 16 tokens × 4 quarters of the experts
 constexpr int ROUTER_TOKENS = 64;                       // tokens per block
 constexpr int ROUTER_K = 32;                            // hidden elements per shared-memory chunk: two mma k-steps
 constexpr int ROUTER_X_STRIDE = ROUTER_K + 8;           // elements per row in shared memory: the 8 rows an
@@ -38,8 +38,11 @@ constexpr int ROUTER_W_STRIDE = MAX_EXPERTS + 8;        // ldmatrix reads land i
 // hundredths. Block (b, s) computes tokens 64b .. 64b+63 × all E experts over the hidden elements
 // [s·per_split, (s+1)·per_split), in chunks of 32 staged in shared memory: x's rows as they are (the A
 // operand, hidden contiguous) and Wr's (the B operand, experts contiguous: ldmatrix.trans turns it,
-// as V in stage 2). Warp w holds tokens 16·(w % 4) .. +15 × its half of the experts, 8·N_FRAGS columns
-// from (w / 4)·8·N_FRAGS, in N_FRAGS fp32 fragments. With one split (gridDim.y = 1) it writes logits +
+// as V in stage 2). Warp w holds tokens 16·(w % 4) .. +15 × its quarter of the experts, 8·N_FRAGS
+// columns from (w / 4)·8·N_FRAGS, in N_FRAGS fp32 fragments. The tensor cores add in fp32 but truncate
+// (not IEEE): summed over 4096 elements in one accumulator, a logit drifted 2e-5 from the exact one on the
+// H100, twice the routing check's tie tolerance; so each chunk's 32 products go into a fresh fragment,
+// added to the running sum in ordinary fp32 (as DeepGEMM promotes its fp8 sums). With one split (gridDim.y = 1) it writes logits +
 // bias (a null bias adds nothing); with several, each writes its partial sums to its own [tokens, E]
 // slice of `out`, and router_sum adds them: a few tokens (a 128-token prefill: 2 blocks of 64) would
 // otherwise leave all but two SMs idle while two blocks walk all of hidden, chunk after chunk, each
@@ -51,11 +54,11 @@ struct RouterShared {
 };
 
 // One chunk of x and Wr into shared memory; rows past `tokens` or `hidden` as zeros (0 · garbage could be
-// NaN). hidden % 8 == 0: x in 16-byte vectors, one per thread; Wr too when E % 8 == 0.
+// NaN). hidden % 8 == 0: x in 16-byte vectors; Wr too when E % 8 == 0.
 __device__ void router_stage_chunk(const elem_t* __restrict__ x, const elem_t* __restrict__ wr, int token0, int k0,
                                    int tokens, int hidden, int experts, RouterShared& sh) {
     const uint4 zero = make_uint4(0, 0, 0, 0);
-    {
+    if (threadIdx.x < ROUTER_TOKENS * ROUTER_K / 8) {  // x: a 16-byte vector per thread
         const int t = threadIdx.x / 4, k = 8 * (threadIdx.x % 4);
         const bool inside = token0 + t < tokens && k0 + k < hidden;
         *reinterpret_cast<uint4*>(&sh.xs[t][k]) =
@@ -91,8 +94,9 @@ __device__ void router_tile(const elem_t* __restrict__ x, const elem_t* __restri
     for (int k0 = k_begin; k0 < k_end; k0 += ROUTER_K) {
         router_stage_chunk(x, wr, token0, k0, tokens, hidden, experts, sh);
         __syncthreads();
-        if (column0 < experts) {  // with E <= 16 the second half of the warps has no experts
-#pragma unroll
+        if (column0 < experts) {  // with few experts the last quarters have none
+            float chunk[N_FRAGS][4] = {};
+#pragma unroll 1  // one k-step's operands in registers at a time: 512 threads leave 128 registers each
             for (int kk = 0; kk < ROUTER_K / 16; ++kk) {
                 unsigned a[4];
                 ldmatrix_x4(a, shared_address(&sh.xs[row0 + a_order_row(lane)][16 * kk + 8 * a_order_chunk(lane)]));
@@ -101,10 +105,14 @@ __device__ void router_tile(const elem_t* __restrict__ x, const elem_t* __restri
                     unsigned b[4];  // b[0], b[1] of experts +0..7, then b[0], b[1] of experts +8..15
                     ldmatrix_x4_trans(b, shared_address(&sh.ws[16 * kk + a_order_row(lane)]
                                                               [column0 + 16 * n16 + 8 * a_order_chunk(lane)]));
-                    mma_m16n8k16<elem_t>(acc[2 * n16], a, b[0], b[1]);
-                    mma_m16n8k16<elem_t>(acc[2 * n16 + 1], a, b[2], b[3]);
+                    mma_m16n8k16<elem_t>(chunk[2 * n16], a, b[0], b[1]);
+                    mma_m16n8k16<elem_t>(chunk[2 * n16 + 1], a, b[2], b[3]);
                 }
             }
+#pragma unroll
+            for (int f = 0; f < N_FRAGS; ++f)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[f][i] += chunk[f][i];
         }
         __syncthreads();
     }
@@ -123,17 +131,16 @@ __device__ void router_tile(const elem_t* __restrict__ x, const elem_t* __restri
     }
 }
 
-// N_FRAGS = 8-column fragments per warp: half of E, rounded up to a power of two of at least 16 columns
-// (ldmatrix.trans reads 16), so that few variants are compiled.
+// N_FRAGS = 8-column fragments per warp: a quarter of E, rounded up to a power of two of at least 16
+// columns (ldmatrix.trans reads 16), so that few variants are compiled.
 // per_split: hidden elements per split, a multiple of ROUTER_K (the launch rounds it).
 extern "C" __global__ void __launch_bounds__(ROUTER_THREADS)
 router_logits(const elem_t* __restrict__ x, const elem_t* __restrict__ wr, const float* __restrict__ bias,
               float* __restrict__ out, int tokens, int hidden, int experts, int per_split) {
     __shared__ __align__(16) RouterShared sh;  // 22 KB
-    if (experts <= 32) router_tile<2>(x, wr, bias, out, tokens, hidden, experts, per_split, sh);
-    else if (experts <= 64) router_tile<4>(x, wr, bias, out, tokens, hidden, experts, per_split, sh);
-    else if (experts <= 128) router_tile<8>(x, wr, bias, out, tokens, hidden, experts, per_split, sh);
-    else router_tile<16>(x, wr, bias, out, tokens, hidden, experts, per_split, sh);
+    if (experts <= 64) router_tile<2>(x, wr, bias, out, tokens, hidden, experts, per_split, sh);
+    else if (experts <= 128) router_tile<4>(x, wr, bias, out, tokens, hidden, experts, per_split, sh);
+    else router_tile<8>(x, wr, bias, out, tokens, hidden, experts, per_split, sh);
 }
 
 // logits[t, e] = bias[e] + the splits' partial sums of (t, e): a warp per logit, lane l adding splits l,
