@@ -12,6 +12,7 @@ import torch
 from reference.moe import padded_capacity
 import stages
 from stages import ALL_ARCHS, Goal, Stage
+from stages.common.moe import MAX_EXPERTS
 from stages.stage5_moe_routing import STAGE as ROUTING
 from stages.stage5_moe_routing import combine, route
 from stages.stage6_grouped_gemm import BLOCK_M, ladder
@@ -23,6 +24,8 @@ ALPHA = 0.01          # the load-balancing loss's coefficient (stage 5 computes 
 ROUTER_THREADS = 512
 ROUTER_TOKENS = 64    # tokens per block
 ROUTER_K = 32         # hidden elements per shared-memory chunk: a split of hidden is whole chunks
+ROUTER_STAGES = 4     # chunks in the router's shared-memory ring
+ROUTER_SHARED_BYTES = ROUTER_STAGES * (ROUTER_TOKENS * (ROUTER_K + 8) + ROUTER_K * (MAX_EXPERTS + 8)) * 2  # 16-bit
 ROUTER_BLOCKS = 256   # router blocks aimed at (two per SM): with fewer token tiles than that, hidden is split,
 MIN_SPLIT = ROUTER_K  # down to one chunk per block (a block's chunks are one memory round trip each)
 SUM_WARPS = 8         # router_sum: a warp per logit, 8 per block
@@ -33,7 +36,8 @@ def geometry(experts):
     """layer.cu holds stage 5's kernels, the grouped GEMMs of `experts` (stage 6 or a rung) and the
     router: their constants, and its own."""
     return lambda defines: {**ROUTING.geometry(defines), **experts.geometry(defines),
-                            "ROUTER_THREADS": ROUTER_THREADS, "ROUTER_TOKENS": ROUTER_TOKENS, "ROUTER_K": ROUTER_K}
+                            "ROUTER_THREADS": ROUTER_THREADS, "ROUTER_TOKENS": ROUTER_TOKENS, "ROUTER_K": ROUTER_K,
+                            "ROUTER_STAGES": ROUTER_STAGES, "ROUTER_SHARED_BYTES": ROUTER_SHARED_BYTES}
 
 
 def router_logits(kernels, x, wr, bias, logits) -> None:
@@ -49,7 +53,7 @@ def router_logits(kernels, x, wr, bias, logits) -> None:
     bias = 0 if bias is None else bias  # 0: a null pointer
     partials = logits if splits == 1 else torch.empty(splits, tokens, experts, dtype=torch.float32, device=x.device)
     kernels.router_logits((token_tiles, splits), (ROUTER_THREADS,), x, wr, bias, partials, tokens, hidden, experts,
-                          per_split)
+                          per_split, smem=ROUTER_SHARED_BYTES)
     if splits > 1:
         kernels.router_sum((-(-tokens * experts // SUM_WARPS),), (32 * SUM_WARPS,), partials, bias, logits, tokens,
                            experts, splits)
