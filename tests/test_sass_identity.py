@@ -61,8 +61,8 @@ BASES.update({name: "b4501e5" for name in ("stage4_hopper", "stage8_backward", "
 # Measured at 58fd728: stage 7's router down to one chunk per block (router_sum a warp per logit, a null
 # bias allowed), gather_rows' binary search for a padding row's token.
 BASES["stage7_moe_layer"] = "58fd728"
-# At 09b722d: stage 7's router on the tensor cores (mma.sync).
-BASES["stage7_moe_layer"] = "09b722d"
+# At 95d9176: stage 7's router on the tensor cores (mma.sync, a cp.async ring).
+BASES["stage7_moe_layer"] = "95d9176"
 LADDER = {"ladder/simt.cu": "stage6_grouped_gemm", "ladder/mma_sync.cu": "stage6_grouped_gemm"}
 FRESH_COMPILES = 3  # per side, after a mismatch
 
