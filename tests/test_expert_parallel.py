@@ -349,6 +349,7 @@ def test_the_record_reads_back_as_the_lessons_tables(results, tmp_path):
     lines = found["runner"]["lines"]
     assert lines[:len(records.config_tables(record["configs"][0]))] == records.config_tables(record["configs"][0])
     assert any("overlap:" in line for line in lines)
+    assert any("overlap over NVLink: NVLink kernels, 2 halves" in line for line in lines)
     assert any("NVLink kernels: dispatch + combine" in line for line in lines)
 
 
