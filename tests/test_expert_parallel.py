@@ -502,6 +502,42 @@ def test_every_variant_on_one_gpu_is_stage_7_bit_for_bit(options):
     assert torch.equal(outputs["topk_ids"], ids7) and torch.equal(outputs["out"], out7)
 
 
+@pytest.mark.gpu
+def test_two_halves_on_two_streams_are_the_halves_one_after_the_other():
+    """The runner's two_halves in a world of one, twice (the flags of a second call), against nvlink.layer on
+    each half in turn on the current stream, with the same buffers' sizes: equal bit for bit, and the
+    problem's check passes."""
+    import stages.stage11_expert_parallel.__main__ as runner
+    from reference.moe_expert_parallel import default_group
+    from stages.stage11_expert_parallel import KernelParts
+
+    stage, kernels = stage11_kernels()
+    shape = dict(tokens=1001, experts=32, top_k=2, hidden=256, inter=384, skew=3.0)
+    i = P.make_inputs(shape, "bfloat16", seed=6)
+    group = default_group(i["x"].device)
+    local = dict(x=i["x"], wr=i["wr"], bias=i["bias"], w1=i["w1"], w2=i["w2"], top_k=i["top_k"])
+    half = {**local, "x": i["x"][:501]}
+    results = []
+    for overlapped in (True, False):
+        halves = (runner.peer_buffers(half, group), runner.peer_buffers(half, group))
+        out, ids = torch.empty_like(i["x"]), torch.empty(1001, 2, dtype=torch.int32, device="cuda")
+        for _ in range(2):
+            if overlapped:
+                runner.two_halves(kernels, local, halves, out, ids, 16)
+            else:
+                parts = KernelParts(kernels, i["wr"], i["bias"], i["w1"], i["w2"], 2, 16)
+                for rows, buffers in zip((slice(0, 501), slice(501, None)), halves):
+                    nvlink.layer(i["x"][rows], parts, nvlink.KernelPeers(kernels, buffers, parts.align), out[rows],
+                                 ids[rows])
+        torch.cuda.synchronize()
+        for buffers in halves:
+            buffers.check()
+        results.append((out, ids))
+    (out, ids), (out_serial, ids_serial) = results
+    assert torch.equal(ids, ids_serial) and torch.equal(out, out_serial)
+    assert all(c.passed for c in P.check(dict(out=out, topk_ids=ids), P.reference(i), {}))
+
+
 def addresses(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device="cuda")
 
