@@ -162,34 +162,33 @@ def two_halves(kernels, local: dict, halves: tuple, out, topk_ids, spare_sms: in
     (every local weight read twice) and the spared SMs (the record's costs)."""
     parts = KernelParts(kernels, local["wr"], local["bias"], local["w1"], local["w2"], local["top_k"], spare_sms)
     x = local["x"]
-    half = -(-x.shape[0] // 2)
-    streams = side_by_side(x.device, 2)
-    for stream, rows, buffers in zip(streams, (slice(0, half), slice(half, None)), halves):
-        with stream:
+    side = side_stream(x.device)
+    for rows, buffers, stream in zip(token_halves(x.shape[0]), halves, (None, side)):
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             nvlink.layer(x[rows], parts, KernelPeers(kernels, buffers, parts.align), out[rows], topk_ids[rows])
-    join(streams)
+    if side is not None:
+        torch.cuda.current_stream(x.device).wait_stream(side)
 
 
-_SIDE_STREAMS: dict = {}  # GPU -> the streams two_halves adds beside the current one
+def token_halves(tokens: int) -> tuple[slice, slice]:
+    """two_halves' micro-batches: the first the larger, which its buffers are sized for."""
+    half = -(-tokens // 2)
+    return slice(0, half), slice(half, None)
 
 
-def side_by_side(device, count: int) -> list:
-    """`count` contexts, each making its stream current: the current stream first, then others that wait
-    for what it holds so far; on the CPU, contexts that change nothing."""
-    if torch.device(device).type != "cuda":
-        return [contextlib.nullcontext() for _ in range(count)]
-    main = torch.cuda.current_stream(device)
-    sides = _SIDE_STREAMS.setdefault((torch.device(device), count), [torch.cuda.Stream(device) for _ in range(count - 1)])
-    for side in sides:
-        side.wait_stream(main)
-    return [torch.cuda.stream(s) for s in (main, *sides)]
+_SIDE_STREAMS: dict = {}  # GPU -> the stream two_halves runs its second half on
 
 
-def join(streams: list) -> None:
-    """The current stream waits for the others of side_by_side's."""
-    for context in streams[1:]:
-        if isinstance(context, torch.cuda.StreamContext):
-            torch.cuda.current_stream(context.stream.device).wait_stream(context.stream)
+def side_stream(device: torch.device):
+    """A second stream of the GPU, made once, waiting for what the current stream holds so far; None on the
+    CPU (the halves then run one after the other)."""
+    if device.type != "cuda":
+        return None
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    side = _SIDE_STREAMS[device]
+    side.wait_stream(torch.cuda.current_stream(device))
+    return side
 
 
 def layer_figures(kernels, local: dict, whole: dict | None, group, reps: int, peers, variants: dict,
@@ -400,7 +399,7 @@ def measure(config: str, args, kernels, group) -> dict | None:
     found = layer_figures(kernels, local, whole, group, args.reps, peers,
                           {n: o for n, o in VARIANTS.items() if "peers" in o and "halves" not in o}, expected)
     checked, layer_ms = {**checked, **found[0]}, {**layer_ms, **found[1]}
-    half = {**local, "x": local["x"][:-(-local["x"].shape[0] // 2)]}  # the buffers' size: half the tokens
+    half = {**local, "x": local["x"][token_halves(local["x"].shape[0])[0]]}  # the buffers' size: the larger half
     halves = agreed(lambda: (peer_buffers(half, group), peer_buffers(half, group)), group)
     found = layer_figures(kernels, local, whole, group, args.reps, halves,
                           {n: o for n, o in VARIANTS.items() if "halves" in o}, expected)
