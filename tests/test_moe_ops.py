@@ -362,3 +362,89 @@ def test_torch_compile_fullgraph_runs_the_moe_forward_and_backward_as_eager():
     torch._dynamo.reset()
     for name in eager:
         torch.testing.assert_close(compiled[name], eager[name], atol=2e-2, rtol=2e-2, msg=name)
+
+
+# ---------------------------------------------------------------- small calls without gradients: CUDA graphs
+
+class FakeGraph:
+    """Stands in for ops.MoeGraph: counts its captures and replays, computes as the launch does."""
+    captured = []
+
+    def __init__(self, *layer):
+        self.layer = layer[1:]
+        FakeGraph.captured.append(self)
+        self.replays = 0
+
+    def __call__(self, x):
+        self.replays += 1
+        return ops.moe_launch(x, *self.layer)
+
+
+@pytest.fixture
+def graphs(monkeypatch, on_the_cpu):
+    """CPU tensors taken for small GPU calls outside a capture; empty caches; FakeGraph for the graphs."""
+    monkeypatch.setattr(ops, "graphs_apply", lambda x: True)
+    monkeypatch.setattr(ops, "MoeGraph", FakeGraph)
+    monkeypatch.setattr(ops, "_MOE_GRAPHS", ops.OrderedDict())
+    monkeypatch.setattr(ops, "_MOE_SEEN", ops.OrderedDict())
+    FakeGraph.captured = []
+    return FakeGraph.captured
+
+
+def call(layer: dict, x=None):
+    return ops.moe_layer(layer["x"] if x is None else x, layer["wr"], layer["w1"], layer["w2"], layer["top_k"],
+                         router_bias=layer["bias"], return_topk_ids=True)
+
+
+def test_a_small_call_seen_before_replays_a_graph_with_the_same_results(graphs):
+    """The first call of a shape is launched, the second captures, the third replays the same graph; each
+    gives the launch's results for its own x."""
+    layer = {**small_layer()[0], "top_k": 2}
+    for n in range(3):
+        x = torch.randn_like(layer["x"])
+        torch.testing.assert_close(call(layer, x), ops.moe_launch(x, layer["wr"], layer["bias"], layer["w1"],
+                                                                   layer["w2"], 2), rtol=0, atol=0)
+        assert len(graphs) == (0, 1, 1)[n]
+    assert graphs[0].replays == 2
+
+
+def test_other_weights_or_another_shape_are_another_graph(graphs):
+    layer = {**small_layer()[0], "top_k": 2}
+    other = {**layer, "w1": layer["w1"].clone()}
+    for _ in range(2):
+        call(layer), call(other), call(layer, layer["x"][:5])
+    assert len(graphs) == 3
+    assert len({id(g) for g in ops._MOE_GRAPHS.values()}) == 3
+
+
+def test_the_least_recently_replayed_graph_goes_first(graphs, monkeypatch):
+    monkeypatch.setattr(ops, "MOE_GRAPHS", 2)
+    layer = {**small_layer()[0], "top_k": 2}
+    shapes = [layer["x"][:n] for n in (3, 4, 5)]
+    for x in shapes + shapes[:2] + shapes[:1]:
+        call(layer, x)
+    assert [key[0][0] for key in ops._MOE_GRAPHS] == [4, 3]  # 5's graph dropped when 4's was replayed
+
+
+def test_graphs_only_for_small_gpu_calls_outside_a_capture(monkeypatch):
+    mode = FakeTensorMode()
+    small, large = fake_cuda(mode, ops.MOE_GRAPH_TOKENS, 64), fake_cuda(mode, ops.MOE_GRAPH_TOKENS + 1, 64)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert ops.graphs_apply(small) and not ops.graphs_apply(large)
+    assert not ops.graphs_apply(torch.empty(5, 64))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not ops.graphs_apply(small)
+
+
+@pytest.mark.gpu
+def test_replayed_graphs_give_the_launchs_results_on_the_gpu():
+    """On a GPU: three calls of a small shape, fresh x each time (launched, captured, replayed), and a
+    weight updated in place between them: each result equals a plain launch's, bit for bit."""
+    layer = {**small_layer(device="cuda")[0], "top_k": 2}
+    for n in range(4):
+        x = torch.randn_like(layer["x"])
+        if n == 3:
+            layer["w2"].mul_(2)
+        expected = ops.moe_launch(x, layer["wr"], layer["bias"], layer["w1"], layer["w2"], 2)
+        for got, want in zip(call(layer, x), expected):
+            assert torch.equal(got, want), f"call {n}"
