@@ -309,7 +309,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     (12 forward, 13 backward) are sm_90a's only: on another GPU the call is refused."""
     refuse(BLOCK_SPARSE_CALLER, attention_input_problem(q, k, v) or block_mask_problem(block_mask, q.shape[2]))
     mask = (*mask_lists(block_mask), document_ids, element_mask, 0 if window is None else window)
-    refuse(BLOCK_SPARSE_CALLER, block_sparse_input_problem(q, k, v, mask, BLOCK_SPARSE))
+    refuse(BLOCK_SPARSE_CALLER, mask_problem(q, k, mask, BLOCK_SPARSE))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if not plain_eager(q, k, v, *(t for t in mask[:5] if t is not None)):
         return block_sparse_attention_forward(q, k, v, *mask, scale)[0]
@@ -436,8 +436,11 @@ def block_mask_problem(block_mask, seq_len: int) -> str | None:
 def block_sparse_input_problem(q, k, v, mask: tuple, problem) -> str | None:
     """What is wrong with q, k, v and the mask's lists, element mask, window and document ids (MASK_ARGUMENTS)
     for the kernels, in words; None if nothing. The GPU last, then whether a stage solves `problem` on it."""
-    if found := attention_input_problem(q, k, v):
-        return found
+    return attention_input_problem(q, k, v) or mask_problem(q, k, mask, problem)
+
+
+def mask_problem(q, k, mask: tuple, problem) -> str | None:
+    """block_sparse_input_problem's checks after q, k and v's own (attention_input_problem)."""
     if q.shape[2] != k.shape[2]:
         return f"q, k and v must have one length S (self-attention); got q {list(q.shape)}, k {list(k.shape)}"
     arguments = dict(zip(MASK_ARGUMENTS, mask))
