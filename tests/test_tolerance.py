@@ -78,3 +78,13 @@ def test_lse_rule():
     assert tolerance.absolute_and_relative("lse", close, exact, 4e-5).passed
     far = exact.float() + torch.tensor([0.0, 0.1, 0.0])
     assert not tolerance.absolute_and_relative("lse", far, exact, 4e-5).passed
+
+
+def test_the_library_is_computed_without_cudnns_attention_and_the_switch_is_put_back():
+    """cuDNN's per-shape plans took most of the attention stages' correctness time (tolerance.library_dispatch)."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with tolerance.library_dispatch():
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
