@@ -192,22 +192,51 @@ def host_breakdown(ops, shape=ATTENTION_SHAPES[0]) -> dict:
 
 
 def moe_host_breakdown(ops, layer: dict, top_k: int) -> dict:
-    """Median host µs of one ops.moe_layer call as a model makes it again and again ("whole": a small call
-    replays a CUDA graph), its input checks, and the launch path a call takes otherwise, by piece: the stage's
-    kernel launches, the rest of the stage's launch, the op's own (the outputs' allocation)."""
+    """Host µs of one ops.moe_layer call as a model makes it again and again ("whole": a small call replays
+    a CUDA graph), its input checks, and the launch path a call takes otherwise, by piece: the stage's kernel
+    launches, the rest of the stage's launch, the op's own (the outputs' allocation). Each call starts on an
+    idle GPU (a large call's kernels would otherwise fill the launch queue and stall the next call's host); the
+    pieces are those of the launch-path call whose time is the median, timed inside it, so that they add up."""
     import stages.common.launcher as launcher
 
     x, wr, w1, w2 = layer["x"], layer["wr"], layer["w1"], layer["w2"]
-    out, topk_ids = torch.empty_like(x), torch.empty(x.shape[0], top_k, dtype=torch.int32, device=x.device)
-    io = (ops.MOE_LAYER, dict(x=x, wr=wr, bias=None, w1=w1, w2=w2, top_k=top_k), dict(out=out, topk_ids=topk_ids))
-    whole = host_us(lambda: ops.moe_layer(x, wr, w1, w2, top_k))
-    checks = host_us(lambda: ops.moe_layer_input_problem(x, wr, None, w1, w2, top_k))
-    launched = host_us(lambda: ops.moe_launch(x, wr, None, w1, w2, top_k))
-    stage_launch = host_us(lambda: ops.launch_fastest(*io))
-    launches = _timed_launches(launcher, lambda: ops.launch_fastest(*io))
-    return {"whole": whole, "checks": checks, "launch path": launched, "kernel launches": launches,
+    idle = torch.cuda.synchronize
+    whole = host_us(lambda _: ops.moe_layer(x, wr, w1, w2, top_k), before=idle)
+    checks = host_us(lambda _: ops.moe_layer_input_problem(x, wr, None, w1, w2, top_k), before=idle)
+    path, stage_launch, launches = _nested_host_us(ops, launcher, lambda: ops.moe_launch(x, wr, None, w1, w2, top_k))
+    return {"whole": whole, "checks": checks, "launch path": path, "kernel launches": launches,
             "stage launch, rest (allocations, routing sizes, tensor maps)": stage_launch - launches,
-            "launch path, rest (outputs)": launched - stage_launch}
+            "launch path, rest (outputs)": path - stage_launch}
+
+
+def _nested_host_us(ops, launcher, call) -> tuple[float, float, float]:
+    """Host µs of call() (the launch path), of the ops.launch_fastest inside it, and of the
+    KernelSet._launch calls inside that: those of the call whose whole time is the median."""
+    launch_fastest, launch = ops.launch_fastest, launcher.KernelSet._launch
+    spent = {}
+
+    def timed(key, function):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter_ns()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter_ns() - start
+        return wrapper
+
+    ops.launch_fastest, launcher.KernelSet._launch = timed("stage", launch_fastest), timed("kernels", launch)
+    calls = []
+    try:
+        for _ in range(HOST_CALLS):
+            torch.cuda.synchronize()
+            spent = {"stage": 0, "kernels": 0}
+            start = time.perf_counter_ns()
+            call()
+            calls.append((time.perf_counter_ns() - start, spent["stage"], spent["kernels"]))
+    finally:
+        ops.launch_fastest, launcher.KernelSet._launch = launch_fastest, launch
+    torch.cuda.synchronize()
+    return tuple(ns / 1e3 for ns in sorted(calls)[len(calls) // 2])
 
 
 def _tensor_maps(views, count: int) -> None:
