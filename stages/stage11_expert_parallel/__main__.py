@@ -474,9 +474,10 @@ def report(c: dict) -> list[str]:
 
 
 def environment(device: torch.device, group) -> dict:
+    commit = os.environ.get("FLASHMOE_COMMIT")  # as the grader's records: a copy of the tree may have no git
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, check=True).stdout.strip()
+        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                          cwd=Path(__file__).parent, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = None
     nccl = torch.cuda.nccl.version()
