@@ -43,9 +43,11 @@ def compiled_up_front(request):
     from grader import isolation
     from grader.parallel_compile import compile_all
 
-    # Workers for the grades, starting up while the kernels compile: three in reserve, as wrong kernels
-    # retire theirs one test after another.
-    isolation.SPARES = 3
+    # Workers for the grades, starting up while the kernels compile: six in reserve. The untouched exercises
+    # and the wrong kernels, about forty tests in a row, each retire their worker, and a worker takes about
+    # 7 s to start (PyTorch, the CUDA context) where such a test takes 1 to 4: with three in reserve they
+    # waited on start-ups. Each spare holds a CUDA context, about half a GB of the GPU's memory.
+    isolation.SPARES = 6
     isolation.start_spares()
     jobs = gpu_kernels.builds(found, *gpu_kernels.copies(request.getfixturevalue("kernel_dir")))
     compile_all(jobs)
