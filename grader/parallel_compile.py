@@ -5,26 +5,37 @@ a pool of threads: NVRTC releases Python's lock while it compiles, and each call
 the compiles run side by side (stage 12's 16 variants: 11.8 s one after the other, 6.5 s on two threads,
 on a 2-core CPU, on 2026-11-27), and make the same cubins as one after the other. The cubins land in the
 compile cache (stages/common/compiler.py), where the caller's own compile_cubin calls then find them. A job that fails is reported, not raised: the caller's own call raises it, in its words.
+
+Each cubin's SASS instruction mix (grader/sass.py), which every grade reports, is made here too: nvdisasm
+takes 0.4-0.7 s a cubin on an H100 machine's host (the GPU tests' durations, 2026-11-27), and the GPU tests
+grade about 240 cubins, one after the other: counted, about 100 s of their time, here a few seconds on
+every core.
 """
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from grader import sass
 
 
 def _compile(job: tuple) -> tuple[str, float, str | None]:
     from stages.common.compiler import compile_cubin
 
     path, arch, defines, extra = job
-    start = time.perf_counter()
+    name, start = f"{Path(path).name} {arch} {defines}", time.perf_counter()
     try:
-        compile_cubin(path, arch, defines, extra)
-        error = None
+        cubin = compile_cubin(path, arch, defines, extra)
     except Exception as failure:  # the caller's own compile reports it
-        error = f"{type(failure).__name__}: {failure}"
-    return f"{Path(path).name} {arch} {defines}", time.perf_counter() - start, error
+        return name, time.perf_counter() - start, f"{type(failure).__name__}: {failure}"
+    try:
+        sass.instruction_mix(cubin.path)  # kept beside the cubin, where the grade's own call finds it
+    except (OSError, RuntimeError, subprocess.CalledProcessError):
+        pass  # no nvdisasm here, or it failed: the grade's own call says so, in its words
+    return name, time.perf_counter() - start, None
 
 
 def compile_all(jobs: list[tuple], threads: int | None = None) -> list[tuple[str, float, str | None]]:

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 import stages
-from grader import exercise, run
+from grader import exercise, run, sass
 from mutations import MUTATIONS, mutate
 import gpu_kernels
 from grader.parallel_compile import compile_all
@@ -51,7 +51,8 @@ def test_the_warm_up_lists_every_compile_of_the_grader_on_an_h100_and_no_other(t
 
 def test_after_the_warm_up_the_gpu_tests_compiles_all_find_the_cache(tmp_path, monkeypatch):
     """Stage 0's solution, exercise and mutations, compiled by the warm-up's threads; then the grader's own
-    compile of each finds every cubin in the cache (NVRTC is not called), and the cache holds no other."""
+    compile of each finds every cubin in the cache (NVRTC is not called), and the cache holds no other; and
+    the grade's report finds each cubin's instruction mix made (nvdisasm is not called)."""
     from stages.common import compiler
 
     cache = tmp_path / "cache"
@@ -68,6 +69,8 @@ def test_after_the_warm_up_the_gpu_tests_compiles_all_find_the_cache(tmp_path, m
     assert len(kernels) == 2 + sum(m.stage == "stage0" for m in MUTATIONS.values())
     cubins = [c for stage, path in kernels for c in run.compile_stage(stage, path, "sm_90a").values()]
     assert len(cubins) == len(jobs) and len(list((cache / "cubin").glob("*.cubin"))) == len(jobs)
+    monkeypatch.setattr(sass, "disassemble", lambda cubin: pytest.fail(f"{cubin} disassembled again"))
+    assert all(run.resources({c.path.name: c}) for c in cubins)
 
 
 def test_a_stage_compiled_cold_compiles_its_other_variants_over_a_pool(monkeypatch):
