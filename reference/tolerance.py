@@ -21,6 +21,7 @@ import torch
 
 UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
 
+
 def library_dispatch():
     """The context a problem's library result is computed in: SDPA dispatched as PyTorch does, without
     cuDNN's backend. cuDNN builds and tunes a plan at its first call for each new shape, 1 to 4 s on the
