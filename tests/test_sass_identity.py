@@ -63,6 +63,8 @@ BASES.update({name: "b4501e5" for name in ("stage4_hopper", "stage8_backward", "
 BASES["stage7_moe_layer"] = "58fd728"
 # At 95d9176: stage 7's router on the tensor cores (mma.sync, a cp.async ring).
 BASES["stage7_moe_layer"] = "95d9176"
+# At 3d5f9f2: stage 13 with its own copy of stage 9's tile machinery (since then in wgmma_attention_backward.cuh).
+BASES["stage13_block_sparse_backward"] = "3d5f9f2"
 LADDER = {"ladder/simt.cu": "stage6_grouped_gemm", "ladder/mma_sync.cu": "stage6_grouped_gemm"}
 FRESH_COMPILES = 3  # per side, after a mismatch
 

@@ -19,18 +19,12 @@ from stages import Goal, Stage
 from stages.common.attention import MAX_GRID_YZ, by_head_dim, kv_group
 from stages.common.attention_backward import backward_workspace, blocks, convert_dq, head_strides, preprocess
 from stages.common.hopper import tensor_map
+from stages.stage9_hopper_backward import GEOMETRY as HOPPER_BACKWARD_GEOMETRY
 
 # What the launch uses, per head dimension, as attention.cu computes it (checked against the kernel):
-# stage 9's geometry -- keys per block (the mask's block: 2 consumer warpgroups × 64), query rows per
-# tile (a query block of the mask is 1 tile at D = 64, 2 at D = 128), threads, the TMA box, dynamic
-# shared memory (stage 9's layout, unchanged), the preprocess's and the dQ conversion's -- and the mask's
-# block, to which the workspace is padded.
-GEOMETRY = {64: {"BLOCK": 128, "BLOCK_N": 128, "BLOCK_M": 128, "NUM_THREADS": 384, "ATOM_COLS": 64,
-                 "TILE_BOX_ROWS": 64, "SHARED_BYTES": 199736,
-                 "ROWS_PER_PREPROCESS_BLOCK": 32, "PREPROCESS_THREADS": 256, "CONVERT_THREADS": 256},
-            128: {"BLOCK": 128, "BLOCK_N": 128, "BLOCK_M": 64, "NUM_THREADS": 384, "ATOM_COLS": 64,
-                  "TILE_BOX_ROWS": 64, "SHARED_BYTES": 231496,
-                  "ROWS_PER_PREPROCESS_BLOCK": 16, "PREPROCESS_THREADS": 256, "CONVERT_THREADS": 256}}
+# stage 9's geometry (its tiles and shared-memory layout are this kernel's: wgmma_attention_backward.cuh),
+# and the mask's block, to which the workspace is padded.
+GEOMETRY = {head_dim: {"BLOCK": BLOCK, **geometry} for head_dim, geometry in HOPPER_BACKWARD_GEOMETRY.items()}
 assert all(g["BLOCK"] == g["BLOCK_N"] == BLOCK for g in GEOMETRY.values())  # a key tile = a block of the mask
 
 KERNELS = {  # the preprocess and the dQ conversion: attention_backward.cuh's, as stage 9 launches them

@@ -18,7 +18,7 @@ from stages.common.attention import MAX_GRID_YZ, by_head_dim, kv_group
 from stages.common.attention_backward import backward_workspace, blocks, convert_dq, head_strides, preprocess
 from stages.common.hopper import tensor_map
 
-# What the launch uses, per head dimension, as attention.cu computes it (the grader checks each value
+# What the launch uses, per head dimension, as wgmma_attention_backward.cuh computes it (the grader checks each value
 # against the kernel): keys per block (2 consumer warpgroups × 64), query rows per tile, threads (a
 # producer warpgroup + 2 consumers), the width of a TMA box (64 16-bit elements, the 128-byte
 # swizzle's) and its rows (tma.cuh's load_tile), dynamic shared memory (K, V, 2 buffers of Q and dO, 2
