@@ -128,28 +128,29 @@ def test_a_block_asking_for_more_shared_memory_than_the_gpu_gives_is_refused_in_
     check_shared_memory("attention_bwd", smem, 232_448, "NVIDIA H100 80GB HBM3")  # fits: nothing said
 
 
-@pytest.mark.parametrize("B,H,Hkv", [(280, 250, 250), (280, 256, 32), (2, 8, 1), (70, 1024, 1024)])
+@pytest.mark.parametrize("B,H,Hkv", [(280, 250, 250), (280, 256, 32), (2, 8, 1), (70, 1024, 1024), (2, 32, 8)])
 def test_stage9_launches_a_block_per_key_tile_and_kv_pair_walking_its_group(B, H, Hkv, monkeypatch):
-    """Stage 9 does GQA in the kernel: grid.y walks the B·H_kv KV pairs, at most 65,535 a launch, each launch
-    told the group and its first KV pair; the tensor maps span all query pairs and all KV pairs (built
+    """Stage 9 does GQA in the kernel: one launch, grid.x holding a block per (key tile, KV pair), however
+    many pairs, told the group, the number of KV pairs and the pairs a chunk of its schedule takes (enough
+    that a chunk's blocks fill the 132 SMs); the tensor maps span all query pairs and all KV pairs (built
     without a driver here: the launch's _tensor_map is replaced by the tensor it would describe)."""
     import stages.stage9_hopper_backward as stage9
     monkeypatch.setattr(stage9, "_tensor_map", lambda x, rows, cols: x)
+    monkeypatch.setattr(stage9, "sm_count", lambda device: 132)
     S, D, group = 200, 64, H // Hkv
     q, o, d_o, dq = (torch.empty(B, H, S, D, dtype=torch.float16, device="meta") for _ in range(4))
     k, v, dk, dv = (torch.empty(B, Hkv, S, D, dtype=torch.float16, device="meta") for _ in range(4))
     lse = torch.empty(B, H, S, dtype=torch.float32, device="meta")
     kernels = RecordingKernels()
     stage9.launch(kernels, q, k, v, o, lse, d_o, dq, dk, dv, 0.125, True)
-    first = 0
-    for kernel, grid, block, args in kernels.launches:
-        check_geometry(kernel, grid, block)
-        if kernel == "attention_bwd":
-            q_map, k_map, (launched_group, kv_pair0) = args[0], args[1], args[-2:]
-            assert q_map.shape[:2] == (B, H) and k_map.shape[:2] == (B, Hkv)
-            assert grid[0] == math.ceil(S / 128) and (launched_group, kv_pair0) == (group, first)
-            first += grid[1]
-    assert first == B * Hkv
+    [(grid, args)] = [(grid, args) for kernel, grid, _, args in kernels.launches if kernel == "attention_bwd"]
+    for kernel, grid_, block, _ in kernels.launches:
+        check_geometry(kernel, grid_, block)
+    q_map, k_map, (launched_group, kv_pairs, chunk_pairs) = args[0], args[1], args[-3:]
+    assert q_map.shape[:2] == (B, H) and k_map.shape[:2] == (B, Hkv)
+    key_tiles = math.ceil(S / 128)
+    assert grid == (key_tiles * B * Hkv,) and (launched_group, kv_pairs) == (group, B * Hkv)
+    assert chunk_pairs == min(B * Hkv, math.ceil(132 / key_tiles))
     # The kernel's block for KV pair p walks query pairs p·group + g: every query pair once, with the KV
     # pair the problem gives it (query head h uses KV head h // group).
     walked = [(kv * group + g, kv) for kv in range(B * Hkv) for g in range(group)]

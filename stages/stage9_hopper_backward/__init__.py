@@ -14,9 +14,9 @@ Q, K, V, O, dO and dQ, dK, dV may have any strides with D contiguous (a model's 
 tensor maps and the kernels' row addresses carry them, so nothing is copied.
 """
 from stages import Goal, Stage
-from stages.common.attention import MAX_GRID_YZ, by_head_dim, kv_group
+from stages.common.attention import by_head_dim, kv_group
 from stages.common.attention_backward import backward_workspace, blocks, convert_dq, head_strides, preprocess
-from stages.common.hopper import tensor_map
+from stages.common.hopper import sm_count, tensor_map
 
 # What the launch uses, per head dimension, as wgmma_attention_backward.cuh computes it (the grader checks each value
 # against the kernel): keys per block (2 consumer warpgroups × 64), query rows per tile, threads (a
@@ -38,7 +38,7 @@ KERNELS = {
                                 "int, const float*, float*, float*, float*, int, int, int",
     "attention_bwd": "const TmaMap, const TmaMap, const TmaMap, const TmaMap, const float*, const float*, float*, "
                      "elem_t*, long long, long long, int, elem_t*, long long, long long, int, int, int, int, int, "
-                     "float, int, int, int",
+                     "float, int, int, int, int",
     "attention_bwd_dq": "const float*, elem_t*, long long, long long, int, int, float, int, int, int",
 }
 
@@ -60,15 +60,16 @@ def launch(kernels, q, k, v, o, lse, d_o, dq, dk, dv, scale, causal) -> None:
     preprocess(kernels, launched, o, d_o, lse, ws)
     # TMA boxes of 64 rows (tma.cuh's load_tile copies a tile as several)
     q_map, do_map, k_map, v_map = (_tensor_map(x, launched["TILE_BOX_ROWS"], box_cols) for x in (q, d_o, k, v))
-    # A block per (128 keys, KV pair), walking the group's query heads. The tensor maps cover every pair:
-    # launches of at most MAX_GRID_YZ KV pairs in grid.y, each told its first KV pair.
-    kv_heads = k.shape[1]
+    # A block per (128 keys, KV pair), walking the group's query heads, in one grid.x; the kernel starts them
+    # in chunks of KV pairs, key tile by key tile (attention.cu's key_tile_and_pair): enough pairs a chunk
+    # that its blocks fill the SMs.
+    kv_heads, key_tiles = k.shape[1], blocks(seq_kv, block_n)
     kv_pairs = batch * kv_heads
-    for kv_pair0 in range(0, kv_pairs, MAX_GRID_YZ):
-        kernels.attention_bwd((blocks(seq_kv, block_n), min(MAX_GRID_YZ, kv_pairs - kv_pair0)),
-                              (launched["NUM_THREADS"],), q_map, k_map, v_map, do_map, ws.lse_log2, ws.delta,
-                              ws.dq_accum, *head_strides(dk), *head_strides(dv), kv_heads, seq_q, seq_kv,
-                              ws.seq_q_padded, scale, int(causal), group, kv_pair0, smem=launched["SHARED_BYTES"])
+    chunk_pairs = min(kv_pairs, blocks(sm_count(q.device), key_tiles))
+    kernels.attention_bwd((key_tiles * kv_pairs,), (launched["NUM_THREADS"],), q_map, k_map, v_map, do_map,
+                          ws.lse_log2, ws.delta, ws.dq_accum, *head_strides(dk), *head_strides(dv), kv_heads, seq_q,
+                          seq_kv, ws.seq_q_padded, scale, int(causal), group, kv_pairs, chunk_pairs,
+                          smem=launched["SHARED_BYTES"])
     convert_dq(kernels, launched, ws, dq, scale)
 
 
