@@ -65,6 +65,8 @@ BASES["stage7_moe_layer"] = "58fd728"
 BASES["stage7_moe_layer"] = "95d9176"
 # At 3d5f9f2: stage 13 with its own copy of stage 9's tile machinery (since then in wgmma_attention_backward.cuh).
 BASES["stage13_block_sparse_backward"] = "3d5f9f2"
+# At 6287281: stage 9 starts its blocks in chunks of KV pairs, key tile by key tile (key_tile_and_pair).
+BASES["stage9_hopper_backward"] = "6287281"
 LADDER = {"ladder/simt.cu": "stage6_grouped_gemm", "ladder/mma_sync.cu": "stage6_grouped_gemm"}
 FRESH_COMPILES = 3  # per side, after a mismatch
 
