@@ -150,10 +150,11 @@ def kernels_launched(step) -> dict:
 # ---------------------------------------------------------------- where a call's host time goes
 
 def host_breakdown(ops, shape=ATTENTION_SHAPES[0]) -> dict:
-    """Median host µs of one ops.attention forward and one backward call, whole and by piece: the input
-    checks, the stage's launch (its tensor maps and kernel launches apart), and the rest of the op
-    (allocations, autograd, dispatch). Two sets of inputs alternate, as a model's activations do, so
-    that the tensor maps are re-pointed every call."""
+    """Host µs of one ops.attention forward and one backward call, whole and by piece (the input checks,
+    the op's launch function, the stage's launch, its tensor maps and kernel launches; the backward's
+    Function inside autograd's engine), the pieces those of the call whose whole time is the median,
+    timed inside it, so that they add up. The GPU is left busy, as in a training loop. Two sets of inputs
+    alternate, as a model's activations do, so that the tensor maps are re-pointed every call."""
     import stages.common.launcher as launcher
 
     sets = [model_views(*shape, seed=seed) for seed in (0, 1)]
@@ -165,30 +166,34 @@ def host_breakdown(ops, shape=ATTENTION_SHAPES[0]) -> dict:
     grad = sets[0][1]
     for _ in range(3):  # compiled, loaded, descriptors encoded
         ops.attention(*views(), causal=True).backward(grad)
-    q, k, v = views()
-    o, lse = ops.forward_launch(q, k, v, True, 1.0)
-    forward_io = (ops.ATTENTION, dict(q=q, k=k, v=v, scale=1.0, causal=True), dict(o=o, lse=lse))
-    backward_io = (ops.ATTENTION_BACKWARD, dict(q=q, k=k, v=v, o=o, lse=lse, do=grad, scale=1.0, causal=True),
-                   dict(dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v)))
-    stage_maps = {"forward": 3, "backward": 4}  # stage 4: Q, K, V; stage 9: Q, dO, K, V
-    pieces = {}
-    for direction, io in (("forward", forward_io), ("backward", backward_io)):
-        if direction == "forward":
-            whole = host_us(lambda qkv: ops.attention(*qkv, causal=True), before=views)
-        else:
-            whole = host_us(lambda o: o.backward(grad), before=lambda: ops.attention(*views(), causal=True))
-        stage_launch = host_us(lambda: ops.launch_fastest(*io))
-        op_launch = host_us(lambda: ops.forward_launch(q, k, v, True, 1.0)) if direction == "forward" else \
-            host_us(lambda: ops.backward_launch(grad, q, k, v, o, lse, True, 1.0))
-        launches = _timed_launches(launcher, lambda: ops.launch_fastest(*io))
-        maps = host_us(lambda qkv: _tensor_maps(qkv, stage_maps[direction]), before=views)
-        checks = host_us(lambda qkv: ops.attention_input_problem(*qkv), before=views) if direction == "forward" \
-            else 0.0
-        pieces[direction] = {"whole": whole, "checks": checks, "tensor maps": maps, "kernel launches": launches,
-                             "stage launch, rest (allocations, geometry)": stage_launch - maps - launches,
-                             "op's launch function (allocations, the stage launch)": op_launch,
-                             "ops, rest (allocations, autograd, dispatch)": whole - stage_launch - checks}
-    return pieces
+    launches = {"op": [(ops, "forward_launch"), (ops, "backward_launch")], "stage": [(ops, "launch_fastest")],
+                "maps": _tensor_map_owners(), "kernels": [(launcher.KernelSet, "_launch")]}
+    forward = nested_host_us(lambda qkv: ops.attention(*qkv, causal=True), views,
+                             {"checks": [(ops, "attention_input_problem")], **launches})
+    backward = nested_host_us(lambda o: o.backward(grad), lambda: ops.attention(*views(), causal=True),
+                              {"function": [(ops._Attention, "backward")], **launches})
+    return {"forward": {"whole": forward["whole"], "checks": forward["checks"], **_launch_pieces(forward),
+                        "ops, rest (autograd, dispatch)": forward["whole"] - forward["checks"] - forward["op"]},
+            "backward": {"whole": backward["whole"], **_launch_pieces(backward),
+                         "the Function's backward, rest (saved tensors)": backward["function"] - backward["op"],
+                         "autograd's engine, rest": backward["whole"] - backward["function"]}}
+
+
+def _launch_pieces(spent: dict) -> dict:
+    """An op's launch function by piece: the kernel launches, the tensor maps, the rest of the stage's launch,
+    the rest of the op's (its outputs' allocation)."""
+    return {"tensor maps": spent["maps"], "kernel launches": spent["kernels"],
+            "stage launch, rest (allocations, geometry)": spent["stage"] - spent["maps"] - spent["kernels"],
+            "op's launch function, rest (outputs)": spent["op"] - spent["stage"]}
+
+
+def _tensor_map_owners() -> list:
+    """Where the stages' launches find hopper.tensor_map: each loaded module that imported it by name."""
+    import sys
+
+    from stages.common import hopper
+    return [(module, "tensor_map") for name, module in list(sys.modules.items())
+            if name.startswith("stages.") and getattr(module, "tensor_map", None) is hopper.tensor_map]
 
 
 def moe_host_breakdown(ops, layer: dict, top_k: int) -> dict:
@@ -203,66 +208,49 @@ def moe_host_breakdown(ops, layer: dict, top_k: int) -> dict:
     idle = torch.cuda.synchronize
     whole = host_us(lambda _: ops.moe_layer(x, wr, w1, w2, top_k), before=idle)
     checks = host_us(lambda _: ops.moe_layer_input_problem(x, wr, None, w1, w2, top_k), before=idle)
-    path, stage_launch, launches = _nested_host_us(ops, launcher, lambda: ops.moe_launch(x, wr, None, w1, w2, top_k))
-    return {"whole": whole, "checks": checks, "launch path": path, "kernel launches": launches,
-            "stage launch, rest (allocations, routing sizes, tensor maps)": stage_launch - launches,
-            "launch path, rest (outputs)": path - stage_launch}
+    path = nested_host_us(lambda _: ops.moe_launch(x, wr, None, w1, w2, top_k), idle,
+                          {"stage": [(ops, "launch_fastest")], "kernels": [(launcher.KernelSet, "_launch")]})
+    return {"whole": whole, "checks": checks, "launch path": path["whole"], "kernel launches": path["kernels"],
+            "stage launch, rest (allocations, routing sizes, tensor maps)": path["stage"] - path["kernels"],
+            "launch path, rest (outputs)": path["whole"] - path["stage"]}
 
 
-def _nested_host_us(ops, launcher, call) -> tuple[float, float, float]:
-    """Host µs of call() (the launch path), of the ops.launch_fastest inside it, and of the
-    KernelSet._launch calls inside that: those of the call whose whole time is the median."""
-    launch_fastest, launch = ops.launch_fastest, launcher.KernelSet._launch
+def nested_host_us(call, before, pieces: dict) -> dict:
+    """{"whole": host µs of call(before()), and per piece name, the µs spent inside it in the functions the
+    piece names (a list of (owner, attribute), each call of each summed)}, those of the call whose whole
+    time is the median of HOST_CALLS; before() runs untimed (it may synchronize: an idle GPU)."""
+    import inspect
 
-    def timed(key, function):
+    originals = [(name, owner, attribute, inspect.getattr_static(owner, attribute))
+                 for name, functions in pieces.items() for owner, attribute in functions]
+
+    def timed(name, function):
         def wrapper(*args, **kwargs):
             start = time.perf_counter_ns()
             try:
                 return function(*args, **kwargs)
             finally:
-                spent[key] += time.perf_counter_ns() - start
+                spent[name] += time.perf_counter_ns() - start
         return wrapper
 
-    ops.launch_fastest, launcher.KernelSet._launch = timed("stage", launch_fastest), timed("kernels", launch)
-    calls = []
+    for name, owner, attribute, original in originals:
+        if isinstance(original, staticmethod):
+            setattr(owner, attribute, staticmethod(timed(name, original.__func__)))
+        else:
+            setattr(owner, attribute, timed(name, original))
+    calls, spent = [], dict.fromkeys(pieces, 0)  # spent: the timed call's, added to by the wrappers
     try:
         for _ in range(HOST_CALLS):
-            torch.cuda.synchronize()
-            spent = {"stage": 0, "kernels": 0}  # this call's, added to by the wrappers
+            argument = before()  # may call the wrapped functions too (the backward's forward): not counted
+            spent = dict.fromkeys(pieces, 0)
             start = time.perf_counter_ns()
-            call()
-            calls.append((time.perf_counter_ns() - start, spent["stage"], spent["kernels"]))
+            call(argument)
+            calls.append({"whole": time.perf_counter_ns() - start, **spent})
     finally:
-        ops.launch_fastest, launcher.KernelSet._launch = launch_fastest, launch
+        for _, owner, attribute, original in originals:
+            setattr(owner, attribute, original)
     torch.cuda.synchronize()
-    return tuple(ns / 1e3 for ns in sorted(calls)[len(calls) // 2])
-
-
-def _tensor_maps(views, count: int) -> None:
-    from stages.common.hopper import tensor_map
-
-    for x in (views * 2)[:count]:
-        tensor_map(x, (1, 1, 64, 64))
-
-
-def _timed_launches(launcher, call) -> float:
-    """Median host µs per call() spent in KernelSet._launch (all of its kernels)."""
-    original, spent = launcher.KernelSet._launch, []
-
-    def timed(self, *args):
-        start = time.perf_counter_ns()
-        original(self, *args)
-        spent[-1] += time.perf_counter_ns() - start
-
-    launcher.KernelSet._launch = timed
-    try:
-        for _ in range(HOST_CALLS):
-            spent.append(0)
-            call()
-    finally:
-        launcher.KernelSet._launch = original
-    torch.cuda.synchronize()
-    return median(spent) / 1e3
+    return {name: ns / 1e3 for name, ns in sorted(calls, key=lambda c: c["whole"])[len(calls) // 2].items()}
 
 
 # ---------------------------------------------------------------- tiny shapes, the MoE layer

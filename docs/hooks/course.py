@@ -921,8 +921,9 @@ def ops_breakdown_table(pieces: dict, attention: list[dict]) -> list[str]:
     shape = pieces.get("shape") or (attention[0].get("shape") if attention else None)
     at = f" at {attention_shape(shape)}" if shape else ""
     names = list(dict.fromkeys(name for d in directions for name in pieces[d]))
-    out = [f"\nThe host time of one `ops.attention` call{at}, by piece (µs; a \"rest\" is a difference of "
-           "medians, so it can fall below zero):\n",
+    out = [f"\nThe host time of one `ops.attention` call{at}, by piece (µs: the pieces of the call whose whole "
+           "time is the median of 30, timed inside it; a \"rest\" is what a piece spent outside the pieces "
+           "below it):\n",
            "| piece | " + " | ".join(directions) + " |", "|---|" + "--:|" * len(directions)]
     for name in names:
         cells = " | ".join(us(pieces[d].get(name)) for d in directions)
