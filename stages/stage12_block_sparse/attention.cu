@@ -13,11 +13,9 @@
 //             Keys past S (the last block, which TMA zero-fills) are masked in both.
 //   empty     a query block with empty lists loads nothing and writes O = 0, LSE = -inf; a row that
 //             sees no key of its tiles does the same (write_output_or_empty).
-//   schedule  a persistent grid over (query block, batch·head) units, KV pair by KV pair: the blocks
-//             running at once read one KV head's K and V, which stay in L2 (a head's K and V at 32K
-//             tokens, D = 128: 16 MB). Within a KV pair, `order` lists the query blocks longest lists
-//             first (the launch sorts them), each for the group's query heads in turn, so the blocks
-//             start on the long units and finish on the short ones.
+//   schedule  a persistent grid over (query block, batch·head) units; `order` lists the query blocks
+//             longest lists first (the launch sorts them), and unit u is query block order[u / BH]
+//             of pair u % BH, so the blocks start on the long units and finish on the short ones.
 //
 // Tiles: BLOCK_M = 128 query rows (consumer c owns rows 64c .. 64c+63), BLOCK_N = 128 keys (the
 // mask's block), 384 threads. Shared memory: Q 128·D·2 + KV_STAGES·2·128·D·2 bytes (+ barriers,
@@ -75,14 +73,12 @@ struct Mask {
     }
 };
 
-// The units a block computes: unit u is KV pair u / (num_q_blocks · group)'s query block
-// order[u / group % num_q_blocks], for the group's query head u % group: query pair (b·H + h) =
-// KV pair · group + u % group.
+// The units a block computes: unit u is query block order[u / batch_heads] of pair u % batch_heads.
 struct Schedule {
     const int* order;
-    int num_q_blocks, group, num_units;
-    __device__ int pair(int unit) const { return unit / (num_q_blocks * group) * group + unit % group; }
-    __device__ int m_block(int unit) const { return order[unit / group % num_q_blocks]; }
+    int batch_heads, num_units;
+    __device__ int pair(int unit) const { return unit % batch_heads; }
+    __device__ int m_block(int unit) const { return order[unit / batch_heads]; }
 };
 
 struct SharedMemory {
@@ -288,7 +284,7 @@ block_sparse_attention_fwd(const __grid_constant__ TmaMap q_map, const __grid_co
                            int num_q_blocks, int window, const int* __restrict__ document_ids) {
     extern __shared__ __align__(1024) unsigned char shared_raw[];
     const SharedMemory shared{(shared_address(shared_raw) + 1023) & ~1023u};
-    const Schedule schedule{order, num_q_blocks, group, num_q_blocks * batch_heads};
+    const Schedule schedule{order, batch_heads, num_q_blocks * batch_heads};
     const Mask mask{kv_num, kv_indices, full_num, full_indices, kv_blocks, window, document_ids};
     if (threadIdx.x == 0) init_barriers(shared);
     __syncthreads();
