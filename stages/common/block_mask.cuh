@@ -1,8 +1,7 @@
 // The element mask of a FlexAttention-style block mask (reference/block_sparse_attention.py's
 // ELEMENT_MASKS), compiled in with -DELEMENT_MASK=none, causal, document or sliding_window: the one
-// test of whether query `query` sees key `key` inside a partial block (full blocks need none).
-// Stage 13 (the backward) uses it; stage 12's forward holds the same test in its own file and will
-// include this header at its next record (its recorded source digest covers its includes as they are).
+// test of whether query `query` sees key `key` inside a partial block (full blocks need none), for
+// stage 12's forward and stage 13's backward.
 #pragma once
 
 #ifndef ELEMENT_MASK

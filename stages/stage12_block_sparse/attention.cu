@@ -20,6 +20,7 @@
 // Tiles: BLOCK_M = 128 query rows (consumer c owns rows 64c .. 64c+63), BLOCK_N = 128 keys (the
 // mask's block), 384 threads. Shared memory: Q 128·D·2 + KV_STAGES·2·128·D·2 bytes (+ barriers,
 // + 1 KB of alignment): D = 64: 16 + 3·32 = 112 KB; D = 128: 32 + 2·64 = 160 KB.
+#include "block_mask.cuh"  // the element mask, compiled in: MASK, element_visible
 #include "mma.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
@@ -49,15 +50,6 @@ static_assert(SHARED_BYTES <= 227 * 1024, "an H100 block has at most 227 KB of s
 static_assert(sizeof(elem_t) == 2, "16-bit elements");
 static_assert(HEAD_DIM % ATOM_COLS == 0, "D is a whole number of 128-byte swizzle rows");
 
-// The element mask, compiled in: -DELEMENT_MASK=none, causal, document or sliding_window
-// (reference/block_sparse_attention.py's ELEMENT_MASKS), one of these names.
-#ifndef ELEMENT_MASK
-#define ELEMENT_MASK causal
-#endif
-namespace element_mask {
-enum Kind { none, causal, document, sliding_window };
-}
-constexpr int MASK = element_mask::ELEMENT_MASK;
 
 // The block mask and the element mask, as the kernel receives them.
 struct Mask {
@@ -148,22 +140,23 @@ __device__ __forceinline__ void produce(const SharedMemory& shared, const Schedu
 
 // --8<-- [start:mask]
 // The scores of one K/V tile (keys n0 .. n0 + BLOCK_N - 1) of the warp's rows `row` and `row + 8`
-// (C-fragment layout, as mma.cuh's apply_mask): keys past S are hidden in every tile; in a partial
-// tile, the element mask too. ids[0], ids[1]: the document of the two rows (document masks only).
+// (C-fragment layout, as mma.cuh's apply_mask): keys past S hidden, and in a partial tile the element
+// mask. A full tile inside S needs neither, which one test per tile says (the same for every thread of
+// the block): most tiles then cost nothing here. Hidden scores are selected, not branched to, and the
+// keys' documents (document masks) are read whatever the test says, at a key clamped inside S.
+// ids[0], ids[1]: the documents of the two rows.
 __device__ __forceinline__ void mask_tile(float (&s)[S_FRAGS][4], int n0, int row, int seq, bool partial,
                                           const Mask& mask, const int (&ids)[2], int lane) {
+    if (!partial && n0 + BLOCK_N <= seq) return;
+    const bool element = MASK != element_mask::none && partial;
 #pragma unroll
     for (int n = 0; n < S_FRAGS; ++n) {
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
             const int key = n0 + 8 * n + 2 * (lane % 4) + c % 2, query = row + 8 * (c / 2);
-            bool visible = key < seq;
-            if (MASK != element_mask::none && partial) {
-                visible = visible && key <= query;
-                if (MASK == element_mask::sliding_window) visible = visible && query - key < mask.window;
-                if (MASK == element_mask::document) visible = visible && mask.document_ids[key] == ids[c / 2];
-            }
-            if (!visible) s[n][c] = -INFINITY;
+            const int key_doc = MASK == element_mask::document ? mask.document_ids[min(key, seq - 1)] : 0;
+            const bool hidden = (key >= seq) | (element & !element_visible(key, query, mask.window, key_doc, ids[c / 2]));
+            s[n][c] = hidden ? -INFINITY : s[n][c];
         }
     }
 }
@@ -207,7 +200,9 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const Schedu
             mbarrier_wait(shared.barrier(Q_FULL), q_loads & 1);
             ++q_loads;
 
-            // Round 0: S_0 alone.
+            // Round 0: S_0 alone. Each tile's key block is read before its waits: the load is in flight
+            // while the tile's products run, not after them, on the way to the softmax.
+            const int first_n0 = mask.block(m, 0, full) * BLOCK_N;
             mbarrier_wait(shared.barrier(K_FULL + ring % KV_STAGES), (ring / KV_STAGES) & 1);
             named_barrier_sync(my_turn, CONSUMER_THREADS);
             wgmma_fence();
@@ -218,13 +213,14 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const Schedu
             fence_registers(s);
             mbarrier_arrive(shared.barrier(K_EMPTY + ring % KV_STAGES));
             if (num_tiles == 1) mbarrier_arrive(shared.barrier(Q_EMPTY));
-            mask_tile(s, mask.block(m, 0, full) * BLOCK_N, row, seq, full == 0, mask, ids, lane);
+            mask_tile(s, first_n0, row, seq, full == 0, mask, ids, lane);
             softmax_to_p(s, row_max, row_sum, correction, scale_log2);
             p_operands(s, p);
 
             for (int tile = 1; tile < num_tiles; ++tile) {
                 const int k = ring + tile;
                 const int stage = k % KV_STAGES, prev = (k - 1) % KV_STAGES;
+                const int n0 = mask.block(m, tile, full) * BLOCK_N;
                 mbarrier_wait(shared.barrier(K_FULL + stage), (k / KV_STAGES) & 1);
                 mbarrier_wait(shared.barrier(V_FULL + prev), ((k - 1) / KV_STAGES) & 1);
                 named_barrier_sync(my_turn, CONSUMER_THREADS);
@@ -239,7 +235,7 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const Schedu
                 fence_registers(s);
                 mbarrier_arrive(shared.barrier(K_EMPTY + stage));
                 if (tile == num_tiles - 1) mbarrier_arrive(shared.barrier(Q_EMPTY));
-                mask_tile(s, mask.block(m, tile, full) * BLOCK_N, row, seq, tile >= full, mask, ids, lane);
+                mask_tile(s, n0, row, seq, tile >= full, mask, ids, lane);
                 softmax_to_p(s, row_max, row_sum, correction, scale_log2);
 
                 wgmma_wait<0>();
