@@ -67,6 +67,8 @@ BASES["stage7_moe_layer"] = "95d9176"
 BASES["stage13_block_sparse_backward"] = "3d5f9f2"
 # At 6287281: stage 9 starts its blocks in chunks of KV pairs, key tile by key tile (key_tile_and_pair).
 BASES["stage9_hopper_backward"] = "6287281"
+# At d978042: stage 12 masks a tile without branches (element_visible selected), full tiles unmasked.
+BASES["stage12_block_sparse"] = "d978042"
 LADDER = {"ladder/simt.cu": "stage6_grouped_gemm", "ladder/mma_sync.cu": "stage6_grouped_gemm"}
 FRESH_COMPILES = 3  # per side, after a mismatch
 
