@@ -155,20 +155,22 @@ __device__ __forceinline__ void issue_dq(float (&dq)[DQ_FRAGS][4], unsigned ds_t
 __device__ __forceinline__ void block_probabilities(float (&s)[M_FRAGS][4], const float* lse_log2, float scale_log2,
                                               bool partial, int key0, int m0, const ElementMask& mask,
                                               const int (&key_docs)[2], int lane) {
+    const bool element = MASK != element_mask::none && partial;  // one test a tile, the same in every thread
 #pragma unroll
     for (int n = 0; n < M_FRAGS; ++n) {
         const float2 lse = *reinterpret_cast<const float2*>(lse_log2 + 8 * n + 2 * (lane % 4));
         const float lse_x = lse.x == -INFINITY ? INFINITY : lse.x, lse_y = lse.y == -INFINITY ? INFINITY : lse.y;
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-            float p = fast_exp2(fminf(s[n][c] * scale_log2 - (c % 2 ? lse_y : lse_x), 0.0f));
-            if (MASK != element_mask::none && partial) {
-                const int key = key0 + lane / 4 + 8 * (c / 2), query = m0 + 8 * n + 2 * (lane % 4) + c % 2;
-                int query_doc = 0;
-                if (MASK == element_mask::document) query_doc = query < mask.seq ? mask.document_ids[query] : -2;
-                if (!element_visible(key, query, mask.window, key_docs[c / 2], query_doc)) p = 0.0f;
-            }
-            s[n][c] = p;
+            const float p = fast_exp2(fminf(s[n][c] * scale_log2 - (c % 2 ? lse_y : lse_x), 0.0f));
+            // Selected, not branched to: the query's document is read whatever the test says (its index
+            // clamped inside S; a query past S gets none, -2), so no load waits behind a test.
+            const int key = key0 + lane / 4 + 8 * (c / 2), query = m0 + 8 * n + 2 * (lane % 4) + c % 2;
+            int query_doc = 0;
+            if (MASK == element_mask::document)
+                query_doc = query < mask.seq ? mask.document_ids[min(query, mask.seq - 1)] : -2;
+            const bool hidden = element & !element_visible(key, query, mask.window, key_docs[c / 2], query_doc);
+            s[n][c] = hidden ? 0.0f : p;
         }
     }
 }
