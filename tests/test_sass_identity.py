@@ -69,6 +69,8 @@ BASES["stage13_block_sparse_backward"] = "3d5f9f2"
 BASES["stage9_hopper_backward"] = "6287281"
 # At d978042: stage 12 masks a tile without branches (element_visible selected), full tiles unmasked.
 BASES["stage12_block_sparse"] = "d978042"
+# At 758fcdc: stage 13 selects its masked probabilities (the document mask without branches).
+BASES["stage13_block_sparse_backward"] = "758fcdc"
 LADDER = {"ladder/simt.cu": "stage6_grouped_gemm", "ladder/mma_sync.cu": "stage6_grouped_gemm"}
 FRESH_COMPILES = 3  # per side, after a mismatch
 
