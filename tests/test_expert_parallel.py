@@ -62,38 +62,52 @@ def exchanged(items: list, group) -> list:
 
 
 class GlooPeers(nvlink.Peers):
-    """nvlink.Peers on gloo, for the CPU: each rank's rows and y are its own (NaN until written); a
-    store into a peer's rows, or a read of its y, travels as an exchange of (rows, values). nvlink.layer and
-    nvlink.plan run as they do on the GPU, so the rows land where ep_plan says."""
+    """nvlink.Peers on gloo, for the CPU: each rank's rows, y, origin and returned are its own (NaN or -1 until
+    written); a store into a peer's buffer travels as an exchange of (rows, values). nvlink.layer and nvlink.plan
+    run as they do on the GPU, so the rows land where ep_plan says, piece by piece, and come back by origin."""
 
-    def __init__(self, group, tokens: int, hidden: int, experts: int, top_k: int, align: int, dtype):
+    def __init__(self, group, tokens: int, hidden: int, experts: int, top_k: int, align: int, dtype, pieces: int = 1):
         most = torch.tensor([tokens])
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
-        rows = nvlink.capacity(dist.get_world_size(group), int(most), top_k, experts, align)
-        self.group, self.align, self.local = group, align, experts // dist.get_world_size(group)
+        world = dist.get_world_size(group)
+        self.group, self.align, self.local, self.slots = group, align, experts // world, int(most) * top_k
+        rows = max(n * nvlink.piece_rows(world, int(most), top_k, self.local, align, n) for n in range(1, pieces + 1))
         self.rows = torch.full((rows, hidden), float("nan"), dtype=dtype)
         self.y = torch.full_like(self.rows, float("nan"))
+        self.origin = torch.full((rows,), -1, dtype=torch.long)
+        self.returned = torch.full((self.slots, hidden), float("nan"), dtype=dtype)
 
-    def plan(self, counts):
+    def plan(self, counts, pieces):
         table = torch.stack(exchanged([counts] * dist.get_world_size(self.group), self.group))
-        return nvlink.plan(table, dist.get_rank(self.group), self.align)
+        return nvlink.plan(table, dist.get_rank(self.group), self.align, pieces, self.rows.shape[0] // pieces)
 
-    def dispatch(self, x, routing, shift):
-        ids = routing.ids.long()
-        row, to = routing.dest.long() + shift.long()[ids], ids // self.local
-        token = torch.arange(ids.shape[0])[:, None].expand_as(ids)
-        stores = [(row[to == d], x[token[to == d]]) for d in range(dist.get_world_size(self.group))]
-        for rows, values in exchanged(stores, self.group):
-            self.rows[rows] = values
-        return row.int()
+    def dispatch(self, x, routing, plan, p, sms=0):
+        ids, (rank, world) = routing.ids.long(), (dist.get_rank(self.group), dist.get_world_size(self.group))
+        row, to = routing.dest.long() + plan.shift.long()[ids], ids // self.local
+        experts = plan.piece(p)[0]
+        wanted = (ids % self.local >= experts.start) & (ids % self.local < experts.stop)
+        slot = torch.arange(ids.numel()).view_as(ids)
+        stores = [(row[m], x[slot[m] // ids.shape[1]], rank * self.slots + slot[m])
+                  for m in (wanted & (to == d) for d in range(world))]
+        for rows, values, origin in exchanged(stores, self.group):
+            self.rows[rows], self.origin[rows] = values, origin
+        return 0
 
-    def combine(self, routing, slot_row, out):
-        to, world = routing.ids.long() // self.local, dist.get_world_size(self.group)
-        asked = exchanged([slot_row.long()[to == d] for d in range(world)], self.group)
-        answers = exchanged([self.y[rows] for rows in asked], self.group)
-        values = torch.empty(*to.shape, self.y.shape[1], dtype=torch.float64)
-        for d in range(world):
-            values[to == d] = answers[d].double()
+    def wait_dispatched(self, count):
+        """The exchanges above were the waits."""
+
+    def give_back(self, plan, p, sms=0):
+        experts, rows, offsets = plan.piece(p)
+        real = torch.cat([torch.arange(int(o), int(o) + int(n)) for o, n in zip(offsets[:-1], plan.filled[experts])])
+        real += rows.start
+        source, slot = self.origin[real] // self.slots, self.origin[real] % self.slots
+        stores = [(slot[source == d], self.y[real[source == d]]) for d in range(dist.get_world_size(self.group))]
+        for slots, values in exchanged(stores, self.group):
+            self.returned[slots] = values
+
+    def combine(self, routing, out):
+        tokens, k = routing.ids.shape
+        values = self.returned[:tokens * k].double().view(tokens, k, -1)
         out.copy_((values * routing.weights[..., None].double()).sum(1))
 
     def check(self):
@@ -128,6 +142,10 @@ SCENARIOS = {
     "nvlink, uneven load": (dict(skew=6.0), dict(nvlink=True), 4),
     "nvlink, idle rank": (dict(empty="last"), dict(nvlink=True), 4),
     "nvlink, one token per rank": (dict(tokens="world"), dict(nvlink=True), 4),
+    "nvlink, pieces": ({}, dict(nvlink=True, pieces=2), 4),
+    "nvlink, pieces, unpadded": ({}, dict(nvlink=True, pieces=2), 1),
+    "nvlink, uneven load, pieces": (dict(skew=6.0), dict(nvlink=True, pieces=2), 4),
+    "nvlink, idle rank, pieces": (dict(empty="last"), dict(nvlink=True, pieces=2), 4),
 }
 
 
@@ -159,8 +177,9 @@ def run_scenario(name: str, group) -> dict:
     ids = torch.full((local["x"].shape[0], TOP_K), -1, dtype=torch.int32)
     parts = TorchParts(local, TOP_K, align)
     if options.get("nvlink"):
-        peers = GlooPeers(group, local["x"].shape[0], HIDDEN, EXPERTS, TOP_K, align, local["x"].dtype)
-        nvlink.layer(local["x"], parts, peers, out, ids)
+        pieces = options.get("pieces", 1)
+        peers = GlooPeers(group, local["x"].shape[0], HIDDEN, EXPERTS, TOP_K, align, local["x"].dtype, pieces)
+        nvlink.layer(local["x"], parts, peers, out, ids, pieces)
     else:
         dispatch.layer(local["x"], parts, group, out, ids, **options)
     out, ids = gathered(out, group), gathered(ids, group)
@@ -171,14 +190,15 @@ def run_scenario(name: str, group) -> dict:
                 received=received_rows(local, group))
 
 
-def torch_launch(kernels, x, wr, bias, w1, w2, top_k, out, topk_ids, group, spare_sms=0, peers=None, **options):
+def torch_launch(kernels, x, wr, bias, w1, w2, top_k, out, topk_ids, group, spare_sms=0, peers=None, pieces=1,
+                 **options):
     """Stage 11's launch with TorchParts in place of the kernels (no SMs to spare) and GlooPeers in place of
     the mapped buffers."""
     parts = TorchParts(dict(wr=wr, bias=bias, w1=w1, w2=w2), top_k, 4)
     if peers is None:
-        dispatch.layer(x, parts, group, out, topk_ids, **options)
+        dispatch.layer(x, parts, group, out, topk_ids, pieces=pieces, **options)
     else:
-        nvlink.layer(x, parts, peers, out, topk_ids)
+        nvlink.layer(x, parts, peers, out, topk_ids, pieces)
 
 
 def run_problem(group) -> dict:
@@ -246,7 +266,7 @@ def run_runner(group) -> dict:
     runner.KernelParts = lambda kernels, wr, bias, w1, w2, top_k, spare_sms=0: TorchParts(
         dict(wr=wr, bias=bias, w1=w1, w2=w2), top_k, 4)
     runner.peer_buffers = lambda local, group: GlooPeers(group, local["x"].shape[0], HIDDEN, RUNNER_EXPERTS, TOP_K, 4,
-                                                         local["x"].dtype)
+                                                         local["x"].dtype, 4)  # the runner's most pieces
     runner.KernelPeers = lambda kernels, peers, align: peers
     runner.VARIANTS = {**runner.VARIANTS, BROKEN: dict(pieces=99)}
     runner.ops.moe_layer = one_process_layer
@@ -330,6 +350,9 @@ def test_the_runner_times_the_phases_of_both_transports_and_the_pipelines_costs(
     (config,) = found["runner"]["record"]["configs"]
     assert list(config["phases_ms"]) == ["NCCL", NVLINK]
     assert all(list(p) == list(PHASES) and min(p.values()) > 0 for p in config["phases_ms"].values())
+    assert list(config["transfers_ms"]) == [NVLINK]
+    assert list(config["transfers_ms"][NVLINK]) == ["dispatch", "combine"]
+    assert min(config["transfers_ms"][NVLINK].values()) > 0
     assert list(config["costs_ms"]) == ["whole", "2 pieces by expert", "2 pieces by token", "4 pieces by expert",
                                         "4 pieces by token", "16 SMs spared", "32 SMs spared"]
     assert config["bytes_per_rank"] == 8 * TOP_K * HIDDEN * 2 and config["capacity"]["token_slots"] == 8 * TOP_K
@@ -348,9 +371,10 @@ def test_the_record_reads_back_as_the_lessons_tables(results, tmp_path):
     assert "| NCCL |" in text and "| experts' GEMMs | whole |" in text
     lines = found["runner"]["lines"]
     assert lines[:len(records.config_tables(record["configs"][0]))] == records.config_tables(record["configs"][0])
-    assert any("overlap:" in line for line in lines)
-    assert any("overlap over NVLink: NVLink kernels, 2 halves" in line for line in lines)
-    assert any("NVLink kernels: dispatch + combine" in line for line in lines)
+    assert any("overlap through NCCL:" in line for line in lines)
+    assert any("overlap over NVLink: NVLink kernels, " in line and " pieces, " in line for line in lines)
+    assert any("NVLink kernels: dispatch + combine (alone)" in line for line in lines)
+    assert "| NVLink kernels, each transfer alone |" in text
 
 
 def test_a_record_without_its_environment_is_refused():
@@ -475,8 +499,10 @@ def test_the_regroup_kernel_writes_what_dispatch_regroup_index_computes(ranks, l
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [{}, dict(capacity=True), dict(pieces=3), dict(pieces=2, capacity=True),
-                                     dict(pieces=2, spare_sms=16), dict(peers=True)],
-                         ids=["counts", "capacity", "pieces", "pieces, capacity", "pieces, SMs spared", "nvlink"])
+                                     dict(pieces=2, spare_sms=16), dict(peers=True),
+                                     dict(peers=True, pieces=3, spare_sms=16)],
+                         ids=["counts", "capacity", "pieces", "pieces, capacity", "pieces, SMs spared", "nvlink",
+                              "nvlink, pieces on two streams"])
 def test_every_variant_on_one_gpu_is_stage_7_bit_for_bit(options):
     """In a world of one; over NVLink twice, so that the second call's flags follow the first's."""
     from reference.moe_expert_parallel import default_group
@@ -489,8 +515,8 @@ def test_every_variant_on_one_gpu_is_stage_7_bit_for_bit(options):
     i, outputs = inputs, P.allocate_outputs(inputs)
     group = default_group(i["x"].device)
     if "peers" in options:
-        options = dict(peers=nvlink.symmetric_buffers(group, 1000, 256, 32, 2, KernelParts.align, torch.bfloat16,
-                                                      i["x"].device))
+        options = dict(options, peers=nvlink.symmetric_buffers(group, 1000, 256, 32, 2, KernelParts.align,
+                                                               torch.bfloat16, i["x"].device, options.get("pieces", 1)))
     for _ in range(2 if "peers" in options else 1):
         stage.launch(kernels, i["x"], i["wr"], i["bias"], i["w1"], i["w2"], i["top_k"], outputs["out"],
                      outputs["topk_ids"], group, **options)
@@ -502,94 +528,83 @@ def test_every_variant_on_one_gpu_is_stage_7_bit_for_bit(options):
     assert torch.equal(outputs["topk_ids"], ids7) and torch.equal(outputs["out"], out7)
 
 
-@pytest.mark.gpu
-def test_two_halves_on_two_streams_are_the_halves_one_after_the_other():
-    """The runner's two_halves in a world of one, twice (the flags of a second call), against nvlink.layer on
-    each half in turn on the current stream, with the same buffers' sizes: equal bit for bit, and the
-    problem's check passes."""
-    import stages.stage11_expert_parallel.__main__ as runner
-    from reference.moe_expert_parallel import default_group
-    from stages.stage11_expert_parallel import KernelParts
-
-    stage, kernels = stage11_kernels()
-    shape = dict(tokens=1001, experts=32, top_k=2, hidden=256, inter=384, skew=3.0)
-    i = P.make_inputs(shape, "bfloat16", seed=6)
-    group = default_group(i["x"].device)
-    local = dict(x=i["x"], wr=i["wr"], bias=i["bias"], w1=i["w1"], w2=i["w2"], top_k=i["top_k"])
-    first, second = runner.token_halves(1001)
-    half = {**local, "x": i["x"][first]}
-    results = []
-    for overlapped in (True, False):
-        halves = (runner.peer_buffers(half, group), runner.peer_buffers(half, group))
-        out, ids = torch.empty_like(i["x"]), torch.empty(1001, 2, dtype=torch.int32, device="cuda")
-        for _ in range(2):
-            if overlapped:
-                runner.two_halves(kernels, local, halves, out, ids, 16)
-            else:
-                parts = KernelParts(kernels, i["wr"], i["bias"], i["w1"], i["w2"], 2, 16)
-                for rows, buffers in zip((first, second), halves):
-                    nvlink.layer(i["x"][rows], parts, nvlink.KernelPeers(kernels, buffers, parts.align), out[rows],
-                                 ids[rows])
-        torch.cuda.synchronize()
-        for buffers in halves:
-            buffers.check()
-        results.append((out, ids))
-    (out, ids), (out_serial, ids_serial) = results
-    assert torch.equal(ids, ids_serial) and torch.equal(out, out_serial)
-    assert all(c.passed for c in P.check(dict(out=out, topk_ids=ids), P.reference(i), {}))
-
-
 def addresses(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device="cuda")
 
 
 @pytest.mark.gpu
-def test_the_nvlink_kernels_as_rank_1_of_4_on_one_gpu():
-    """Rank 1 of a world of 4 whose peers' buffers are other tensors of this GPU; the others' tables and flags
-    written beforehand, as they would have written them. ep_plan against nvlink.plan, ep_dispatch's rows where
-    the plan says, the flags and tables it leaves on every peer, ep_combine against the weighted sum."""
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_the_nvlink_kernels_as_rank_1_of_4_on_one_gpu(pieces):
+    """Rank 1 of a world of 4 whose peers' buffers are other tensors of this GPU; the others' tables and counts
+    written beforehand, as they would have written them. ep_plan against nvlink.plan; ep_dispatch's rows and
+    origins where the plan says, piece by piece; ep_return's results at their slots on the ranks they came
+    from; the combine against the weighted sum; the tables and counts left on every peer."""
     from stages.stage11_expert_parallel import KernelParts
     from stages.stage11_expert_parallel.dispatch import Routing
 
     _, kernels = stage11_kernels()
-    world, rank, experts, k, hidden, tokens, blocks = 4, 1, 32, 2, 256, 300, 8
-    local, align, gen = experts // world, KernelParts.align, torch.Generator().manual_seed(3)
+    world, rank, experts, k, hidden, tokens = 4, 1, 32, 2, 256, 300
+    local, align, gen = experts // world, KernelParts.align, torch.Generator().manual_seed(3 + pieces)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)]).int()
+    ids[:5] = torch.tensor([rank * local + 1, rank * local + 2], dtype=torch.int32)  # rows this rank sends itself
     counts = torch.bincount(ids.flatten().long(), minlength=experts).int()
     table = torch.randint(0, 40, (world, experts), generator=gen, dtype=torch.int32)
+    table[:, rank * local] = 0  # a local expert nobody chose: an empty segment
     table[rank] = counts
     order = torch.argsort(ids.flatten().long(), stable=True)
     dest = torch.empty_like(order)
     dest[order] = torch.arange(order.numel())
-    rows = int(table.sum()) + experts * align
+    slots = tokens * k
+    capacity = max(n * nvlink.piece_rows(world, 2 * tokens, k, local, align, n) for n in range(1, pieces + 1))
     controls = [torch.zeros(nvlink.CONTROL_INTS, dtype=torch.int32, device="cuda") for _ in range(world)]
-    grouped, y = ([torch.randn(rows, hidden, device="cuda").bfloat16() for _ in range(world)] for _ in range(2))
+    grouped = [torch.full((capacity, hidden), float("nan"), device="cuda").bfloat16() for _ in range(world)]
+    origins = [torch.full((capacity,), -1, dtype=torch.int32, device="cuda") for _ in range(world)]
+    returned = [torch.full((slots, hidden), float("nan"), device="cuda").bfloat16() for _ in range(world)]
+    blocks = 8
     for s in set(range(world)) - {rank}:
         controls[rank][nvlink.TABLE + s * nvlink.MAX_EXPERTS:][:experts] = table[s].cuda()
-        for flag, value in ((nvlink.PLANNED, 1), (nvlink.ARRIVED, blocks), (nvlink.READY, 1)):
+        for flag, value in ((nvlink.PLANNED, 1), (nvlink.ARRIVED, blocks * pieces), (nvlink.RETURNED, blocks * pieces)):
             controls[rank][flag + s] = value
-    buffers = nvlink.PeerBuffers(grouped[rank], y[rank], controls[rank], addresses(grouped), addresses(y),
-                                 addresses(controls), rank, world, blocks)
+    buffers = nvlink.PeerBuffers(grouped[rank], origins[rank], returned[rank], controls[rank],
+                                 torch.randn(capacity, hidden, generator=gen).bfloat16().cuda(), addresses(grouped),
+                                 addresses(origins), addresses(returned), addresses(controls), rank, world, slots,
+                                 pieces, blocks)
     peers = nvlink.KernelPeers(kernels, buffers, align)
     x = torch.randn(tokens, hidden, generator=gen).bfloat16().cuda()
     weights = torch.rand(tokens, k, generator=gen).cuda()
     routing = Routing(ids.cuda(), weights, counts.cuda(), None, dest.view(tokens, k).int().cuda())
 
-    shift, offsets = peers.plan(routing.counts)
-    for found, expected in zip((shift, offsets), nvlink.plan(table, rank, align)):
-        assert torch.equal(found.cpu(), expected)
-    slot_row = peers.dispatch(x, routing, shift)
-    assert torch.equal(slot_row.cpu().long(), dest.view(tokens, k) + shift.cpu().long()[ids.long()])
+    plan = peers.plan(routing.counts, pieces)
+    expected = nvlink.plan(table, rank, align, pieces, capacity // pieces)
+    for name in ("shift", "offsets", "filled"):
+        assert torch.equal(getattr(plan, name).cpu(), getattr(expected, name)), name
+    row = dest.view(tokens, k) + expected.shift.long()[ids.long()]
+    for p in range(pieces):
+        assert peers.dispatch(x, routing, plan, p) == blocks * (p + 1)
     for (t, j), d in zip(np.ndindex(tokens, k), (ids // local).flatten().tolist()):
-        assert torch.equal(grouped[d][int(slot_row[t, j])], x[t]), (t, j)
+        assert torch.equal(grouped[d][int(row[t, j])], x[t]), (t, j)
+        assert int(origins[d][int(row[t, j])]) == rank * slots + t * k + j, (t, j)
+    # This rank's results go back to where their rows came from: its own rows to itself; the others' rows (no
+    # real peer wrote their origins here) are given distinct slots of ranks 0, 2 and 3.
+    real = torch.cat([p * plan.region + int(plan.offsets[e + p]) + torch.arange(int(plan.filled[e]))
+                      for p in range(pieces) for e in range(*plan.piece(p)[0].indices(local))]).cuda()
+    foreign = real[origins[rank][real] < 0]
+    assert 0 < foreign.numel() <= 3 * slots
+    at = torch.arange(foreign.numel(), device="cuda")
+    origins[rank][foreign] = (torch.tensor([0, 2, 3], device="cuda")[at // slots] * slots + at % slots).int()
+    returned[rank].normal_()  # the slots other ranks would return
+    for p in range(pieces):
+        peers.give_back(plan, p)
+    for r in real.tolist():
+        source, slot = divmod(int(origins[rank][r]), slots)
+        assert torch.equal(returned[source][slot], buffers.y[r]), r
     out = torch.empty_like(x)
-    peers.combine(routing, slot_row, out)
-    picked = torch.stack([torch.stack([y[int(d)][int(r)] for d, r in zip(ids[t] // local, slot_row[t])])
-                          for t in range(tokens)]).float()
-    expected = (picked * weights[..., None]).sum(1).bfloat16().float()
-    torch.testing.assert_close(out.float(), expected, rtol=2**-7, atol=1e-3)  # a bf16 rounding apart at most
+    peers.combine(routing, out)
+    values = returned[rank].view(tokens, k, hidden).float()
+    expected_out = (values * weights[..., None]).sum(1).bfloat16().float()
+    torch.testing.assert_close(out.float(), expected_out, rtol=2**-7, atol=1e-3)  # a bf16 rounding apart at most
     for d in range(world):
         assert torch.equal(controls[d][nvlink.TABLE + rank * nvlink.MAX_EXPERTS:][:experts].cpu(), counts)
-        flags = (nvlink.PLANNED, nvlink.ARRIVED, nvlink.READY)
-        assert [int(controls[d][flag + rank]) for flag in flags] == [1, blocks, 1]
+        flags = (nvlink.PLANNED, nvlink.ARRIVED, nvlink.RETURNED)
+        assert [int(controls[d][flag + rank]) for flag in flags] == [1, blocks * pieces, blocks * pieces]
     assert int(controls[rank][nvlink.TIMED_OUT]) == 0

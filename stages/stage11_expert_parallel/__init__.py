@@ -26,8 +26,8 @@ REGROUP_THREADS = 256  # expert_parallel.cu's regroup_index: a grid-stride loop 
 class KernelParts(Parts):
     """The course's kernels: stage 7's router with stage 5's routing (unpadded: the rows travel as they
     are) and combine, this stage's regroup index, stage 6's grouped GEMMs on the local experts w1, w2.
-    spare_sms: SMs the GEMMs leave to NCCL's kernels, so that a piece's transfer can run beside another's
-    GEMMs (a persistent GEMM holds every SM's shared memory and registers until it ends)."""
+    spare_sms: SMs the GEMMs leave to NCCL's kernels or the NVLink copies, so that a piece's transfer can run
+    beside another's GEMMs (a persistent GEMM holds every SM's shared memory and registers until it ends)."""
     align = BLOCK_M
 
     def __init__(self, kernels, wr, bias, w1, w2, top_k, spare_sms=0):
@@ -60,12 +60,14 @@ class KernelParts(Parts):
 def launch(kernels, x, wr, bias, w1, w2, top_k, out, topk_ids, group, *, pieces=1, capacity=False, spare_sms=0,
            peers=None):
     """This rank's tokens x through the layer whose experts w1, w2 it holds: through NCCL (dispatch.layer),
-    or over NVLink with `peers`, nvlink.PeerBuffers mapped by the whole group (nvlink.layer)."""
+    or over NVLink with `peers`, nvlink.PeerBuffers mapped by the whole group (nvlink.layer; its pieces'
+    transfers beside the GEMMs on a second stream)."""
     parts = KernelParts(kernels, wr, bias, w1, w2, top_k, spare_sms)
     if peers is None:
         dispatch.layer(x, parts, group, out, topk_ids, pieces=pieces, capacity=capacity)
     else:
-        nvlink.layer(x, parts, nvlink.KernelPeers(kernels, peers, parts.align), out, topk_ids)
+        nvlink.layer(x, parts, nvlink.KernelPeers(kernels, peers, parts.align), out, topk_ids, pieces,
+                     nvlink.side_stream(x.device) if pieces > 1 else None)
 
 
 STAGE = Stage(

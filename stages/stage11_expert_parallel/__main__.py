@@ -11,6 +11,8 @@ GPU. For each configuration, N × T tokens in bf16, the inputs made alike on eve
                PyTorch; one GPU's stage 7 on one rank's tokens, the throughput bar's yardstick
   phases       route, plan, dispatch, experts and combine of the un-pipelined layer through NCCL and over
                NVLink; dispatch and combine in GB/s against all_to_all_single of the same bytes, split evenly
+  transfers    the NVLink dispatch, and its return + combine, each alone (every rank starting together):
+               what the phases' combine holds of the wait for the slowest rank's GEMMs left out
   costs        what a pipeline pays, without communication: the experts' GEMMs whole, in pieces by expert,
                in pieces by token, and with SMs spared
 
@@ -24,7 +26,6 @@ configuration.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -49,17 +50,18 @@ from stages.stage11_expert_parallel import STAGE, KernelParts, dispatch, nvlink,
 
 PROBLEM = load(STAGE.problem)
 NVLINK = "NVLink kernels"
-HALVES = "NVLink kernels, 2 halves, 16 SMs spared"  # two micro-batches on two streams (two_halves)
 VARIANTS = {"counts": {}, "capacity": dict(capacity=True), "2 pieces": dict(pieces=2),
             "2 pieces, 16 SMs spared": dict(pieces=2, spare_sms=16),
             "4 pieces, 16 SMs spared": dict(pieces=4, spare_sms=16),
             "4 pieces, 32 SMs spared": dict(pieces=4, spare_sms=32), NVLINK: dict(peers=True),
-            HALVES: dict(peers=True, halves=True, spare_sms=16)}
+            "NVLink kernels, 2 pieces, 16 SMs spared": dict(peers=True, pieces=2, spare_sms=16),
+            "NVLink kernels, 4 pieces, 16 SMs spared": dict(peers=True, pieces=4, spare_sms=16),
+            "NVLink kernels, 4 pieces, 32 SMs spared": dict(peers=True, pieces=4, spare_sms=32)}
 PIECES, SPARED = (2, 4), (16, 32)  # the costs' pieces and spared SMs
 BANDWIDTH_BAR = 1.0   # issue #33: dispatch + combine at >= all_to_all_single's GB/s with the NVLink kernels
 NCCL_BANDWIDTH_BAR = 0.6  # and at >= 0.6 × through NCCL
 THROUGHPUT_BAR = 0.95  # the best variant at >= 0.95 × N × one GPU's stage 7, in tokens/s
-OVERLAP_BAR = 1.1     # an overlapped variant >= 1.1 × faster than the un-pipelined one (counts)
+OVERLAP_BAR = 1.1     # an overlapped variant >= 1.1 × faster than the un-pipelined one of its transport
 PHASES = ("route", "plan", "dispatch", "experts", "combine")
 HEAD_START_CYCLES = 4_000_000  # about 2 ms of the GPU's clock: the record says how long it took
 DEVICE = "cuda"  # where this rank's tensors live: the GPU torch.cuda.set_device chose
@@ -135,60 +137,23 @@ def agreed(attempt, group):
 # ---------------------------------------------------------------- the candidates
 
 def peer_buffers(local: dict, group):
-    """NVLink's mapped buffers for this layer (a collective call)."""
+    """NVLink's mapped buffers for this layer, room for every variant's pieces (a collective call)."""
     x, w1 = local["x"], local["w1"]
+    pieces = max(o.get("pieces", 1) for o in VARIANTS.values() if "peers" in o)
     return nvlink.symmetric_buffers(group, x.shape[0], x.shape[1], w1.shape[0] * dist.get_world_size(group),
-                                    local["top_k"], KernelParts.align, x.dtype, x.device)
+                                    local["top_k"], KernelParts.align, x.dtype, x.device, pieces)
 
 
 def variant_run(kernels, local: dict, group, options: dict, peers):
     """The stage's launch on this rank's inputs with one variant's options; its outputs."""
     x, k = local["x"], local["top_k"]
     out, topk_ids = torch.empty_like(x), torch.empty(x.shape[0], k, dtype=torch.int32, device=x.device)
-    if options.get("halves"):
-        return lambda: two_halves(kernels, local, peers, out, topk_ids, options["spare_sms"]), out, topk_ids
     options = dict(options, peers=peers) if "peers" in options else options
 
     def run():
         STAGE.launch(kernels, x, local["wr"], local["bias"], local["w1"], local["w2"], k, out, topk_ids, group,
                      **options)
     return run, out, topk_ids
-
-
-def two_halves(kernels, local: dict, halves: tuple, out, topk_ids, spare_sms: int) -> None:
-    """The layer over NVLink in two micro-batches, this rank's tokens in halves, each half's layer on its own
-    stream and its own mapped buffers (`halves`: two PeerBuffers): one half's route, dispatch and combine
-    can then run beside the other's GEMMs, on the SMs those spare. What it pays: GEMMs of half the rows each
-    (every local weight read twice) and the spared SMs (the record's costs)."""
-    parts = KernelParts(kernels, local["wr"], local["bias"], local["w1"], local["w2"], local["top_k"], spare_sms)
-    x = local["x"]
-    side = side_stream(x.device)
-    for rows, buffers, stream in zip(token_halves(x.shape[0]), halves, (None, side)):
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            nvlink.layer(x[rows], parts, KernelPeers(kernels, buffers, parts.align), out[rows], topk_ids[rows])
-    if side is not None:
-        torch.cuda.current_stream(x.device).wait_stream(side)
-
-
-def token_halves(tokens: int) -> tuple[slice, slice]:
-    """two_halves' micro-batches: the first the larger, which its buffers are sized for."""
-    half = -(-tokens // 2)
-    return slice(0, half), slice(half, None)
-
-
-_SIDE_STREAMS: dict = {}  # GPU -> the stream two_halves runs its second half on
-
-
-def side_stream(device: torch.device):
-    """A second stream of the GPU, made once, waiting for what the current stream holds so far; None on the
-    CPU (the halves then run one after the other)."""
-    if device.type != "cuda":
-        return None
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    side = _SIDE_STREAMS[device]
-    side.wait_stream(torch.cuda.current_stream(device))
-    return side
 
 
 def layer_figures(kernels, local: dict, whole: dict | None, group, reps: int, peers, variants: dict,
@@ -205,8 +170,7 @@ def layer_figures(kernels, local: dict, whole: dict | None, group, reps: int, pe
         def first():
             run()
             if "peers" in options:
-                for buffers in peers if isinstance(peers, tuple) else (peers,):
-                    buffers.check()
+                peers.check()
         failed = agreed(first, group)
         if failed:
             checked[name] = layer_ms[name] = failed
@@ -246,15 +210,42 @@ def nvlink_phases(parts: KernelParts, peers, local: dict):
     def run(mark):
         routing = parts.route(x, topk_ids)
         mark()
-        shift, offsets = peers.plan(routing.counts)
+        plan = peers.plan(routing.counts, 1)
         mark()
-        slot_row = peers.dispatch(x, routing, shift)
+        peers.wait_dispatched(peers.dispatch(x, routing, plan, 0))
         mark()
-        parts.experts(peers.rows, offsets, slice(None), peers.y)
+        experts, rows, offsets = plan.piece(0)
+        parts.experts(peers.rows[rows], offsets, experts, peers.y[rows])
         mark()
-        peers.combine(routing, slot_row, out)
+        peers.give_back(plan, 0)
+        peers.combine(routing, out)
         mark()
     return run
+
+
+def nvlink_transfers(parts: KernelParts, peers, local: dict, group, reps: int) -> dict:
+    """The slowest rank's median ms of the NVLink dispatch alone and of the return + combine alone, each run
+    begun on every rank together after one layer's plan and GEMMs: the transfers without the wait for the
+    slowest rank's GEMMs that the phases' combine holds (all_to_all_single is timed alone too)."""
+    x = local["x"]
+    out, topk_ids = torch.empty_like(x), torch.empty(x.shape[0], local["top_k"], dtype=torch.int32, device=x.device)
+    routing = parts.route(x, topk_ids)
+    plan = peers.plan(routing.counts, 1)
+    experts, rows, offsets = plan.piece(0)
+
+    def dispatch_alone(mark):
+        peers.wait_dispatched(peers.dispatch(x, routing, plan, 0))
+        mark()
+
+    def combine_alone(mark):
+        peers.give_back(plan, 0)
+        peers.combine(routing, out)
+        mark()
+
+    found = {"dispatch": slowest(statistics.median(t[0] for t in run_times(dispatch_alone, reps, group)), group)}
+    parts.experts(peers.rows[rows], offsets, experts, peers.y[rows])
+    found["combine"] = slowest(statistics.median(t[0] for t in run_times(combine_alone, reps, group)), group)
+    return found
 
 
 def phases(run, reps: int, group) -> dict:
@@ -397,21 +388,18 @@ def measure(config: str, args, kernels, group) -> dict | None:
 
     peers = agreed(lambda: peer_buffers(local, group), group)
     found = layer_figures(kernels, local, whole, group, args.reps, peers,
-                          {n: o for n, o in VARIANTS.items() if "peers" in o and "halves" not in o}, expected)
-    checked, layer_ms = {**checked, **found[0]}, {**layer_ms, **found[1]}
-    half = {**local, "x": local["x"][token_halves(local["x"].shape[0])[0]]}  # the buffers' size: the larger half
-    halves = agreed(lambda: (peer_buffers(half, group), peer_buffers(half, group)), group)
-    found = layer_figures(kernels, local, whole, group, args.reps, halves,
-                          {n: o for n, o in VARIANTS.items() if "halves" in o}, expected)
+                          {n: o for n, o in VARIANTS.items() if "peers" in o}, expected)
     checked, layer_ms = {**checked, **found[0]}, {**layer_ms, **found[1]}
     phase_ms[NVLINK] = peers if isinstance(peers, dict) else agreed(
         lambda: phases(nvlink_phases(parts, KernelPeers(kernels, peers, parts.align), local), args.reps, group), group)
+    transfer_ms = {NVLINK: peers if isinstance(peers, dict) else agreed(
+        lambda: nvlink_transfers(parts, KernelPeers(kernels, peers, parts.align), local, group, args.reps), group)}
     dist.barrier(group=group)
     if rank:
         return None
     return dict(config=config, shape=shape, world=world, tokens_per_rank=args.tokens_per_rank, correctness=checked,
                 layer_ms=layer_ms, torch_expert_parallel_ms=torch_ep_ms, one_gpu_stage7_ms=one_gpu_ms,
-                phases_ms=phase_ms, bytes_per_rank=mean_sent, all_to_all=dict(ms=a2a_ms, bytes_per_rank=a2a_bytes),
+                phases_ms=phase_ms, transfers_ms=transfer_ms, bytes_per_rank=mean_sent, all_to_all=dict(ms=a2a_ms, bytes_per_rank=a2a_bytes),
                 capacity=capacity, costs_ms=cost_ms)
 
 
@@ -442,23 +430,31 @@ def bars(c: dict) -> list[str]:
         lines.append(met(f"the best variant ({best}) at {one_gpu / timed_ms[best]:.2f} × {world} × one GPU's stage 7",
                          one_gpu / timed_ms[best] >= THROUGHPUT_BAR, THROUGHPUT_BAR))
     pieces = {name: v for name, v in timed_ms.items() if "pieces" in name}
-    if pieces and records.UNPIPELINED in timed_ms:
-        fastest = min(pieces, key=pieces.get)
-        speedup = timed_ms[records.UNPIPELINED] / pieces[fastest]
-        lines.append(met(f"overlap: {fastest} {speedup:.2f} × faster than {records.UNPIPELINED}",
+    nccl_pieces = {name: v for name, v in pieces.items() if not name.startswith(NVLINK)}
+    if nccl_pieces and records.UNPIPELINED in timed_ms:
+        fastest = min(nccl_pieces, key=nccl_pieces.get)
+        speedup = timed_ms[records.UNPIPELINED] / nccl_pieces[fastest]
+        lines.append(met(f"overlap through NCCL: {fastest} {speedup:.2f} × faster than {records.UNPIPELINED}",
                          speedup >= OVERLAP_BAR, OVERLAP_BAR))
-    if HALVES in timed_ms and NVLINK in timed_ms:
-        speedup = timed_ms[NVLINK] / timed_ms[HALVES]
-        lines.append(met(f"overlap over NVLink: {HALVES} {speedup:.2f} × faster than {NVLINK}",
+    nvlink_pieces = {name: v for name, v in pieces.items() if name.startswith(NVLINK)}
+    if nvlink_pieces and NVLINK in timed_ms:
+        fastest = min(nvlink_pieces, key=nvlink_pieces.get)
+        speedup = timed_ms[NVLINK] / nvlink_pieces[fastest]
+        lines.append(met(f"overlap over NVLink: {fastest} {speedup:.2f} × faster than {NVLINK}",
                          speedup >= OVERLAP_BAR, OVERLAP_BAR))
     a2a = records.gb_per_s(c["all_to_all"]["bytes_per_rank"], c["all_to_all"]["ms"])
-    for transport, p in c["phases_ms"].items():
+    transfers = {**c["phases_ms"], **c.get("transfers_ms", {})}  # NVLink's alone where measured
+    for transport, p in transfers.items():
         if records.failed(p):
             continue
         both = records.gb_per_s(2 * c["bytes_per_rank"], p["dispatch"] + p["combine"]) / a2a
         bar = BANDWIDTH_BAR if transport == NVLINK else NCCL_BANDWIDTH_BAR
-        lines.append(met(f"{transport}: dispatch + combine at {both:.2f} × all_to_all_single's GB/s",
+        alone = " (alone)" if transport in c.get("transfers_ms", {}) else ""
+        lines.append(met(f"{transport}: dispatch + combine{alone} at {both:.2f} × all_to_all_single's GB/s",
                          both >= bar, bar))
+    for transport, p in c["phases_ms"].items():
+        if records.failed(p):
+            continue
         share = (p["route"] + p["plan"]) / p["experts"]
         lines.append(f"  {transport}: route + plan at {share:.0%} of the experts' time")
     return lines

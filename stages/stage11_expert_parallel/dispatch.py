@@ -71,8 +71,10 @@ class Piece:
 
 
 class Parts(abc.ABC):
-    """What the device computes. `align`: each expert's rows are padded to a multiple of it (the GEMM's tile)."""
+    """What the device computes. `align`: each expert's rows are padded to a multiple of it (the GEMM's tile);
+    `spare_sms`: SMs the GEMMs leave to transfers that run beside them."""
     align: int = 1
+    spare_sms: int = 0
 
     @abc.abstractmethod
     def route(self, x: torch.Tensor, topk_ids: torch.Tensor) -> Routing:

@@ -1,34 +1,40 @@
 // Stage 11 over NVLink: dispatch and combine by the course's own kernels, as DeepEP does within a node.
 // Every rank maps its peers' buffers (PyTorch's symmetric memory: nvlink.py), so a kernel stores a token's
-// row straight into the rank that owns its expert, at the row where that rank's grouped GEMMs read it:
-// no all-to-all, no regroup, and no host synchronization (nothing the host must read before it goes on).
+// row straight into the rank that owns its expert, at the row where that rank's grouped GEMMs read it, and
+// stores each result straight back into the rank that sent the row: no all-to-all, no regroup, and no host
+// synchronization (nothing the host must read before it goes on). Every transfer is a store, none a load:
+// a load over NVLink waits for its answer, a store does not.
 //
-//   ep_plan          one block: this rank's counts [E] into every peer's table, a flag per peer, then
-//                    (all tables in) where each expert's rows start on its rank: shift, and this rank's
-//                    segment offsets for its GEMMs
-//   ep_dispatch      a warp per token: its row read once, stored into its k experts' ranks; each block
-//                    then adds 1 to an arrival count per peer
-//   signal_and_wait  one block: a flag to every peer (optional), then every peer's flag awaited
-//   (stage 6's GEMMs on the grouped rows, into the results buffer that peers read)
-//   ep_combine       a block per token: its k results read from the ranks that computed them
+//   ep_plan         one block: this rank's counts [E] into every peer's table, a flag per peer, then (all
+//                   tables in) where each expert's rows start on its rank: shift; this rank's segment
+//                   offsets for its GEMMs, piece by piece; and each local expert's real rows (filled)
+//   ep_dispatch     a warp per token: its row read once, stored into the ranks of those of its k experts
+//                   that lie in one piece of the local experts (all of them: one piece), with the row's
+//                   origin (rank, token-slot); each block then adds 1 to an arrival count on every peer
+//   (stage 6's GEMMs on one piece's grouped rows, into this rank's results)
+//   ep_return       a warp per grouped row of one piece: a real row's result stored into the returned
+//                   buffer of the rank it came from, at its token-slot; the same count per block
+//   wait_for_peers  one block: every peer's count awaited
+//   (stage 5's weighted sum over the returned buffer, local: the combine)
 //
-// Flags hold the call's epoch (1, 2, ...; counts: epoch × blocks), so that nothing is ever reset.
-// Reuse is safe without more flags: a rank overwrites a peer's buffers in call n + 1 only after its
-// combine of call n, which waited for that peer's results of call n, which came after the peer had read
-// its rows and tables of call n.
+// PLANNED holds the call's epoch (1, 2, ...); ARRIVED and RETURNED the blocks each source launched so far
+// (the hosts count them alike), so that nothing is ever reset. Reuse is safe without more flags: a rank
+// writes a peer's buffers in call n + 1 only after its ep_plan of call n + 1 saw that peer's flag, which the
+// peer raised once its call n was over (its streams joined).
 #pragma once
 
 #define MAX_RANKS 8              // the GPUs of one node
-#define PEER_THREADS 256         // ep_plan: a thread per expert (MAX_EXPERTS); signal_and_wait: a rank each
-#define DISPATCH_THREADS 256     // ep_dispatch: 8 warps, a token each at a time
+#define PEER_THREADS 256         // ep_plan: a thread per expert (MAX_EXPERTS); wait_for_peers: a rank each
+#define COPY_THREADS 1024        // ep_dispatch, ep_return: 32 warps of up to 64 registers, a block fills its
+                                 // SM: n blocks take n SMs and leave the rest to the GEMMs
 #define WAIT_TIMEOUT_NS 5000000000ull  // 5 s: a flag that has not come by then never will (a peer failed)
 
 // The control buffer, ints, one per rank, mapped by every peer (nvlink.py allocates CONTROL_INTS).
 #define TABLE 0                                  // [MAX_RANKS][MAX_EXPERTS]: each source rank's counts
 #define PLANNED (MAX_RANKS * MAX_EXPERTS)        // [MAX_RANKS] the epoch of the source's table
 #define ARRIVED (PLANNED + MAX_RANKS)            // [MAX_RANKS] the source's dispatch blocks done, cumulated
-#define READY (ARRIVED + MAX_RANKS)              // [MAX_RANKS] the epoch of the peer's results
-#define TIMED_OUT (READY + MAX_RANKS)            // set when a wait gave up
+#define RETURNED (ARRIVED + MAX_RANKS)           // [MAX_RANKS] the source's return blocks done, cumulated
+#define TIMED_OUT (RETURNED + MAX_RANKS)         // set when a wait gave up
 #define CONTROL_INTS (TIMED_OUT + 1)
 
 __device__ __forceinline__ int load_acquire(const int* p) {
@@ -64,13 +70,16 @@ __device__ __forceinline__ int* peer_ints(const long long* peers, int rank) {
 }
 
 // --8<-- [start:plan]
-// counts[E]: this rank's token-slots per expert (stage 5, unpadded). Writes shift[e]: what to add to a
-// token-slot's row in this rank's expert order (stage 5's dest) to get its row on the rank that owns e,
-// whose grouped rows hold expert e's segment (padded to `align`) with the sources' rows end to end by
-// rank; and offsets[E_l + 1], this rank's own segments, for its GEMMs.
+// counts[E]: this rank's token-slots per expert (stage 5, unpadded). Every rank's grouped rows hold `pieces`
+// regions of piece_rows rows; piece p holds local experts local·p/pieces .. local·(p+1)/pieces - 1, each
+// expert's segment padded to `align`, the sources' rows end to end by rank within it. Writes shift[e]: what
+// to add to a token-slot's row in this rank's expert order (stage 5's dest) to get its row on the rank that
+// owns e; offsets[E_l + pieces], this rank's segments for its GEMMs, piece p's from 0 at entries lo + p ..
+// hi + p; filled[E_l], the real rows of each local expert (the rest of its segment is padding).
 extern "C" __global__ void __launch_bounds__(PEER_THREADS)
 ep_plan(const int* __restrict__ counts, const long long* __restrict__ control_peers, int* control, int rank,
-        int world, int experts, int align, int epoch, int* __restrict__ shift, int* __restrict__ offsets) {
+        int world, int experts, int align, int pieces, int piece_rows, int epoch, int* __restrict__ shift,
+        int* __restrict__ offsets, int* __restrict__ filled) {
     __shared__ int start[MAX_EXPERTS];   // where expert e's segment starts on its rank
     __shared__ int before[MAX_EXPERTS];  // expert e's rows from ranks before this one
     __shared__ int first[MAX_EXPERTS];   // where e's token-slots start in this rank's expert order
@@ -95,16 +104,21 @@ ep_plan(const int* __restrict__ counts, const long long* __restrict__ control_pe
         before[e] = mine;
         start[e] = (rows + align - 1) / align * align;  // the padded segment's length, summed below
         first[e] = table[rank * MAX_EXPERTS + e];
+        if (e / local == rank) filled[e % local] = rows;
     }
     __syncthreads();
-    if (e < world) {  // each rank's segments, end to end from 0
-        int at = 0;
-        for (int i = e * local; i < (e + 1) * local; ++i) {
-            const int length = start[i];
-            start[i] = at;
-            at += length;
+    if (e < world) {  // rank e's segments, end to end from each piece's first row
+        for (int p = 0; p < pieces; ++p) {
+            const int lo = local * p / pieces, hi = local * (p + 1) / pieces;
+            int at = 0;
+            for (int i = lo; i < hi; ++i) {
+                const int length = start[e * local + i];
+                if (e == rank) offsets[i + p] = at;
+                start[e * local + i] = p * piece_rows + at;
+                at += length;
+            }
+            if (e == rank) offsets[hi + p] = at;
         }
-        if (e == rank) offsets[local] = at;
     }
     if (e == MAX_RANKS) {
         int at = 0;
@@ -116,29 +130,41 @@ ep_plan(const int* __restrict__ counts, const long long* __restrict__ control_pe
     }
     __syncthreads();
     if (e < experts) shift[e] = start[e] + before[e] - first[e];
-    if (e < local) offsets[e] = start[rank * local + e];
 }
 // --8<-- [end:plan]
 
+// Each block, once its stores are issued: fenced, then 1 added to this rank's count at `slot` on every peer.
+__device__ __forceinline__ void arrive(const long long* control_peers, int slot, int rank, int world) {
+    __syncthreads();
+    if (threadIdx.x < world) {
+        __threadfence_system();
+        atomicAdd_system(peer_ints(control_peers, threadIdx.x) + slot + rank, 1);
+    }
+}
+
 // --8<-- [start:dispatch]
-// A warp per token: lane j < k finds slot j's rank and row there (slot_row, for the combine); then the
-// warp reads the row 16 bytes a lane at a time and stores each vector into the k ranks' grouped rows.
-// The stores to a peer go over NVLink and nothing waits for them; each block then fences and adds 1 to
-// its arrival count on every peer.
-extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS)
+// A warp per token: lane j < k finds slot j's rank and row there, and whether its local expert lies in
+// [first, last) (this piece); the warp then reads the row 16 bytes a lane at a time and stores each vector
+// into the piece's slots' rows. Lane j also stores the slot's origin (this rank, the token-slot) beside its
+// row, for ep_return. The stores to a peer go over NVLink and nothing waits for them.
+extern "C" __global__ void __launch_bounds__(COPY_THREADS, 1)
 ep_dispatch(const elem_t* __restrict__ x, const int* __restrict__ topk_ids, const int* __restrict__ dest,
             const int* __restrict__ shift, const long long* __restrict__ rows_peers,
-            const long long* __restrict__ control_peers, int* __restrict__ slot_row, int tokens, int hidden,
-            int top_k, int local, int rank, int world) {
-    const int lane = threadIdx.x % 32, warps = gridDim.x * DISPATCH_THREADS / 32;
-    for (int t = (blockIdx.x * DISPATCH_THREADS + threadIdx.x) / 32; t < tokens; t += warps) {
+            const long long* __restrict__ origin_peers, const long long* __restrict__ control_peers, int tokens,
+            int hidden, int top_k, int local, int first, int last, int slots, int rank, int world) {
+    const int lane = threadIdx.x % 32, warps = gridDim.x * COPY_THREADS / 32;
+    for (int t = (blockIdx.x * COPY_THREADS + threadIdx.x) / 32; t < tokens; t += warps) {
         int to = 0, row = 0;
+        bool wanted = false;
         if (lane < top_k) {
-            const int expert = topk_ids[t * top_k + lane];
+            const int slot = t * top_k + lane, expert = topk_ids[slot];
             to = expert / local;
-            row = dest[t * top_k + lane] + shift[expert];
-            slot_row[t * top_k + lane] = row;
+            row = dest[slot] + shift[expert];
+            wanted = expert % local >= first && expert % local < last;
+            if (wanted) reinterpret_cast<int*>(origin_peers[to])[row] = rank * slots + slot;
         }
+        const unsigned stored = __ballot_sync(FULL_MASK, wanted);  // bit j: slot j is this piece's
+        if (stored == 0) continue;
         uint4* target[MAX_TOP_K];  // slot j's row on its rank, in every lane
 #pragma unroll
         for (int j = 0; j < MAX_TOP_K; ++j) {
@@ -150,60 +176,39 @@ ep_dispatch(const elem_t* __restrict__ x, const int* __restrict__ topk_ids, cons
             const uint4 v = source[c];
 #pragma unroll
             for (int j = 0; j < MAX_TOP_K; ++j)
-                if (j < top_k) target[j][c] = v;
+                if (stored >> j & 1) target[j][c] = v;
         }
     }
-    __syncthreads();
-    if (threadIdx.x < world) {
-        __threadfence_system();
-        atomicAdd_system(peer_ints(control_peers, threadIdx.x) + ARRIVED + rank, 1);
-    }
+    arrive(control_peers, ARRIVED, rank, world);
 }
 // --8<-- [end:dispatch]
 
-// Thread s < world: with signal > 0, stores it into peer s's flag `slot` + rank; then waits for this
-// rank's flag `slot` + s to reach `wait`.
-extern "C" __global__ void __launch_bounds__(PEER_THREADS)
-signal_and_wait(const long long* __restrict__ control_peers, int* control, int slot, int rank, int world, int signal,
-                int wait) {
-    const int s = threadIdx.x;
-    if (s >= world) return;
-    if (signal > 0) {
-        __threadfence_system();
-        store_release(peer_ints(control_peers, s) + slot + rank, signal);
+// --8<-- [start:return]
+// One piece: y, offsets, filled and origin start at the piece's first row and expert. A warp per grouped row
+// r: its expert e (rows only grow along a warp's walk, so e only moves forward), and unless r is its
+// segment's padding, the result stored whole into the returned buffer of the rank the row came from, at its
+// token-slot.
+extern "C" __global__ void __launch_bounds__(COPY_THREADS, 1)
+ep_return(const elem_t* __restrict__ y, const int* __restrict__ offsets, const int* __restrict__ filled,
+          const int* __restrict__ origin, const long long* __restrict__ returned_peers,
+          const long long* __restrict__ control_peers, int hidden, int experts, int slots, int rank, int world) {
+    const int lane = threadIdx.x % 32, warps = gridDim.x * COPY_THREADS / 32;
+    int e = 0;
+    for (int r = (blockIdx.x * COPY_THREADS + threadIdx.x) / 32; r < offsets[experts]; r += warps) {
+        while (r >= offsets[e + 1]) ++e;
+        if (r - offsets[e] >= filled[e]) continue;
+        const int from = origin[r];
+        const uint4* source = reinterpret_cast<const uint4*>(y + (size_t)r * hidden);
+        uint4* target = reinterpret_cast<uint4*>(reinterpret_cast<elem_t*>(returned_peers[from / slots]) +
+                                                 (size_t)(from % slots) * hidden);
+        for (int c = lane; c < hidden / 8; c += 32) target[c] = source[c];
     }
-    wait_at_least(control + slot + s, wait, control);
+    arrive(control_peers, RETURNED, rank, world);
 }
+// --8<-- [end:return]
 
-// --8<-- [start:combine]
-// A block per token: out[t] = Σ_j w_j · y[row_j] on slot j's rank, in fp32 in the order of stage 5's
-// moe_combine (so the result is its, bit for bit), 16-byte vectors; the k loads are issued together,
-// so that k reads over NVLink are in flight at once.
-extern "C" __global__ void ep_combine(const long long* __restrict__ y_peers, const int* __restrict__ topk_ids,
-                                      const int* __restrict__ slot_row, const float* __restrict__ topk_weights,
-                                      elem_t* __restrict__ out, int top_k, int hidden, int local) {
-    const int token = blockIdx.x;
-    const elem_t* row[MAX_TOP_K];
-    float weight[MAX_TOP_K];
-#pragma unroll
-    for (int j = 0; j < MAX_TOP_K; ++j) {
-        const int slot = token * top_k + j;
-        const elem_t* y = j < top_k ? reinterpret_cast<const elem_t*>(y_peers[topk_ids[slot] / local]) : nullptr;
-        row[j] = j < top_k ? y + (size_t)slot_row[slot] * hidden : nullptr;
-        weight[j] = j < top_k ? topk_weights[slot] : 0.0f;
-    }
-    for (int c = threadIdx.x * 8; c < hidden; c += blockDim.x * 8) {
-        float acc[8] = {};
-#pragma unroll
-        for (int j = 0; j < MAX_TOP_K; ++j) {
-            if (j < top_k) {
-                float v[8];
-                load8(row[j] + c, v);
-#pragma unroll
-                for (int q = 0; q < 8; ++q) acc[q] += weight[j] * v[q];
-            }
-        }
-        store8(out + (size_t)token * hidden + c, acc);
-    }
+// Thread s < world waits for this rank's count `slot` + s to reach `value`.
+extern "C" __global__ void __launch_bounds__(PEER_THREADS)
+wait_for_peers(int* control, int slot, int world, int value) {
+    if (threadIdx.x < world) wait_at_least(control + slot + threadIdx.x, value, control);
 }
-// --8<-- [end:combine]
