@@ -11,8 +11,8 @@ GPU. For each configuration, N × T tokens in bf16, the inputs made alike on eve
                PyTorch; one GPU's stage 7 on one rank's tokens, the throughput bar's yardstick
   phases       route, plan, dispatch, experts and combine of the un-pipelined layer through NCCL and over
                NVLink; dispatch and combine in GB/s against all_to_all_single of the same bytes, split evenly
-  transfers    the NVLink dispatch, and its return + combine, each alone (every rank starting together):
-               what the phases' combine holds of the wait for the slowest rank's GEMMs left out
+  transfers    each transport's dispatch, and its combine, alone (every rank starting together): what the
+               phases hold of the wait for the slowest rank left out, as all_to_all_single is timed
   costs        what a pipeline pays, without communication: the experts' GEMMs whole, in pieces by expert,
                in pieces by token, and with SMs spared
 
@@ -223,6 +223,33 @@ def nvlink_phases(parts: KernelParts, peers, local: dict):
     return run
 
 
+def nccl_transfers(parts: KernelParts, local: dict, group, reps: int) -> dict:
+    """The slowest rank's median ms of NCCL's dispatch alone (the rows gathered, all_to_all_single) and of its
+    combine alone (all_to_all_single back, the weighted sum), each run begun on every rank together after one
+    layer's plan and GEMMs: as nvlink_transfers."""
+    x = local["x"]
+    out, topk_ids = torch.empty_like(x), torch.empty(x.shape[0], local["top_k"], dtype=torch.int32, device=x.device)
+    routing = parts.route(x, topk_ids)
+    exchange = dispatch.exchange_counts(routing, group, parts.align)
+    (piece,), row_of_slot = dispatch.split(exchange, routing.ids, 1, parts.align)
+    returned, received = x.new_empty(piece.send_token.numel(), x.shape[1]), {}
+
+    def dispatch_alone(mark):
+        received["rows"] = dispatch.send(x, piece, group).wait()
+        mark()
+
+    found = {"dispatch": slowest(statistics.median(t[0] for t in run_times(dispatch_alone, reps, group)), group)}
+    y = dispatch.compute(received["rows"], piece, parts)
+
+    def combine_alone(mark):
+        dispatch.all_to_all(y, returned, piece.send_splits, piece.recv_splits, group).wait()
+        parts.weighted_sum(returned, row_of_slot, routing.weights, out)
+        mark()
+
+    found["combine"] = slowest(statistics.median(t[0] for t in run_times(combine_alone, reps, group)), group)
+    return found
+
+
 def nvlink_transfers(parts: KernelParts, peers, local: dict, group, reps: int) -> dict:
     """The slowest rank's median ms of the NVLink dispatch alone and of the return + combine alone, each run
     begun on every rank together after one layer's plan and GEMMs: the transfers without the wait for the
@@ -392,8 +419,10 @@ def measure(config: str, args, kernels, group) -> dict | None:
     checked, layer_ms = {**checked, **found[0]}, {**layer_ms, **found[1]}
     phase_ms[NVLINK] = peers if isinstance(peers, dict) else agreed(
         lambda: phases(nvlink_phases(parts, KernelPeers(kernels, peers, parts.align), local), args.reps, group), group)
-    transfer_ms = {NVLINK: peers if isinstance(peers, dict) else agreed(
-        lambda: nvlink_transfers(parts, KernelPeers(kernels, peers, parts.align), local, group, args.reps), group)}
+    transfer_ms = {"NCCL": nccl_transfers(parts, local, group, args.reps),
+                   NVLINK: peers if isinstance(peers, dict) else agreed(
+                       lambda: nvlink_transfers(parts, KernelPeers(kernels, peers, parts.align), local, group,
+                                                args.reps), group)}
     dist.barrier(group=group)
     if rank:
         return None
@@ -443,7 +472,7 @@ def bars(c: dict) -> list[str]:
         lines.append(met(f"overlap over NVLink: {fastest} {speedup:.2f} × faster than {NVLINK}",
                          speedup >= OVERLAP_BAR, OVERLAP_BAR))
     a2a = records.gb_per_s(c["all_to_all"]["bytes_per_rank"], c["all_to_all"]["ms"])
-    transfers = {**c["phases_ms"], **c.get("transfers_ms", {})}  # NVLink's alone where measured
+    transfers = {**c["phases_ms"], **c.get("transfers_ms", {})}  # alone where measured
     for transport, p in transfers.items():
         if records.failed(p):
             continue

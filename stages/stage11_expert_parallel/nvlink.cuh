@@ -27,6 +27,7 @@
 #define PEER_THREADS 256         // ep_plan: a thread per expert (MAX_EXPERTS); wait_for_peers: a rank each
 #define COPY_THREADS 1024        // ep_dispatch, ep_return: 32 warps of up to 64 registers, a block fills its
                                  // SM: n blocks take n SMs and leave the rest to the GEMMs
+#define RETURN_LOADS 4           // ep_return: 16-byte loads in flight per lane
 #define WAIT_TIMEOUT_NS 5000000000ull  // 5 s: a flag that has not come by then never will (a peer failed)
 
 // The control buffer, ints, one per rank, mapped by every peer (nvlink.py allocates CONTROL_INTS).
@@ -187,7 +188,8 @@ ep_dispatch(const elem_t* __restrict__ x, const int* __restrict__ topk_ids, cons
 // One piece: y, offsets, filled and origin start at the piece's first row and expert. A warp per grouped row
 // r: its expert e (rows only grow along a warp's walk, so e only moves forward), and unless r is its
 // segment's padding, the result stored whole into the returned buffer of the rank the row came from, at its
-// token-slot.
+// token-slot. A lane loads RETURN_LOADS vectors before it stores them: a load waits for its answer, and
+// where the dispatch stores each load k times, this stores it once.
 extern "C" __global__ void __launch_bounds__(COPY_THREADS, 1)
 ep_return(const elem_t* __restrict__ y, const int* __restrict__ offsets, const int* __restrict__ filled,
           const int* __restrict__ origin, const long long* __restrict__ returned_peers,
@@ -201,7 +203,15 @@ ep_return(const elem_t* __restrict__ y, const int* __restrict__ offsets, const i
         const uint4* source = reinterpret_cast<const uint4*>(y + (size_t)r * hidden);
         uint4* target = reinterpret_cast<uint4*>(reinterpret_cast<elem_t*>(returned_peers[from / slots]) +
                                                  (size_t)(from % slots) * hidden);
-        for (int c = lane; c < hidden / 8; c += 32) target[c] = source[c];
+        for (int c = lane; c < hidden / 8; c += 32 * RETURN_LOADS) {  // the loads first, then the stores
+            uint4 v[RETURN_LOADS];
+#pragma unroll
+            for (int u = 0; u < RETURN_LOADS; ++u)
+                if (c + 32 * u < hidden / 8) v[u] = source[c + 32 * u];
+#pragma unroll
+            for (int u = 0; u < RETURN_LOADS; ++u)
+                if (c + 32 * u < hidden / 8) target[c + 32 * u] = v[u];
+        }
     }
     arrive(control_peers, RETURNED, rank, world);
 }
