@@ -50,7 +50,6 @@ static_assert(SHARED_BYTES <= 227 * 1024, "an H100 block has at most 227 KB of s
 static_assert(sizeof(elem_t) == 2, "16-bit elements");
 static_assert(HEAD_DIM % ATOM_COLS == 0, "D is a whole number of 128-byte swizzle rows");
 
-
 // The block mask and the element mask, as the kernel receives them.
 struct Mask {
     const int *kv_num, *kv_indices, *full_num, *full_indices;  // the BlockMask's four tensors, [Qb] and [Qb, KVb]
