@@ -71,7 +71,7 @@ class GlooPeers(nvlink.Peers):
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
         world = dist.get_world_size(group)
         self.group, self.align, self.local, self.slots = group, align, experts // world, int(most) * top_k
-        rows = max(n * nvlink.piece_rows(world, int(most), top_k, self.local, align, n) for n in range(1, pieces + 1))
+        rows = nvlink.grouped_rows(world, int(most), top_k, self.local, align, pieces)
         self.rows = torch.full((rows, hidden), float("nan"), dtype=dtype)
         self.y = torch.full_like(self.rows, float("nan"))
         self.origin = torch.full((rows,), -1, dtype=torch.long)
@@ -555,7 +555,7 @@ def test_the_nvlink_kernels_as_rank_1_of_4_on_one_gpu(pieces):
     dest = torch.empty_like(order)
     dest[order] = torch.arange(order.numel())
     slots = tokens * k
-    capacity = max(n * nvlink.piece_rows(world, 2 * tokens, k, local, align, n) for n in range(1, pieces + 1))
+    capacity = nvlink.grouped_rows(world, 2 * tokens, k, local, align, pieces)
     controls = [torch.zeros(nvlink.CONTROL_INTS, dtype=torch.int32, device="cuda") for _ in range(world)]
     grouped = [torch.full((capacity, hidden), float("nan"), device="cuda").bfloat16() for _ in range(world)]
     origins = [torch.full((capacity,), -1, dtype=torch.int32, device="cuda") for _ in range(world)]

@@ -232,21 +232,15 @@ def nccl_transfers(parts: KernelParts, local: dict, group, reps: int) -> dict:
     routing = parts.route(x, topk_ids)
     exchange = dispatch.exchange_counts(routing, group, parts.align)
     (piece,), row_of_slot = dispatch.split(exchange, routing.ids, 1, parts.align)
-    returned, received = x.new_empty(piece.send_token.numel(), x.shape[1]), {}
+    returned = x.new_empty(piece.send_token.numel(), x.shape[1])
+    found = {"dispatch": timed(lambda: dispatch.send(x, piece, group).wait(), reps, group)}
+    y = dispatch.compute(dispatch.send(x, piece, group).wait(), piece, parts)
 
-    def dispatch_alone(mark):
-        received["rows"] = dispatch.send(x, piece, group).wait()
-        mark()
-
-    found = {"dispatch": slowest(statistics.median(t[0] for t in run_times(dispatch_alone, reps, group)), group)}
-    y = dispatch.compute(received["rows"], piece, parts)
-
-    def combine_alone(mark):
+    def combine_alone():
         dispatch.all_to_all(y, returned, piece.send_splits, piece.recv_splits, group).wait()
         parts.weighted_sum(returned, row_of_slot, routing.weights, out)
-        mark()
 
-    found["combine"] = slowest(statistics.median(t[0] for t in run_times(combine_alone, reps, group)), group)
+    found["combine"] = timed(combine_alone, reps, group)
     return found
 
 
@@ -260,18 +254,13 @@ def nvlink_transfers(parts: KernelParts, peers, local: dict, group, reps: int) -
     plan = peers.plan(routing.counts, 1)
     experts, rows, offsets = plan.piece(0)
 
-    def dispatch_alone(mark):
-        peers.wait_dispatched(peers.dispatch(x, routing, plan, 0))
-        mark()
-
-    def combine_alone(mark):
+    def combine_alone():
         peers.give_back(plan, 0)
         peers.combine(routing, out)
-        mark()
 
-    found = {"dispatch": slowest(statistics.median(t[0] for t in run_times(dispatch_alone, reps, group)), group)}
+    found = {"dispatch": timed(lambda: peers.wait_dispatched(peers.dispatch(x, routing, plan, 0)), reps, group)}
     parts.experts(peers.rows[rows], offsets, experts, peers.y[rows])
-    found["combine"] = slowest(statistics.median(t[0] for t in run_times(combine_alone, reps, group)), group)
+    found["combine"] = timed(combine_alone, reps, group)
     return found
 
 

@@ -65,6 +65,12 @@ def piece_rows(world: int, tokens: int, top_k: int, local: int, align: int, piec
     return world * tokens * top_k + -(-local // pieces) * (align - 1)
 
 
+def grouped_rows(world: int, tokens: int, top_k: int, local: int, align: int, pieces: int) -> int:
+    """The grouped rows a rank holds for the layer in any number of pieces up to `pieces` (Plan.region: the
+    rows over the pieces)."""
+    return max(n * piece_rows(world, tokens, top_k, local, align, n) for n in range(1, pieces + 1))
+
+
 @dataclass
 class Plan:
     """Where the rows go (ep_plan's outputs) and the regions they go in."""
@@ -221,8 +227,7 @@ def symmetric_buffers(group, tokens: int, hidden: int, experts: int, top_k: int,
     agreed = torch.tensor([tokens, -sm_count(device)], device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
     slots = int(agreed[0]) * top_k
-    capacity = max(n * piece_rows(world, int(agreed[0]), top_k, experts // world, align, n)
-                   for n in range(1, pieces + 1))
+    capacity = grouped_rows(world, int(agreed[0]), top_k, experts // world, align, pieces)
 
     def mapped(shape, element):
         tensor = symm_mem.empty(shape, dtype=element, device=device)
@@ -253,7 +258,7 @@ class KernelPeers(Peers):
             raise ValueError(f"these buffers hold the layer in at most {b.pieces} pieces; asked for {pieces}")
         b.epoch += 1
         experts, device = counts.numel(), counts.device
-        region = b.rows.shape[0] // pieces  # at least piece_rows(..., pieces): symmetric_buffers' capacity
+        region = b.rows.shape[0] // pieces  # at least piece_rows(..., pieces): see grouped_rows
         shift, offsets, filled = (torch.empty(n, dtype=torch.int32, device=device)
                                   for n in (experts, experts // b.world + pieces, experts // b.world))
         self.kernels.ep_plan((1,), (PEER_THREADS,), counts, b.control_peers, b.control, b.rank, b.world, experts,

@@ -63,14 +63,14 @@ def outcome(found: dict | None) -> str:
 
 
 def phase_table(c: dict) -> list[str]:
-    """The un-pipelined layer's phases by transport, then the NVLink transfers alone where measured, and
-    dispatch + combine against all_to_all_single."""
+    """The un-pipelined layer's phases by transport, then each transport's transfers alone where measured,
+    and dispatch + combine against all_to_all_single."""
     nbytes, a2a = c["bytes_per_rank"], c["all_to_all"]
     a2a_rate = gb_per_s(a2a["bytes_per_rank"], a2a["ms"])
     names = list(next(p for p in c["phases_ms"].values() if not failed(p)))
     lines = [f"| ms | {' | '.join(names)} | dispatch + combine GB/s | × all_to_all_single ({a2a_rate:.0f} GB/s) |",
              "|---|" + "--:|" * (len(names) + 2)]
-    rows = [(t, p) for t, p in c["phases_ms"].items()]
+    rows = list(c["phases_ms"].items())
     rows += [(f"{t}, each transfer alone", p) for t, p in c.get("transfers_ms", {}).items()]
     for transport, p in rows:
         if failed(p):
