@@ -46,6 +46,8 @@ dW1 and dW2 written once.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from reference import moe, moe_experts, moe_layer, moe_routing, tolerance
@@ -53,6 +55,21 @@ from reference.moe_layer import MoeLayerProblem
 from reference.problem import FLOAT_POISON, Case, Problem
 
 FORWARD = moe_layer.PROBLEM
+
+
+class Saved(NamedTuple):
+    """What the forward keeps for the backward, per layer call: the routing and permutation of stage 5/7 and
+    the first product h1 = x·W1 per token-slot. rows = moe.padded_capacity(T, E, k, BLOCK): expert e's
+    token-slots sit at rows offsets[e] .. offsets[e] + counts[e] - 1 of the permuted buffers, in any order
+    (dest and source_token agree on it), then padding up to offsets[e+1], a multiple of BLOCK."""
+    topk_ids: torch.Tensor        # [T, k] int32, each token's experts
+    topk_weights: torch.Tensor    # [T, k] fp32, the softmax of the saved logits at topk_ids
+    logits: torch.Tensor          # [T, E] fp32, x·Wr + bias
+    expert_counts: torch.Tensor   # [E] int32, token-slots per expert
+    expert_offsets: torch.Tensor  # [E+1] int32, each expert's first row, padded segments
+    dest: torch.Tensor            # [T, k] int32, the row of token-slot (t, j)
+    source_token: torch.Tensor    # [rows] int32, the token of each row, -1 for padding (and rows past offsets[E])
+    h1: torch.Tensor              # [rows, 2·I] in the dtype, x[token]·W1[e] = [G U]; padding rows unspecified
 DIFFERENTIATED = ("x", "wr", "bias", "w1", "w2")  # the inputs whose gradients are the outputs, in their order
 
 # Beyond the forward's cases (E up to 64): DeepSeek-like routing, 256 experts and 8 per token, CPU-sized;
