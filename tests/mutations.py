@@ -90,6 +90,21 @@ MUTATIONS = {
     # in-process on the GPU: tests/test_moe_backward_stage.py
     "moe_backward_same_a_columns": Mutation("stage14", (("tile.row0 + c * CONSUMER_ROWS, row, 0);",
                                                          "tile.row0, row, 0);"),), None),
+    # stage 14's epilogue sums dA·h over one lane's columns only: the quad's shuffles dropped, so g (the top-k
+    # weights' gradient) misses three quarters of each row: dBias, dWr and dX's router term go wrong
+    # in-process on the GPU: tests/test_moe_backward_stage.py
+    "moe_backward_g_one_lane": Mutation("stage14", (("        g[half] += __shfl_xor_sync(FULL_MASK, g[half], 1);\n"
+                                                     "        g[half] += __shfl_xor_sync(FULL_MASK, g[half], 2);\n", ""),),
+                                        None),
+    # stage 14's epilogue multiplies a padding row's results by its zero weight instead of selecting zeros:
+    # the problem's h1 holds NaN in the padding rows, 0 · NaN is NaN, and dW1 and dW2 fill with it
+    # in-process on the GPU: tests/test_moe_backward_stage.py
+    "moe_backward_padding_multiplied": Mutation("stage14", (("const bool padding = w[half] == 0.0f;",
+                                                             "const bool padding = false;"),), None),
+    # stage 14's router backward adds the top-k softmax's term without the weight w_j
+    # in-process on the GPU: tests/test_moe_backward_stage.py
+    "moe_backward_topk_term_unweighted": Mutation("stage14", (("grad[i] += w[j] * (g[j] - weighted);",
+                                                               "grad[i] += g[j] - weighted;"),), None),
     # a write far outside any buffer: an illegal address
     "crash": Mutation("stage0", (("    __syncthreads();\n\n    float dot",
                                   "    __syncthreads();\n    scores[(size_t)1 << 40] = 1.0f;\n\n    float dot"),), None),

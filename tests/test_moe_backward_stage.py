@@ -1,16 +1,15 @@
 """Stage 14 (the MoE layer's backward on Hopper) against the problem's own check.
 
-On the CPU: the launch's arithmetic (the permutation, SwiGLU's, the combine's and the router's backward)
-with PyTorch's grouped GEMMs in place of backward.cu's, on cases of many tokens. On a GPU (sm_90a): a
-weight-gradient kernel that leaves an empty expert's dW unwritten, and one that gives both consumers the
-same columns of A, fail (every case of the stage's own kernel: tests/test_gpu.py). Skipped without an
-sm_90 GPU."""
+On the CPU: the launch's wiring and arithmetic with each of backward.cu's kernels replaced by PyTorch doing
+what the kernel's comment says it does (TorchKernels), on cases of many tokens. On a GPU (sm_90a): wrong
+kernels fail (every case of the stage's own kernel: tests/test_gpu.py). Skipped without an sm_90 GPU."""
 import pytest
 import torch
 
 from mutations import mutate
+from reference.moe_layer_backward import saved_of
 from stage_on_gpu import StageOnGpu
-from stages.stage14_moe_backward import backward
+from stages.stage14_moe_backward import BLOCK_N, backward
 
 ON_GPU = StageOnGpu("stage14")  # its kernels run here on one case at a time
 STAGE, PROBLEM = ON_GPU.stage, ON_GPU.problem
@@ -22,16 +21,37 @@ def _segments(offsets):
     return [(e, bounds[e], bounds[e + 1]) for e in range(len(bounds) - 1)]
 
 
-class TorchGemms:
-    """backward.cu's grouped GEMMs in PyTorch (fp32 accumulation, outputs rounded to the dtype), for the CPU."""
+class TorchKernels:
+    """backward.cu's kernels in PyTorch (fp32 arithmetic, outputs rounded to the dtype), for the CPU."""
 
-    def up(self, a_perm, offsets, weight, out):
-        out.zero_()
-        for e, a, b in _segments(offsets):
-            out[a:b] = (a_perm[a:b].float() @ weight[e].float()).to(out.dtype)
+    def gather(self, x, dy, saved, x_perm, dy_perm, row_weight, dbias):
+        used = int(saved.expert_offsets[-1])
+        token = saved.source_token[:used].long()
+        for e, a, b in _segments(saved.expert_offsets):  # a padding row copies its segment's first token
+            if b > a:
+                token[a:b] = torch.where(token[a:b] < 0, token[a], token[a:b])
+        x_perm[:used], dy_perm[:used] = x[token], dy[token]
+        row_weight[:used] = 0
+        row_weight[saved.dest.flatten().long()] = saved.topk_weights.flatten()
+        dbias.zero_()
+
+    def swiglu_grad(self, dy_perm, w2, saved, row_weight, dgu, hw, g_partial):
+        inter = w2.shape[1]
+        for e, a, b in _segments(saved.expert_offsets):
+            da = dy_perm[a:b].float() @ w2[e].float().t()
+            gate, up = saved.h1[a:b].float().split(inter, dim=1)
+            w = row_weight[a:b, None]
+            s = torch.sigmoid(gate)
+            h = gate * s * up
+            padding = w == 0
+            dgu[a:b, :inter] = torch.where(padding, 0.0, w * da * up * s * (1 + gate * (1 - s))).to(dgu.dtype)
+            dgu[a:b, inter:] = torch.where(padding, 0.0, w * da * gate * s).to(dgu.dtype)
+            hw[a:b] = torch.where(padding, 0.0, w * h).to(hw.dtype)
+            for n in range(g_partial.shape[0]):
+                cols = slice(n * BLOCK_N, (n + 1) * BLOCK_N)
+                g_partial[n, a:b] = (da[:, cols] * h[:, cols]).sum(1)
 
     def data(self, a_perm, offsets, weight, out):
-        out.zero_()
         for e, a, b in _segments(offsets):
             out[a:b] = (a_perm[a:b].float() @ weight[e].float().t()).to(out.dtype)
 
@@ -39,52 +59,89 @@ class TorchGemms:
         for e, a, b in _segments(offsets):
             dw[e] = (a_perm[a:b].float().t() @ b_perm[a:b].float()).to(dw.dtype)
 
+    def router(self, saved, g_partial, aux_scale, dlogits, dbias):
+        tokens, experts = saved.logits.shape
+        p = torch.softmax(saved.logits, dim=1)
+        f = saved.expert_counts.float() / (tokens * saved.topk_ids.shape[1])
+        dp = aux_scale * f / tokens
+        grad = p * (dp - (dp * p).sum(1, keepdim=True))
+        g = g_partial.sum(0)[saved.dest.long()]
+        w = saved.topk_weights
+        grad.scatter_add_(1, saved.topk_ids.long(), w * (g - (w * g).sum(1, keepdim=True)))
+        dlogits.copy_(grad)
+        dbias += grad.sum(0)
+
+    def combine(self, dx_perm, saved, router, dx):
+        dx.copy_(dx_perm[saved.dest.long()].float().sum(1) + router.float())
+
 
 def _check(inputs, outputs):
     return PROBLEM.check(outputs, PROBLEM.reference(inputs), PROBLEM.library_output(inputs))
 
 
-# Cases of many tokens: with one token, the fp32 dBias is one token's dlogits, and its error against the
-# library's (2 × the library's, no more) is a matter of a few roundings either way.
-CPU_CASES = [c for c in CASES if c.shape["tokens"] >= 37][::5]
+def _run(kernels, inputs, outputs):
+    i = inputs
+    backward(kernels, i["x"], i["wr"], i["w1"], i["w2"], i["dy"], i["aux_coef"], saved_of(i),
+             *(outputs[n] for n in PROBLEM.outputs))
+
+
+CPU_CASES = CASES[::4]
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=[c.name for c in CPU_CASES])
-def test_the_launchs_arithmetic_passes_with_pytorchs_gemms(case):
+def test_the_launchs_arithmetic_passes_with_pytorchs_kernels(case):
     inputs = PROBLEM.make_inputs(case.shape, case.dtype, case.seed, case.input_scale, device="cpu")
     outputs = PROBLEM.allocate_outputs(inputs)
-    i = inputs
-    backward(TorchGemms(), i["x"], i["wr"], i["bias"], i["w1"], i["w2"], i["top_k"], i["topk_ids"],
-             i["topk_weights"], i["dy"], i["aux_coef"], *(outputs[n] for n in PROBLEM.outputs))
+    _run(TorchKernels(), inputs, outputs)
     failed = [c.output for c in _check(inputs, outputs) if not c.passed]
     assert not failed, f"{case.name}: {failed}"
 
 
-def test_the_permutation_pads_every_expert_to_whole_tiles():
-    from stages.stage14_moe_backward import BLOCK_M, permutation
+def test_a_wrong_swiglu_backward_fails_on_the_cpu():
+    """The check sees a SwiGLU backward that forgets silu's derivative (dG = dh·U·s): dX and dW1 fail."""
+    class Wrong(TorchKernels):
+        def swiglu_grad(self, dy_perm, w2, saved, row_weight, dgu, hw, g_partial):
+            super().swiglu_grad(dy_perm, w2, saved, row_weight, dgu, hw, g_partial)
+            inter = w2.shape[1]
+            dgu[:, :inter] *= 1.5
 
-    ids = torch.tensor([[2, 0], [2, 1], [0, 2]], dtype=torch.int32)
-    dest, counts, offsets = permutation(ids, 4, 3 * 2 + 4 * (BLOCK_M - 1))
-    assert counts.tolist() == [2, 1, 3, 0]
-    assert offsets.tolist() == [0, BLOCK_M, 2 * BLOCK_M, 3 * BLOCK_M, 3 * BLOCK_M]
-    # expert by expert, in token order inside an expert
-    assert dest.tolist() == [2 * BLOCK_M, 0, 2 * BLOCK_M + 1, BLOCK_M, 1, 2 * BLOCK_M + 2]
+    case = next(c for c in CASES if c.shape["tokens"] == 1000)
+    inputs = PROBLEM.make_inputs(case.shape, case.dtype, case.seed, case.input_scale, device="cpu")
+    outputs = PROBLEM.allocate_outputs(inputs)
+    _run(Wrong(), inputs, outputs)
+    failed = {c.output for c in _check(inputs, outputs) if not c.passed}
+    assert {"dx", "dw1"} <= failed
 
 
 # ---------------------------------------------------------------- on the GPU
+
+def _fails(mutation, case, tmp_path) -> bool:
+    _, path = mutate(mutation, tmp_path)
+    return not all(c.passed for c in ON_GPU.check(case, path))
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [c for c in CASES if "empty" in c.name][:2], ids=lambda c: c.name)
 def test_an_empty_experts_unwritten_weight_gradient_fails(case, tmp_path):
     """The weight kernel storing nothing for an expert without rows leaves its dW's NaN poison."""
-    _, path = mutate("moe_backward_empty_expert_unwritten", tmp_path)
-    assert not all(c.passed for c in ON_GPU.check(case, path))
+    assert _fails("moe_backward_empty_expert_unwritten", case, tmp_path)
+
+
+ONE_THOUSAND = [c for c in CASES if "T1000 E32" in c.name][:2]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", [c for c in CASES if "T1000 E32" in c.name][:2], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", ONE_THOUSAND, ids=lambda c: c.name)
 def test_both_consumers_on_the_same_columns_of_a_fail(case, tmp_path):
     """The weight kernel loading the same 64 columns of A for both consumer warpgroups: dW's rows 64-127 of
     every 128-row tile are wrong (the transposed A's box coordinates matter)."""
-    _, path = mutate("moe_backward_same_a_columns", tmp_path)
-    assert not all(c.passed for c in ON_GPU.check(case, path))
+    assert _fails("moe_backward_same_a_columns", case, tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mutation", ["moe_backward_g_one_lane", "moe_backward_padding_multiplied",
+                                      "moe_backward_topk_term_unweighted"])
+def test_a_wrong_epilogue_or_router_fails(mutation, tmp_path):
+    """g summed by one lane of each quad, padding rows multiplied by their zero weight (h1 holds NaN there),
+    the top-k term without its weight: each fails the check."""
+    assert _fails(mutation, ONE_THOUSAND[0], tmp_path)

@@ -1,41 +1,55 @@
-// Stage 14 — the MoE layer's backward on Hopper: the grouped GEMMs of the gradients (TMA + wgmma). sm_90a only.
+// Stage 14 — the MoE layer's backward on Hopper, from what the forward saved (TMA + wgmma). sm_90a only.
 //
-// The forward (stage 7) ran two grouped GEMMs per expert e over its rows of the permuted tokens:
-//   h1 = x·W1[e] = [G U],  h = silu(G) * U,  y = h·W2[e].
-// Its backward runs each product twice more, once for the data and once for the weights:
-//   data side    dH = dY·W2[e]ᵀ                [rows, inter]      (dY: the token's dY, per row)
-//                dX = [dG dU]·W1[e]ᵀ           [rows, hidden]
-//   weight side  dW2[e] = hᵀ·(w·dY)            [inter, hidden]    a sum over expert e's rows
-//                dW1[e] = xᵀ·[dG dU]           [hidden, 2·inter]  (w: the row's top-k weight)
-// and the forward's h1 = x·W1[e] once more (the backward's inputs hold no activations): stage 6's
-// expert_down with W1 as its B (included below, unchanged).
+// The forward (stage 7) ran, for each expert e over its rows of the permuted token-slots,
+//   h1 = x·W1[e] = [G U],  h = silu(G) * U,  y = h·W2[e],  out[t] = Σ_j w[t, j] · y[row of (t, j)]
+// and kept h1, the routing and the permutation. From dY the backward needs four products -- each forward
+// product has a data side and a weight side -- and nothing recomputed:
+//   dA = dY·W2[e]ᵀ         [rows, inter]    data side of y = h·W2 (unweighted: w enters below)
+//   dX = [dG dU]·W1[e]ᵀ    [rows, hidden]   data side of h1 = x·W1
+//   dW2[e] = (w·h)ᵀ·dY      [inter, hidden]  weight sides: sums over expert e's rows
+//   dW1[e] = xᵀ·[dG dU]     [hidden, 2·inter]
+// where SwiGLU's backward turns dA into [dG dU] row by row (dh = w·dA):
+//   dG = dh · U · silu'(G),  silu'(G) = s·(1 + G·(1 − s)), s = sigmoid(G)      dU = dh · silu(G)
+// and the top-k weight's gradient is a row reduction of the same tile: g = dY·y = dY·(h·W2) = dA·h.
 //
-// New here:
-//   expert_grad_data    stage 6's persistent grouped GEMM with the weight read TRANSPOSED: B[e] is
-//            [n][k] in memory (W2[e] is [inter][hidden] and dH's k is hidden), so its TMA boxes are
-//            64 n-rows × 64 k-columns, the layout of a K-major operand, and the wgmma takes B K-major
-//            (imm-trans-b = 0) -- the same 128-byte-swizzled atoms as A's, 8 n-rows 1024 bytes apart.
+// New here, on stage 6's persistent grouped GEMM (its ring, producer warp and tile scheduler):
+//   expert_grad_swiglu  dA's tile never reaches memory: the epilogue reads G and U of the same rows and
+//            columns from h1, writes dG, dU and w·h (dW2's A operand), and sums dA·h along its columns
+//            into one partial g per row and column tile (no atomics: the router's backward adds the
+//            partials in a fixed order).
+//   expert_grad_data    the weight read TRANSPOSED: B[e] is [n][k] in memory (W1[e] is [hidden][2·inter]
+//            and dX's k is 2·inter), so its TMA boxes are 64 n-rows × 64 k-columns, the layout of a
+//            K-major operand, and the wgmma takes B K-major (imm-trans-b = 0).
 //   expert_grad_weight  a grouped GEMM whose REDUCTION runs over the groups: dW[e] = A_eᵀ·B_e, A_e and
-//            B_e expert e's rows of [rows, M] and [rows, N]. K is the expert's row count, different
-//            for every expert and known on the device only. The output tiles are fixed (E × M/128 ×
-//            N/256 of them, whatever the routing); each tile's main loop runs over its expert's rows,
-//            64 at a time, offsets[e] .. offsets[e+1]. A is read transposed: a TMA box of 64 rows ×
-//            64 m-columns is, in shared memory, [k][m] with m contiguous -- an MN-major A, which wgmma
-//            takes with imm-trans-a = 1 (wgmma_grad.cuh), described as stage 6 describes its MN-major B.
-//            An expert with no rows has no k-step: its tiles store zeros (dW[e] = 0, written).
-// The padding rows of each expert's segment (stage 5 pads segments to 128 rows) are zero in x, dY
-// and so in every product: they add nothing to the weight gradients.
-//
-// Per tile and stage both kernels move what stage 6 moves (A 128 × 64, B 64 × 256: 48 KB) and issue
-// the same 4 wgmma.m64n256k16 per consumer; the ring, the producer warp, the epilogue through shared
-// memory and TMA stores are stage 6's.
-#include "stage6_grouped_gemm/experts.cu"  // stage 6: expert_down, BLOCK_*, the ring's layout, stage_tile
+//            B_e expert e's rows of [rows, M] and [rows, N]. K is the expert's row count, different for
+//            every expert and known on the device only. The output tiles are fixed (E × M/128 × N/256,
+//            whatever the routing); each tile's main loop runs over its expert's rows, 64 at a time. A is
+//            read transposed: a TMA box of 64 rows × 64 m-columns is, in shared memory, [k][m] with m
+//            contiguous -- an MN-major A, which wgmma takes with imm-trans-a = 1 (wgmma_grad.cuh). An
+//            expert with no rows has no k-step: its tiles store zeros (dW[e] = 0, written).
+//   gather_gradient_rows, router_backward, combine_gradients  the permutation both ways and the router,
+//            small kernels at memory speed around the GEMMs.
+// The padding rows of each expert's segment add nothing to the weights' gradients: their top-k weight is
+// 0, so dG, dU and w·h are 0 there (selected, whatever h1 holds in them).
+#include "stage6_grouped_gemm/experts.cu"  // stage 6: BLOCK_*, the ring's layout, Scheduler, stage_tile
 #include "wgmma_grad.cuh"  // stage 14: wgmma m64n256k16 with B K-major, and with A and B MN-major
 
 constexpr int A_BOX_BYTES = 64 * BOX_COLS * 2;  // expert_grad_weight: a 64-row × 64-column box of A, 8 KB
 static_assert(CONSUMERS * A_BOX_BYTES == A_BYTES, "the weight kernel's A stage is one box per consumer");
+constexpr int GATHER_THREADS = 128;           // gather_gradient_rows and combine_gradients: a block per row
+constexpr int ROUTER_BACKWARD_THREADS = 256;  // router_backward: a warp per token, 8 warps a block
 
-enum GradKind { DATA = 0, WEIGHT = 1 };
+enum GradKind { DATA = 0, WEIGHT = 1, SWIGLU_DATA = 2 };
+
+// What expert_grad_swiglu's epilogue reads and writes besides the accumulator.
+struct SwigluGrad {
+    const elem_t* h1;          // [rows, 2·inter], the forward's [G U]
+    const float* row_weight;   // [rows], the row's top-k weight w, 0 on padding rows
+    elem_t* dgu;               // [rows, 2·inter], [dG dU]
+    elem_t* hw;                // [rows, inter], w·h
+    float* g_partial;          // [column tiles, rows], Σ dA·h over one tile's columns
+    int inter, rows;
+};
 
 // An expert without rows: its tiles of dW are zeros, staged straight into the consumer's output
 // buffer (zeroing the accumulator instead, on a path beside the wgmmas', made ptxas spill it).
@@ -44,8 +58,8 @@ __device__ __forceinline__ void stage_zeros(unsigned char* buffer) {
     for (int i = threadIdx.x % 128; i < EPILOGUE_BYTES / 16; i += 128) out[i] = make_uint4(0, 0, 0, 0);
 }
 
-// A tile of either kernel: the expert, the output's row tile (DATA: the first permuted row; WEIGHT:
-// m, in 128-row tiles of dW[e]), its 256-column tile n, and the k-steps of its main loop.
+// A tile of any kind: the expert, the output's row tile (DATA: the first permuted row; WEIGHT: m, in
+// 128-row tiles of dW[e]), its 256-column tile n, and the k-steps of its main loop.
 struct GradTile {
     int expert, row0, n, k_blocks;
 };
@@ -60,10 +74,10 @@ __device__ __forceinline__ GradTile weight_tile(const int* offsets, int t, int m
 // --8<-- [end:weight_tile]
 
 // --8<-- [start:mainloop]
-// stage 6's main loop with the operands' layouts of KIND: DATA, A K-major (as stage 6) and B K-major
-// (n-rows of 128 bytes, 8-row groups 1024 bytes apart, k stepped 32 bytes along the rows); WEIGHT, A
-// MN-major (this consumer's 64 m-columns are one box: k runs down its 128-byte rows, 16 k = 2048
-// bytes) and B MN-major (as stage 6). At least one k-step (the caller stages zeros without).
+// stage 6's main loop with the operands' layouts of KIND: DATA and SWIGLU_DATA, A K-major (as stage 6)
+// and B K-major (n-rows of 128 bytes, 8-row groups 1024 bytes apart, k stepped 32 bytes along the rows);
+// WEIGHT, A MN-major (this consumer's 64 m-columns are one box: k runs down its 128-byte rows, 16 k =
+// 2048 bytes) and B MN-major (as stage 6). At least one k-step (the caller stages zeros without).
 template <int KIND>
 __device__ __forceinline__ void grad_mainloop(float (&acc)[ACC_FRAGS][4], unsigned base, int consumer, int k_blocks,
                                               int& it) {
@@ -75,14 +89,14 @@ __device__ __forceinline__ void grad_mainloop(float (&acc)[ACC_FRAGS][4], unsign
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
-            if (KIND == DATA) {
-                const u64 a = make_smem_desc(a_tile + consumer * CONSUMER_ROWS * 128 + kk * 32, 16, 1024);
-                const u64 b = make_smem_desc(b_tile + kk * 32, 16, 1024);
-                wgmma_ss<elem_t, BLOCK_N, K_MAJOR>(acc, a, b, kb > 0 || kk > 0);
-            } else {
+            if (KIND == WEIGHT) {
                 const u64 a = make_smem_desc(a_tile + consumer * A_BOX_BYTES + kk * 16 * 128, A_BOX_BYTES, 1024);
                 const u64 b = make_smem_desc(b_tile + kk * 16 * 128, B_BOX_BYTES, 1024);
                 wgmma_ss_a_mn<elem_t, BLOCK_N, MN_MAJOR>(acc, a, b, kb > 0 || kk > 0);
+            } else {
+                const u64 a = make_smem_desc(a_tile + consumer * CONSUMER_ROWS * 128 + kk * 32, 16, 1024);
+                const u64 b = make_smem_desc(b_tile + kk * 32, 16, 1024);
+                wgmma_ss<elem_t, BLOCK_N, K_MAJOR>(acc, a, b, kb > 0 || kk > 0);
             }
         }
         wgmma_commit();
@@ -95,13 +109,110 @@ __device__ __forceinline__ void grad_mainloop(float (&acc)[ACC_FRAGS][4], unsign
 }
 // --8<-- [end:mainloop]
 
-// DATA: out[rows of e, n_out] = A[rows of e, k] · B[e]ᵀ, B[e] as [n_out, k] (a_map: [1, rows, k],
-//   boxes 1 × 128 × 64; b_map: [E, n_out, k], boxes 1 × 64 × 64; out_map: [1, rows, n_out]).
+// --8<-- [start:swiglu_epilogue]
+// The epilogue needs G and U of the tile's rows and columns from h1. Read from memory at the end of the
+// tile, the loads' round trips stood between the main loop and the next one (with the accumulator in the
+// registers, few loads fit in flight: Nsight Compute put 42% of the kernel's stalls on them, and the
+// product ran at 0.62x its speed without the epilogue). So they come by cp.async into the consumer's
+// shared-memory buffer, a 64-column box of G and of U at a time in two slots: the first two boxes while
+// the tile's main loop runs, each later box while the box before it is worked on.
+constexpr int GU_BOXES = BLOCK_N / BOX_COLS;             // a tile's 64-column boxes of G (and of U)
+constexpr int GU_BOX_BYTES = CONSUMER_ROWS * BOX_COLS * 2;  // 64 rows × 64 columns: 8 KB
+constexpr int GU_SLOT_BYTES = 2 * GU_BOX_BYTES;           // a box of G, then the same box of U
+static_assert(2 * GU_SLOT_BYTES == EPILOGUE_BYTES, "two slots fill a consumer's epilogue buffer");
+
+// Box `box` of G and U for this consumer's 64 rows, into slot box % 2 (rows of 128 bytes, swizzled), as
+// one cp.async group: 8 chunks of 16 bytes per thread. Columns past inter are zero-filled.
+__device__ __forceinline__ void load_gate_up(const SwigluGrad& p, unsigned buffer, int row0, int n, int box) {
+    const unsigned slot = buffer + (box % 2) * GU_SLOT_BYTES;
+    const int col0 = n * BLOCK_N + box * BOX_COLS;
+    for (int i = threadIdx.x % 128; i < 2 * CONSUMER_ROWS * 8; i += 128) {
+        const int half = i / (CONSUMER_ROWS * 8), row = i / 8 % CONSUMER_ROWS, chunk = i % 8;  // half 0: G, 1: U
+        const int col = col0 + 8 * chunk;
+        const elem_t* from = p.h1 + (size_t)(row0 + row) * 2 * p.inter + half * p.inter + col;
+        cp_async_16(slot + half * GU_BOX_BYTES + swizzle<128>(row, chunk), from, col < p.inter);
+    }
+    cp_async_commit();
+}
+
+// One consumer's 64 × 256 tile of dA (rows row0.., columns 256·n.. of inter), through SwiGLU's backward
+// into dG, dU and w·h, and its rows' sums of dA·h. Entry j of a warp's float[32][4] is rows r, r + 8 ×
+// columns 8j + 2·(lane % 4), +1 (r = 16·warp + lane / 4), so fragment j is chunk j % 8 of box j / 8: the
+// 8 rows of a warp's read lie in 8 different chunk positions, conflict-free. The outputs go straight to
+// memory; the 4 lanes of a quad share a row, and their sums of dA·h meet by two shuffles.
+__device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
+
+__device__ __forceinline__ void swiglu_grad_tile(const float (&acc)[ACC_FRAGS][4], const SwigluGrad& p,
+                                                 unsigned buffer, int row0, int n, int my_barrier) {
+    const int lane = threadIdx.x % 32, warp_in_group = threadIdx.x / 32 % 4;
+    const int local_rows[2] = {warp_in_group * 16 + lane / 4, warp_in_group * 16 + lane / 4 + 8};
+    float w[2], g[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int half = 0; half < 2; ++half) w[half] = p.row_weight[row0 + local_rows[half]];
+#pragma unroll
+    for (int box = 0; box < GU_BOXES; ++box) {
+        if (box + 1 < GU_BOXES) cp_async_wait<1>();  // this box's group is in; the next may still load
+        else cp_async_wait<0>();
+        named_barrier_sync(my_barrier, 128);         // ... and every thread's copies of it
+        const unsigned slot = buffer + (box % 2) * GU_SLOT_BYTES;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = row0 + local_rows[half];
+            const size_t h1_row = (size_t)row * 2 * p.inter, out_row = (size_t)row * p.inter;
+            const bool padding = w[half] == 0.0f;  // h1 may hold anything there: zeros selected, not multiplied
+#pragma unroll
+            for (int chunk = 0; chunk < 8; ++chunk) {
+                const int j = box * 8 + chunk, col = n * BLOCK_N + 8 * j + 2 * (lane % 4);
+                if (col >= p.inter) continue;  // inter % 8 == 0: a fragment is in or out whole
+                const unsigned at = slot + swizzle<128>(local_rows[half], chunk) + (lane % 4) * 4;
+                unsigned gate_bits, up_bits;
+                asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(gate_bits) : "r"(at));
+                asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(up_bits) : "r"(at + GU_BOX_BYTES));
+                float dg[2], du[2], hw[2];
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const float gate = bits_to_float<elem_t>(c ? gate_bits >> 16 : gate_bits & 0xffffu);
+                    const float up = bits_to_float<elem_t>(c ? up_bits >> 16 : up_bits & 0xffffu);
+                    const float da = acc[j][2 * half + c];
+                    const float s = sigmoid(gate), silu_gate = gate * s, h = silu_gate * up;
+                    g[half] += da * h;  // the top-k weight's gradient, unweighted: dY·y = dA·h
+                    // EXERCISE: SwiGLU's backward for one element: dh = w·dA (da, the accumulator, is dA
+                    // without the top-k weight); dg = dh·up·silu'(gate) with silu'(x) = s·(1 + x·(1 − s))
+                    // and s = sigmoid(gate); du = dh·silu(gate). Left as they are, both gradients are zero.
+                    // STUB: dg[c] = 0.0f;
+                    // STUB: du[c] = 0.0f;
+                    const float dh = w[half] * da;
+                    dg[c] = dh * up * s * (1.0f + gate * (1.0f - s));
+                    du[c] = dh * silu_gate;
+                    // END EXERCISE
+                    hw[c] = w[half] * h;
+                }
+                *reinterpret_cast<unsigned*>(p.dgu + h1_row + col) = padding ? 0u : pack_pair<elem_t>(dg[0], dg[1]);
+                *reinterpret_cast<unsigned*>(p.dgu + h1_row + p.inter + col) =
+                    padding ? 0u : pack_pair<elem_t>(du[0], du[1]);
+                *reinterpret_cast<unsigned*>(p.hw + out_row + col) = padding ? 0u : pack_pair<elem_t>(hw[0], hw[1]);
+            }
+        }
+        named_barrier_sync(my_barrier, 128);  // the slot is read: box + 2 may load into it
+        if (box + 2 < GU_BOXES) load_gate_up(p, buffer, row0, n, box + 2);
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        g[half] += __shfl_xor_sync(FULL_MASK, g[half], 1);
+        g[half] += __shfl_xor_sync(FULL_MASK, g[half], 2);
+        if (lane % 4 == 0) p.g_partial[(size_t)n * p.rows + row0 + local_rows[half]] = g[half];
+    }
+}
+// --8<-- [end:swiglu_epilogue]
+
+// DATA, SWIGLU_DATA: out[rows of e, n_out] = A[rows of e, k] · B[e]ᵀ, B[e] as [n_out, k] (a_map: [1, rows,
+//   k], boxes 1 × 128 × 64; b_map: [E, n_out, k], boxes 1 × 64 × 64; out_map: [1, rows, n_out], unused by
+//   SWIGLU_DATA, whose epilogue writes `swiglu`'s outputs).
 // WEIGHT: out[e][m_out, n_out] = A[rows of e, m_out]ᵀ · B[rows of e, n_out] (a_map: [1, rows, m_out],
 //   boxes 1 × 64 × 64; b_map: [1, rows, n_out], boxes 1 × 64 × 64; out_map: [E, m_out, n_out]).
 // `k` is DATA's K; WEIGHT's is the rows, and `k` is m_out. Out-boxes 1 × 64 × 64; all 128-byte swizzled.
 template <int KIND>
-__device__ void grad_gemm(const TmaMap& a_map, const TmaMap& b_map, const TmaMap& out_map,
+__device__ void grad_gemm(const TmaMap& a_map, const TmaMap& b_map, const TmaMap& out_map, const SwigluGrad& swiglu,
                           const int* __restrict__ offsets, int experts, int n_out, int k) {
     extern __shared__ __align__(1024) unsigned char shared_raw[];
     const unsigned base = (shared_address(shared_raw) + 1023) & ~1023u;
@@ -121,7 +232,7 @@ __device__ void grad_gemm(const TmaMap& a_map, const TmaMap& b_map, const TmaMap
 
     const int n_tiles = (n_out + BLOCK_N - 1) / BLOCK_N, m_tiles = (k + BLOCK_M - 1) / BLOCK_M;
     const Scheduler scheduler{expert_offsets, experts, n_tiles};
-    const int num_tiles = KIND == DATA ? scheduler.num_tiles() : experts * m_tiles * n_tiles;
+    const int num_tiles = KIND == WEIGHT ? experts * m_tiles * n_tiles : scheduler.num_tiles();
     auto tile_of = [&](int t) -> GradTile {
         if (KIND == WEIGHT) return weight_tile(expert_offsets, t, m_tiles, n_tiles);
         const Tile tile = scheduler.tile(t);
@@ -135,7 +246,7 @@ __device__ void grad_gemm(const TmaMap& a_map, const TmaMap& b_map, const TmaMap
         if (threadIdx.x != 0) return;
         tma_prefetch_map(a_map);
         tma_prefetch_map(b_map);
-        tma_prefetch_map(out_map);
+        if (KIND != SWIGLU_DATA) tma_prefetch_map(out_map);
         for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
             const GradTile tile = tile_of(t);
             for (int kb = 0; kb < tile.k_blocks; ++kb, ++it) {
@@ -143,19 +254,15 @@ __device__ void grad_gemm(const TmaMap& a_map, const TmaMap& b_map, const TmaMap
                 const unsigned a_tile = base + stage * STAGE_BYTES, b_tile = a_tile + A_BYTES;
                 mbarrier_wait(barrier(EMPTY + stage), ((it / STAGES) & 1) ^ 1);
                 mbarrier_arrive_expect_tx(barrier(FULL + stage), STAGE_BYTES);
-                if (KIND == DATA) {
+                if (KIND != WEIGHT) {
                     tma_load_3d(a_tile, a_map, barrier(FULL + stage), kb * BLOCK_K, tile.row0, 0);
 #pragma unroll
                     for (int box = 0; box < B_BOXES; ++box)  // 64 n-rows of B[e] each, k-columns kb·64 ...
                         tma_load_3d(b_tile + box * B_BOX_BYTES, b_map, barrier(FULL + stage), kb * BLOCK_K,
                                     tile.n * BLOCK_N + box * 64, tile.expert);
                 } else {
-                    // EXERCISE: the first of this k-step's 64 rows: the reduction of dW[e] runs over expert
-                    // e's own rows of the permuted buffers, from its segment's start (expert_offsets, in
-                    // shared memory) on, 64 rows per k-step kb. Left as it is, every expert sums the first rows.
-                    // STUB: const int row = kb * BLOCK_K;
-                    const int row = expert_offsets[tile.expert] + kb * BLOCK_K;  // this k-step's 64 rows
-                    // END EXERCISE
+                    // The reduction of dW[e] runs over expert e's own rows, 64 per k-step.
+                    const int row = expert_offsets[tile.expert] + kb * BLOCK_K;
 #pragma unroll
                     for (int c = 0; c < CONSUMERS; ++c)  // each consumer's 64 m-columns of A
                         tma_load_3d(a_tile + c * A_BOX_BYTES, a_map, barrier(FULL + stage),
@@ -176,7 +283,17 @@ __device__ void grad_gemm(const TmaMap& a_map, const TmaMap& b_map, const TmaMap
         float acc[ACC_FRAGS][4];
         for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
             const GradTile tile = tile_of(t);
+            const int out_row = tile.row0 + consumer * CONSUMER_ROWS;
+            if (KIND == SWIGLU_DATA) {  // the epilogue's first two boxes of G and U load during the main loop
+                load_gate_up(swiglu, base + EPILOGUE + consumer * EPILOGUE_BYTES, out_row, tile.n, 0);
+                load_gate_up(swiglu, base + EPILOGUE + consumer * EPILOGUE_BYTES, out_row, tile.n, 1);
+            }
             if (tile.k_blocks > 0) grad_mainloop<KIND>(acc, base, consumer, tile.k_blocks, it);
+            if (KIND == SWIGLU_DATA) {
+                swiglu_grad_tile(acc, swiglu, base + EPILOGUE + consumer * EPILOGUE_BYTES, out_row, tile.n,
+                                 my_barrier);
+                continue;
+            }
             if (storer) tma_store_wait_read();
             named_barrier_sync(my_barrier, 128);
             if (tile.k_blocks > 0) stage_tile<false>(acc, buffer, warp_in_group, lane);
@@ -185,31 +302,193 @@ __device__ void grad_gemm(const TmaMap& a_map, const TmaMap& b_map, const TmaMap
             named_barrier_sync(my_barrier, 128);
             if (storer) {
                 // DATA: rows row0 + 64·consumer of the permuted output; WEIGHT: rows of dW[e].
-                const int out_row = tile.row0 + consumer * CONSUMER_ROWS, out_batch = KIND == DATA ? 0 : tile.expert;
+                const int out_batch = KIND == DATA ? 0 : tile.expert;
                 for (int box = 0; box < B_BOXES; ++box)
                     tma_store_3d(out_map, base + EPILOGUE + consumer * EPILOGUE_BYTES + box * OUT_BOX_BYTES,
                                  tile.n * BLOCK_N + box * BOX_COLS, out_row, out_batch);
                 tma_store_commit();
             }
         }
-        if (storer) tma_store_wait_read();
+        if (KIND != SWIGLU_DATA && storer) tma_store_wait_read();
     }
 }
 
-// out = A · B[e]ᵀ over each expert's rows: dH = dY·W2ᵀ (B = W2 [E, inter, hidden], n_out = inter,
-// k = hidden) and dX = [dG dU]·W1ᵀ (B = W1 [E, hidden, 2·inter], n_out = hidden, k = 2·inter).
+// dA = dY·W2ᵀ over each expert's rows (B = W2 [E, inter, hidden], n_out = inter, k = hidden), and from it
+// through SwiGLU's backward dG, dU, w·h and g's partials (SwigluGrad). `rows`: the length of the permuted
+// buffers, g_partial's stride.
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
+expert_grad_swiglu(const __grid_constant__ TmaMap a_map, const __grid_constant__ TmaMap b_map,
+                   const elem_t* __restrict__ h1, const float* __restrict__ row_weight, elem_t* __restrict__ dgu,
+                   elem_t* __restrict__ hw, float* __restrict__ g_partial, const int* __restrict__ offsets,
+                   int experts, int inter, int hidden, int rows) {
+    const SwigluGrad swiglu{h1, row_weight, dgu, hw, g_partial, inter, rows};
+    grad_gemm<SWIGLU_DATA>(a_map, b_map, a_map, swiglu, offsets, experts, inter, hidden);
+}
+
+// dX_perm = [dG dU]·W1ᵀ (B = W1 [E, hidden, 2·inter], n_out = hidden, k = 2·inter).
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 expert_grad_data(const __grid_constant__ TmaMap a_map, const __grid_constant__ TmaMap b_map,
                  const __grid_constant__ TmaMap out_map, const int* __restrict__ offsets, int experts, int n_out,
                  int k) {
-    grad_gemm<DATA>(a_map, b_map, out_map, offsets, experts, n_out, k);
+    grad_gemm<DATA>(a_map, b_map, out_map, SwigluGrad{}, offsets, experts, n_out, k);
 }
 
 // dW[e] = A_eᵀ · B_e over each expert's rows: dW1 (A = x, B = [dG dU]: m_out = hidden, n_out = 2·inter)
-// and dW2 (A = h, B = w·dY: m_out = inter, n_out = hidden). Every expert's dW[e] is written.
+// and dW2 (A = w·h, B = dY: m_out = inter, n_out = hidden). Every expert's dW[e] is written.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 expert_grad_weight(const __grid_constant__ TmaMap a_map, const __grid_constant__ TmaMap b_map,
                    const __grid_constant__ TmaMap out_map, const int* __restrict__ offsets, int experts, int m_out,
                    int n_out) {
-    grad_gemm<WEIGHT>(a_map, b_map, out_map, offsets, experts, n_out, m_out);
+    grad_gemm<WEIGHT>(a_map, b_map, out_map, SwigluGrad{}, offsets, experts, n_out, m_out);
 }
+
+// --8<-- [start:gather]
+// The permutation, forward again: row r of x_perm and dy_perm is its token's x and dY, and row_weight[r]
+// its top-k weight (0 on a padding row, which copies its segment's first token: stage 7's gather_rows,
+// whose reason holds for the GEMMs here too). A block per row of the capacity; block s < T·k also places
+// token-slot s's weight at its row, dest[s]. Block 0 zeroes dbias, which router_backward adds into.
+extern "C" __global__ void __launch_bounds__(GATHER_THREADS)
+gather_gradient_rows(const elem_t* __restrict__ x, const elem_t* __restrict__ dy, const int* __restrict__ source_token,
+                     const int* __restrict__ dest, const float* __restrict__ topk_weights,
+                     const int* __restrict__ expert_offsets, int experts, int slots, int hidden,
+                     elem_t* __restrict__ x_perm, elem_t* __restrict__ dy_perm, float* __restrict__ row_weight,
+                     float* __restrict__ dbias) {
+    const int row = blockIdx.x;
+    if (row == 0)
+        for (int e = threadIdx.x; e < experts; e += blockDim.x) dbias[e] = 0.0f;
+    if (row < slots && threadIdx.x == 0) row_weight[dest[row]] = topk_weights[row];
+    if (row >= expert_offsets[experts]) return;
+    int token = source_token[row];
+    if (token < 0) {
+        if (threadIdx.x == 0) row_weight[row] = 0.0f;
+        int lo = 0, hi = experts - 1;  // the last e with expert_offsets[e] <= row (empty segments skipped)
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (expert_offsets[mid] <= row) lo = mid;
+            else hi = mid - 1;
+        }
+        token = source_token[expert_offsets[lo]];
+    }
+    const size_t to = (size_t)row * hidden, from = (size_t)token * hidden;
+    for (int v = threadIdx.x; v < hidden / 8; v += blockDim.x) {
+        reinterpret_cast<uint4*>(x_perm + to)[v] = reinterpret_cast<const uint4*>(x + from)[v];
+        reinterpret_cast<uint4*>(dy_perm + to)[v] = reinterpret_cast<const uint4*>(dy + from)[v];
+    }
+}
+// --8<-- [end:gather]
+
+// --8<-- [start:router]
+// The router's backward, a warp per token (lane l holds experts l, l + 32, ...), in fp32 and in the order
+// PyTorch's autograd rounds it:
+//   top-k term     the softmax over the chosen logits: dlogits[ids[j]] += w_j · (g_j − Σ_l w_l·g_l), with
+//                  g_j = Σ over column tiles of g_partial at the token-slot's row
+//   balance term   the loss α·E·Σ_i f_i·P_i through the full softmax p: dp_i = (α·E · f_i) / T,
+//                  dlogits[i] += p_i · (dp_i − Σ_l dp_l·p_l)
+// dlogits goes out in the dtype (the two small products dWr = xᵀ·dlogits and dlogits·Wrᵀ are PyTorch's);
+// dbias = Σ_t dlogits[t] in fp32, summed per block in shared memory, then once per block into dbias.
+extern "C" __global__ void __launch_bounds__(ROUTER_BACKWARD_THREADS)
+router_backward(const float* __restrict__ logits, const int* __restrict__ topk_ids,
+                const float* __restrict__ topk_weights, const int* __restrict__ dest,
+                const float* __restrict__ g_partial, int g_tiles, int rows, const int* __restrict__ expert_counts,
+                float aux_scale, int tokens, int experts, int top_k, elem_t* __restrict__ dlogits,
+                float* __restrict__ dbias) {
+    constexpr int PER_LANE = MAX_EXPERTS / 32;
+    __shared__ float block_sums[MAX_EXPERTS];
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) block_sums[e] = 0.0f;
+    __syncthreads();
+    const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    float column_sums[PER_LANE] = {};
+    for (int t = blockIdx.x * warps + threadIdx.x / 32; t < tokens; t += gridDim.x * warps) {
+        float p[PER_LANE], grad[PER_LANE];
+        float top = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) {
+            const int e = lane + 32 * i;
+            p[i] = e < experts ? logits[(size_t)t * experts + e] : -INFINITY;
+            top = fmaxf(top, p[i]);
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2) top = fmaxf(top, __shfl_xor_sync(FULL_MASK, top, offset));
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) {
+            p[i] = lane + 32 * i < experts ? expf(p[i] - top) : 0.0f;
+            sum += p[i];
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(FULL_MASK, sum, offset);
+        float dot = 0.0f;  // Σ_l dp_l·p_l
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) {
+            const int e = lane + 32 * i;
+            p[i] /= sum;
+            grad[i] = e < experts ? aux_scale * ((float)expert_counts[e] / (float)(tokens * top_k)) / (float)tokens : 0.0f;
+            dot += grad[i] * p[i];
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(FULL_MASK, dot, offset);
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) grad[i] = p[i] * (grad[i] - dot);
+
+        // The top-k term: every lane computes the k values (broadcast loads), the owner of id_j adds it.
+        float g[MAX_TOP_K], w[MAX_TOP_K], weighted = 0.0f;
+#pragma unroll
+        for (int j = 0; j < MAX_TOP_K; ++j) {
+            g[j] = 0.0f;
+            w[j] = j < top_k ? topk_weights[t * top_k + j] : 0.0f;
+            if (j < top_k) {
+                const int row = dest[t * top_k + j];
+                for (int n = 0; n < g_tiles; ++n) g[j] += g_partial[(size_t)n * rows + row];
+            }
+            weighted += w[j] * g[j];
+        }
+#pragma unroll
+        for (int j = 0; j < MAX_TOP_K; ++j) {
+            const int id = j < top_k ? topk_ids[t * top_k + j] : -1;
+            if (id >= 0 && id % 32 == lane) {
+#pragma unroll
+                for (int i = 0; i < PER_LANE; ++i)
+                    if (i == id / 32) grad[i] += w[j] * (g[j] - weighted);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) {
+            const int e = lane + 32 * i;
+            if (e < experts) dlogits[(size_t)t * experts + e] = from_float<elem_t>(grad[i]);
+            column_sums[i] += grad[i];
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i)
+        if (lane + 32 * i < experts) atomicAdd(&block_sums[lane + 32 * i], column_sums[i]);
+    __syncthreads();
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) atomicAdd(&dbias[e], block_sums[e]);
+}
+// --8<-- [end:router]
+
+// --8<-- [start:combine]
+// The permutation backward, without a sort: dx[t] = Σ_j dX_perm[dest[t, j]] + router[t] (router: the
+// router's data side dlogits·Wrᵀ), fp32 sums, one rounding. A block per token, 8 columns per thread
+// and step, its k + 1 loads in flight together.
+extern "C" __global__ void __launch_bounds__(GATHER_THREADS)
+combine_gradients(const elem_t* __restrict__ dx_perm, const int* __restrict__ dest, const elem_t* __restrict__ router,
+                  elem_t* __restrict__ dx, int top_k, int hidden) {
+    const int token = blockIdx.x;
+    int row[MAX_TOP_K];
+#pragma unroll
+    for (int j = 0; j < MAX_TOP_K; ++j) row[j] = j < top_k ? dest[token * top_k + j] : 0;
+    for (int c = 8 * threadIdx.x; c < hidden; c += 8 * blockDim.x) {
+        float sum[8], part[8];
+        load8(router + (size_t)token * hidden + c, sum);
+#pragma unroll
+        for (int j = 0; j < MAX_TOP_K; ++j) {
+            if (j < top_k) {
+                load8(dx_perm + (size_t)row[j] * hidden + c, part);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) sum[i] += part[i];
+            }
+        }
+        store8(dx + (size_t)token * hidden + c, sum);
+    }
+}
+// --8<-- [end:combine]
