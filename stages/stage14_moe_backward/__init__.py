@@ -21,8 +21,10 @@ A_BOX_BYTES = 8192             # expert_grad_weight: A's 64-row × 64-column box
 GATHER_THREADS = 128           # gather_gradient_rows, combine_gradients: a block per row
 ROUTER_BACKWARD_THREADS = 256  # router_backward: a warp per token
 ROUTER_BACKWARD_BLOCKS = 4     # router_backward's blocks per SM at most (each adds its dBias once)
+SWIGLU_SHARED_BYTES = 231552   # expert_grad_swiglu: stage 6's layout and each consumer's 8 KB box of w·h
 GEOMETRY = {**EXPERTS_GEOMETRY, "BLOCK_N": BLOCK_N, "A_BOX_BYTES": A_BOX_BYTES, "GATHER_THREADS": GATHER_THREADS,
-            "ROUTER_BACKWARD_THREADS": ROUTER_BACKWARD_THREADS, "MAX_TOP_K": MAX_TOP_K}
+            "ROUTER_BACKWARD_THREADS": ROUTER_BACKWARD_THREADS, "MAX_TOP_K": MAX_TOP_K,
+            "SWIGLU_SHARED_BYTES": SWIGLU_SHARED_BYTES}
 
 # TMA boxes (outermost first) of the launch's tensor maps, all 128-byte swizzled (stages.common.hopper).
 ROWS_BOX = (1, BLOCK_M, BLOCK_K)        # A of the data-side GEMMs: 128 permuted rows × 64 of K
@@ -54,7 +56,7 @@ class HopperKernels:
         self.kernels.expert_grad_swiglu((self.sms,), (NUM_THREADS,), tensor_map(dy_perm[None], ROWS_BOX),
                                         tensor_map(w2, WEIGHT_BOX), saved.h1, row_weight, dgu, hw, g_partial,
                                         saved.expert_offsets, experts, inter, hidden, dy_perm.shape[0],
-                                        smem=SHARED_BYTES)
+                                        smem=SWIGLU_SHARED_BYTES)
 
     def data(self, a_perm, offsets, weight, out):
         """out = a_perm · W[e]ᵀ over each expert's rows, W [E, n_out, k]."""

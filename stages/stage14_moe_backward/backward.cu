@@ -120,11 +120,15 @@ constexpr int GU_BOXES = BLOCK_N / BOX_COLS;             // a tile's 64-column b
 constexpr int GU_BOX_BYTES = CONSUMER_ROWS * BOX_COLS * 2;  // 64 rows × 64 columns: 8 KB
 constexpr int GU_SLOT_BYTES = 2 * GU_BOX_BYTES;           // a box of G, then the same box of U
 static_assert(2 * GU_SLOT_BYTES == EPILOGUE_BYTES, "two slots fill a consumer's epilogue buffer");
+// Each consumer's box of w·h on its way out, past stage 6's layout (dG and dU take G's and U's places).
+constexpr int HW_STAGING = (BARRIERS + 8 * 2 * STAGES + 127) / 128 * 128;
+constexpr int SWIGLU_SHARED_BYTES = HW_STAGING + CONSUMERS * GU_BOX_BYTES + 1024;  // + 1 KB to align the base
+static_assert(SWIGLU_SHARED_BYTES <= 227 * 1024, "an H100 block has at most 227 KB of shared memory");
 
 // Box `box` of G and U for this consumer's 64 rows, into slot box % 2 (rows of 128 bytes, swizzled), as
 // one cp.async group: 8 chunks of 16 bytes per thread. Columns past inter are zero-filled.
-__device__ __forceinline__ void load_gate_up(const SwigluGrad& p, unsigned buffer, int row0, int n, int box) {
-    const unsigned slot = buffer + (box % 2) * GU_SLOT_BYTES;
+__device__ __forceinline__ void load_gate_up(const SwigluGrad& p, unsigned char* buffer, int row0, int n, int box) {
+    const unsigned slot = shared_address(buffer) + (box % 2) * GU_SLOT_BYTES;
     const int col0 = n * BLOCK_N + box * BOX_COLS;
     for (int i = threadIdx.x % 128; i < 2 * CONSUMER_ROWS * 8; i += 128) {
         const int half = i / (CONSUMER_ROWS * 8), row = i / 8 % CONSUMER_ROWS, chunk = i % 8;  // half 0: G, 1: U
@@ -142,8 +146,28 @@ __device__ __forceinline__ void load_gate_up(const SwigluGrad& p, unsigned buffe
 // memory; the 4 lanes of a quad share a row, and their sums of dA·h meet by two shuffles.
 __device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 
+// A box's dG, dU (in G's and U's places in the slot) and w·h (in `staging`) out to memory: 16 bytes a
+// thread and step, a warp's stores 4 rows × 128 bytes, whole sectors (stored from the accumulator's layout,
+// 8 rows × 16 bytes a warp, the tile's stores took longer than its main loop).
+template <bool FULL>
+__device__ __forceinline__ void store_box(const SwigluGrad& p, const unsigned char* slot, const unsigned char* staging,
+                                          int row0, int col) {
+#pragma unroll 1  // the accumulator holds the other boxes' values: no registers for more loads in flight
+    for (int i = threadIdx.x % 128; i < 3 * CONSUMER_ROWS * 8; i += 128) {
+        const int which = i / (CONSUMER_ROWS * 8), row = i / 8 % CONSUMER_ROWS, chunk = i % 8;  // dG, dU, w·h
+        const int at = col + 8 * chunk;
+        if (!FULL && at >= p.inter) continue;
+        const unsigned char* from = (which < 2 ? slot + which * GU_BOX_BYTES : staging) + swizzle<128>(row, chunk);
+        elem_t* to = which < 2 ? p.dgu + (size_t)(row0 + row) * 2 * p.inter + which * p.inter + at
+                               : p.hw + (size_t)(row0 + row) * p.inter + at;
+        *reinterpret_cast<uint4*>(to) = *reinterpret_cast<const uint4*>(from);
+    }
+}
+
+template <bool FULL>  // all 256 columns inside inter (every tile at the benchmark shapes): no test at all
 __device__ __forceinline__ void swiglu_grad_tile(const float (&acc)[ACC_FRAGS][4], const SwigluGrad& p,
-                                                 unsigned buffer, int row0, int n, int my_barrier) {
+                                                 unsigned char* buffer, unsigned char* staging, int row0, int n,
+                                                 int my_barrier) {
     const int lane = threadIdx.x % 32, warp_in_group = threadIdx.x / 32 % 4;
     const int local_rows[2] = {warp_in_group * 16 + lane / 4, warp_in_group * 16 + lane / 4 + 8};
     float w[2], g[2] = {0.0f, 0.0f};
@@ -154,20 +178,18 @@ __device__ __forceinline__ void swiglu_grad_tile(const float (&acc)[ACC_FRAGS][4
         if (box + 1 < GU_BOXES) cp_async_wait<1>();  // this box's group is in; the next may still load
         else cp_async_wait<0>();
         named_barrier_sync(my_barrier, 128);         // ... and every thread's copies of it
-        const unsigned slot = buffer + (box % 2) * GU_SLOT_BYTES;
+        unsigned char* slot = buffer + (box % 2) * GU_SLOT_BYTES;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const int row = row0 + local_rows[half];
-            const size_t h1_row = (size_t)row * 2 * p.inter, out_row = (size_t)row * p.inter;
             const bool padding = w[half] == 0.0f;  // h1 may hold anything there: zeros selected, not multiplied
 #pragma unroll
             for (int chunk = 0; chunk < 8; ++chunk) {
-                const int j = box * 8 + chunk, col = n * BLOCK_N + 8 * j + 2 * (lane % 4);
-                if (col >= p.inter) continue;  // inter % 8 == 0: a fragment is in or out whole
-                const unsigned at = slot + swizzle<128>(local_rows[half], chunk) + (lane % 4) * 4;
-                unsigned gate_bits, up_bits;
-                asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(gate_bits) : "r"(at));
-                asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(up_bits) : "r"(at + GU_BOX_BYTES));
+                // Columns past inter hold zeros (load_gate_up's): computed harmlessly, not stored. No branch
+                // around the arithmetic, so that the compiler can interleave many elements' latencies.
+                const int j = box * 8 + chunk, place = swizzle<128>(local_rows[half], chunk) + (lane % 4) * 4;
+                unsigned char* at = slot + place;
+                const unsigned gate_bits = *reinterpret_cast<const unsigned*>(at);
+                const unsigned up_bits = *reinterpret_cast<const unsigned*>(at + GU_BOX_BYTES);
                 float dg[2], du[2], hw[2];
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
@@ -177,23 +199,24 @@ __device__ __forceinline__ void swiglu_grad_tile(const float (&acc)[ACC_FRAGS][4
                     const float s = sigmoid(gate), silu_gate = gate * s, h = silu_gate * up;
                     g[half] += da * h;  // the top-k weight's gradient, unweighted: dY·y = dA·h
                     // EXERCISE: SwiGLU's backward for one element: dh = w·dA (da, the accumulator, is dA
-                    // without the top-k weight); dg = dh·up·silu'(gate) with silu'(x) = s·(1 + x·(1 − s))
+                    // without the top-k weight); dg = dh·up·silu'(gate) with silu'(x) = s + silu(x)·(1 − s)
                     // and s = sigmoid(gate); du = dh·silu(gate). Left as they are, both gradients are zero.
                     // STUB: dg[c] = 0.0f;
                     // STUB: du[c] = 0.0f;
                     const float dh = w[half] * da;
-                    dg[c] = dh * up * s * (1.0f + gate * (1.0f - s));
+                    dg[c] = dh * up * (s + silu_gate * (1.0f - s));
                     du[c] = dh * silu_gate;
                     // END EXERCISE
                     hw[c] = w[half] * h;
                 }
-                *reinterpret_cast<unsigned*>(p.dgu + h1_row + col) = padding ? 0u : pack_pair<elem_t>(dg[0], dg[1]);
-                *reinterpret_cast<unsigned*>(p.dgu + h1_row + p.inter + col) =
-                    padding ? 0u : pack_pair<elem_t>(du[0], du[1]);
-                *reinterpret_cast<unsigned*>(p.hw + out_row + col) = padding ? 0u : pack_pair<elem_t>(hw[0], hw[1]);
+                *reinterpret_cast<unsigned*>(at) = padding ? 0u : pack_pair<elem_t>(dg[0], dg[1]);
+                *reinterpret_cast<unsigned*>(at + GU_BOX_BYTES) = padding ? 0u : pack_pair<elem_t>(du[0], du[1]);
+                *reinterpret_cast<unsigned*>(staging + place) = padding ? 0u : pack_pair<elem_t>(hw[0], hw[1]);
             }
         }
-        named_barrier_sync(my_barrier, 128);  // the slot is read: box + 2 may load into it
+        named_barrier_sync(my_barrier, 128);  // the box's outputs are staged
+        store_box<FULL>(p, slot, staging, row0, n * BLOCK_N + box * BOX_COLS);
+        named_barrier_sync(my_barrier, 128);  // the slot and staging are read: box + 2 may load into the slot
         if (box + 2 < GU_BOXES) load_gate_up(p, buffer, row0, n, box + 2);
     }
 #pragma unroll
@@ -285,13 +308,16 @@ __device__ void grad_gemm(const TmaMap& a_map, const TmaMap& b_map, const TmaMap
             const GradTile tile = tile_of(t);
             const int out_row = tile.row0 + consumer * CONSUMER_ROWS;
             if (KIND == SWIGLU_DATA) {  // the epilogue's first two boxes of G and U load during the main loop
-                load_gate_up(swiglu, base + EPILOGUE + consumer * EPILOGUE_BYTES, out_row, tile.n, 0);
-                load_gate_up(swiglu, base + EPILOGUE + consumer * EPILOGUE_BYTES, out_row, tile.n, 1);
+                load_gate_up(swiglu, buffer, out_row, tile.n, 0);
+                load_gate_up(swiglu, buffer, out_row, tile.n, 1);
             }
             if (tile.k_blocks > 0) grad_mainloop<KIND>(acc, base, consumer, tile.k_blocks, it);
             if (KIND == SWIGLU_DATA) {
-                swiglu_grad_tile(acc, swiglu, base + EPILOGUE + consumer * EPILOGUE_BYTES, out_row, tile.n,
-                                 my_barrier);
+                unsigned char* staging = aligned + HW_STAGING + consumer * GU_BOX_BYTES;
+                if ((tile.n + 1) * BLOCK_N <= swiglu.inter)
+                    swiglu_grad_tile<true>(acc, swiglu, buffer, staging, out_row, tile.n, my_barrier);
+                else
+                    swiglu_grad_tile<false>(acc, swiglu, buffer, staging, out_row, tile.n, my_barrier);
                 continue;
             }
             if (storer) tma_store_wait_read();
