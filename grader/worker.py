@@ -164,8 +164,9 @@ class Worker:
         return ran, skipped
 
     def forward_backward(self, inputs: dict, outputs: dict, kernels) -> dict:
-        """The forward stage's kernel, then this one on its outputs, timed beside the library's forward +
-        backward (problem.forward_backward_baselines): {"stage": the forward's key, "timings", "skipped"}."""
+        """The forward stage's kernel, then this one on what the forward gives it (forward_for_backward: its
+        outputs, and its saved activations where it keeps some), timed beside the library's forward + backward
+        (problem.forward_backward_baselines): {"stage": the forward's key, "timings", "skipped"}."""
         import reference
         from grader.timing import time_side_by_side
 
@@ -173,11 +174,10 @@ class Worker:
         forward_problem = reference.load(self.problem.forward)
         forward_kernels = self.kernels_for(inputs, stage, cubins, forward_problem)
         forward_outputs = forward_problem.allocate_outputs(inputs)
-        backward_inputs = {**inputs, **forward_outputs}  # the forward's outputs in place of the exact ones
 
-        def ours():
-            forward_problem.run_stage(stage, forward_kernels, inputs, forward_outputs)
-            self.problem.run_stage(self.stage, kernels, backward_inputs, outputs)
+        def ours():  # what the forward gives the backward in place of the inputs' exact ones
+            given = forward_problem.forward_for_backward(stage, forward_kernels, inputs, forward_outputs)
+            self.problem.run_stage(self.stage, kernels, {**inputs, **given}, outputs)
 
         candidates, skipped = self.first_runs(self.problem.forward_backward_baselines(inputs))
         timings = time_side_by_side({"kernel": ours, **candidates}, self.job["l2_bytes"], budget_s=self.job["budget_s"])

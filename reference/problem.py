@@ -37,8 +37,9 @@ class Problem(abc.ABC):
     primary_input: str              # the input whose dtype is the problem's dtype
     dtypes: tuple[str, ...] = DTYPES
     parameters: dict[str, tuple] = {}  # parameters a kernel may be compiled for -> the values the cases take
-    # The problem whose outputs are inputs of this one under the same names (a backward's forward): the
-    # grader then also times the course's kernel for it followed by this one (forward_backward_baselines).
+    # The problem whose results are inputs of this one (a backward's forward; forward_for_backward says which,
+    # under this one's names): the grader then also times the course's kernel for it followed by this one
+    # (forward_backward_baselines).
     forward: str | None = None
 
     # ---- cases and shapes
@@ -71,6 +72,13 @@ class Problem(abc.ABC):
     @abc.abstractmethod
     def run_stage(self, stage, kernels, inputs: dict, outputs: dict) -> None:
         """Calls the stage's launch function with the problem's tensors."""
+
+    def forward_for_backward(self, stage, kernels, inputs: dict, outputs: dict) -> dict:
+        """Runs the stage for this (forward) problem and returns what a backward takes from it under the
+        backward's input names: by default its outputs, named as the backward's inputs. A forward that also
+        keeps what its kernels computed on the way (a backward's saved activations) returns those too."""
+        self.run_stage(stage, kernels, inputs, outputs)
+        return outputs
 
     # ---- the exact result and the check
     @abc.abstractmethod

@@ -38,3 +38,21 @@ def test_the_variant_rule_maps_a_problem_variant_to_a_stages_macros():
     assert stage.defines({"dtype": "bfloat16", "D": 128}) == {"ELEM_T": "__nv_bfloat16", "HEAD_DIM": "128"}
     assert stages.variant_key(stage.defines({"dtype": "float16", "D": 64})) == "ELEM_T=__half,HEAD_DIM=64"
     assert stages.load("stage6").defines({"dtype": "float16"}) == {"ELEM_T": "__half"}
+
+
+def test_a_forward_gives_a_backward_its_outputs_by_default():
+    """Problem.forward_for_backward: the stage run by run_stage, its outputs returned (the same dict)."""
+    runs = []
+
+    class Forward(Problem):
+        name, outputs, primary_input = "forward", ("o",), "q"
+        cases = benchmarks = shape_label = make_inputs = allocate_outputs = None
+        reference = library_output = check = baselines = flops = min_bytes = None
+
+        def run_stage(self, stage, kernels, inputs, outputs):
+            runs.append((stage, kernels, inputs))
+            outputs["o"] = "written"
+
+    outputs = {"o": "poisoned"}
+    given = Forward().forward_for_backward("stage", "kernels", {"q": 1}, outputs)
+    assert given is outputs and given == {"o": "written"} and runs == [("stage", "kernels", {"q": 1})]

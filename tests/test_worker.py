@@ -83,3 +83,45 @@ def test_the_report_says_how_many_cases_a_stop_at_the_first_failure_left(monkeyp
         {"name": "a", "passed": True, "inputs_unmodified": True, "checks": []},
         {"name": "b", "passed": False, "failure": "timeout: no progress for 60 s"}]})
     assert "1 passed, 1 failed, 32 not run (stopped at the first failure)" in report.console.export_text()
+
+
+def test_the_forward_then_backward_timing_runs_the_backward_on_what_the_forward_gives(monkeypatch):
+    """forward_backward's kernel side: the forward's forward_for_backward (its outputs, and what it saves for
+    the backward), then the backward's run_stage on the inputs with those in place of the inputs' own."""
+    from types import SimpleNamespace
+
+    from grader import timing
+
+    calls = []
+
+    class Forward:
+        def allocate_outputs(self, inputs):
+            return {"out": "poisoned"}
+
+        def forward_for_backward(self, stage, kernels, inputs, outputs):
+            calls.append(("forward", stage.key, kernels, outputs))
+            return {"topk_ids": "the forward's", "h1": "kept by the forward"}
+
+    class Backward:
+        forward = "a forward"
+
+        def run_stage(self, stage, kernels, inputs, outputs):
+            calls.append(("backward", stage.key, kernels, inputs, outputs))
+
+        def forward_backward_baselines(self, inputs):
+            return {}
+
+    worker = Worker.__new__(Worker)
+    worker.problem, worker.stage = Backward(), SimpleNamespace(key="backward stage")
+    worker.forward, worker.job = (SimpleNamespace(key="forward stage"), {}), {"l2_bytes": 0, "budget_s": 0}
+    worker.kernels_for = lambda inputs, stage=None, cubins=None, problem=None: f"{stage.key}'s kernels"
+    monkeypatch.setattr(reference, "load", lambda name: {"a forward": Forward()}[name])
+    monkeypatch.setattr(timing, "time_side_by_side", lambda runs, l2_bytes, budget_s: {
+        name: SimpleNamespace(as_dict=lambda: {}) for name, run in runs.items() if run() or True})
+    inputs = {"x": "x", "topk_ids": "exact", "h1": "exact"}
+    result = worker.forward_backward(inputs, {"dx": "poisoned"}, "backward stage's kernels")
+    assert result == {"stage": "forward stage", "timings": {"kernel": {}}, "skipped": {}}
+    assert calls == [("forward", "forward stage", "forward stage's kernels", {"out": "poisoned"}),
+                     ("backward", "backward stage", "backward stage's kernels",
+                      {"x": "x", "topk_ids": "the forward's", "h1": "kept by the forward"}, {"dx": "poisoned"})]
+    assert inputs == {"x": "x", "topk_ids": "exact", "h1": "exact"}  # the inputs themselves unchanged
