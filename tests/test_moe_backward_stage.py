@@ -59,7 +59,7 @@ class TorchKernels:
         for e, a, b in _segments(offsets):
             dw[e] = (a_perm[a:b].float().t() @ b_perm[a:b].float()).to(dw.dtype)
 
-    def router(self, saved, g_partial, aux_scale, dlogits, dbias):
+    def router(self, saved, g_partial, aux_scale, dlogits, dlogits_rounded, dbias):
         tokens, experts = saved.logits.shape
         p = torch.softmax(saved.logits, dim=1)
         f = saved.expert_counts.float() / (tokens * saved.topk_ids.shape[1])
@@ -69,7 +69,11 @@ class TorchKernels:
         w = saved.topk_weights
         grad.scatter_add_(1, saved.topk_ids.long(), w * (g - (w * g).sum(1, keepdim=True)))
         dlogits.copy_(grad)
+        dlogits_rounded.copy_(grad)
         dbias += grad.sum(0)
+
+    def router_weight(self, x, dlogits, dwr):
+        dwr.copy_(x.float().t() @ dlogits)
 
     def combine(self, dx_perm, saved, router, dx):
         dx.copy_(dx_perm[saved.dest.long()].float().sum(1) + router.float())

@@ -5,7 +5,7 @@ and permutation and its first product h1 = [G U] (reference/moe_layer_backward.p
 the forward is recomputed: the four products of the backward (dA = dY·W2ᵀ, dX = [dG dU]·W1ᵀ, dW2 =
 (w·h)ᵀ·dY, dW1 = xᵀ·[dG dU]) run on backward.cu's grouped GEMMs, SwiGLU's backward and the top-k weight's
 gradient in the first one's epilogue; the permutation, the router's backward and the combine's are small
-kernels of the stage. PyTorch computes the router's two thin products, dWr = xᵀ·dlogits and dlogits·Wrᵀ.
+kernels of the stage. PyTorch computes one thin product, the router's data side dlogits·Wrᵀ.
 """
 from __future__ import annotations
 
@@ -22,9 +22,12 @@ GATHER_THREADS = 128           # gather_gradient_rows, combine_gradients: a bloc
 ROUTER_BACKWARD_THREADS = 256  # router_backward: a warp per token
 ROUTER_BACKWARD_BLOCKS = 4     # router_backward's blocks per SM at most (each adds its dBias once)
 SWIGLU_SHARED_BYTES = 231552   # expert_grad_swiglu: stage 6's layout and each consumer's 8 KB box of w·h
+RWG_THREADS, RWG_COLS, RWG_TOKENS = 256, 64, 32  # router_weight_grad: block, columns and tokens per step
+RWG_BLOCKS = 4                 # router_weight_grad's blocks per SM aimed at: T is split until there are
 GEOMETRY = {**EXPERTS_GEOMETRY, "BLOCK_N": BLOCK_N, "A_BOX_BYTES": A_BOX_BYTES, "GATHER_THREADS": GATHER_THREADS,
             "ROUTER_BACKWARD_THREADS": ROUTER_BACKWARD_THREADS, "MAX_TOP_K": MAX_TOP_K,
-            "SWIGLU_SHARED_BYTES": SWIGLU_SHARED_BYTES}
+            "SWIGLU_SHARED_BYTES": SWIGLU_SHARED_BYTES, "RWG_THREADS": RWG_THREADS, "RWG_COLS": RWG_COLS,
+            "RWG_TOKENS": RWG_TOKENS}
 
 # TMA boxes (outermost first) of the launch's tensor maps, all 128-byte swizzled (stages.common.hopper).
 ROWS_BOX = (1, BLOCK_M, BLOCK_K)        # A of the data-side GEMMs: 128 permuted rows × 64 of K
@@ -76,15 +79,29 @@ class HopperKernels:
                                         tensor_map(b_perm[None], STEP_BOX), tensor_map(dw, OUT_BOX), offsets,
                                         experts, m_out, n_out, smem=SHARED_BYTES)
 
-    def router(self, saved, g_partial, aux_scale, dlogits, dbias):
-        """dlogits (in the dtype) and dBias (added) from the top-k weights' g and the balance loss."""
+    def router(self, saved, g_partial, aux_scale, dlogits, dlogits_rounded, dbias):
+        """dlogits (fp32, and rounded to the dtype) and dBias (added) from the top-k weights' g and the balance
+        loss."""
         tokens, experts = saved.logits.shape
         warps = ROUTER_BACKWARD_THREADS // 32
         blocks = min(-(-tokens // warps), ROUTER_BACKWARD_BLOCKS * self.sms)
         self.kernels.router_backward((blocks,), (ROUTER_BACKWARD_THREADS,), saved.logits, saved.topk_ids,
                                      saved.topk_weights, saved.dest, g_partial, g_partial.shape[0],
                                      g_partial.shape[1], saved.expert_counts, aux_scale, tokens, experts,
-                                     saved.topk_ids.shape[1], dlogits, dbias)
+                                     saved.topk_ids.shape[1], dlogits, dlogits_rounded, dbias)
+
+    def router_weight(self, x, dlogits, dwr):
+        """dwr = xᵀ·dlogits, fp32 sums over token splits added in order."""
+        tokens, hidden = x.shape
+        experts = dlogits.shape[1]
+        col_blocks = -(-hidden // RWG_COLS)
+        splits = max(1, min(-(-tokens // RWG_TOKENS), -(-RWG_BLOCKS * self.sms // col_blocks)))
+        per_split = -(-tokens // (splits * RWG_TOKENS)) * RWG_TOKENS
+        splits = -(-tokens // per_split)
+        partial = torch.empty(splits, hidden, experts, dtype=torch.float32, device=x.device)
+        self.kernels.router_weight_grad((col_blocks, splits), (RWG_THREADS,), x, dlogits, tokens, hidden, experts,
+                                        per_split, partial)
+        self.kernels.router_weight_sum((-(-hidden * experts // 256),), (256,), partial, splits, hidden * experts, dwr)
 
     def combine(self, dx_perm, saved, router, dx):
         """dx[t] = Σ_j dx_perm[dest[t, j]] + router[t]."""
@@ -123,12 +140,12 @@ def backward(kernels, x, wr, w1, w2, dy, aux_coef, saved, dx, dwr, dbias, dw1, d
     kernels.weight(x_perm, dgu, saved.expert_offsets, dw1)
     kernels.weight(hw, dy_perm, saved.expert_offsets, dw2)
 
-    # The router: dlogits, dBias in the kernel; its two thin products in PyTorch (the launch's only two
-    # PyTorch operations); then the permutation backward adds each token's k rows and its router term.
-    dlogits = buffer(tokens, experts)
-    kernels.router(saved, g_partial, aux_coef * experts, dlogits, dbias)
-    torch.mm(x.t(), dlogits, out=dwr)
-    kernels.combine(dx_perm, saved, torch.mm(dlogits, wr.t()), dx)
+    # The router: dlogits and dBias, dWr = xᵀ·dlogits in fp32; its data side dlogits·Wrᵀ in PyTorch (the
+    # launch's one PyTorch operation); then the permutation backward adds each token's k rows and it.
+    dlogits, dlogits_rounded = buffer(tokens, experts, dtype=f32), buffer(tokens, experts)
+    kernels.router(saved, g_partial, aux_coef * experts, dlogits, dlogits_rounded, dbias)
+    kernels.router_weight(x, dlogits, dwr)
+    kernels.combine(dx_perm, saved, torch.mm(dlogits_rounded, wr.t()), dx)
 
 
 def launch(kernels, x, wr, w1, w2, dy, aux_coef, saved, dx, dwr, dbias, dw1, dw2):
@@ -147,7 +164,9 @@ STAGE = Stage(
         "expert_grad_data": "const TmaMap, const TmaMap, const TmaMap, const int*, int, int, int",
         "expert_grad_weight": "const TmaMap, const TmaMap, const TmaMap, const int*, int, int, int",
         "router_backward": "const float*, const int*, const float*, const int*, const float*, int, int, const int*, "
-                           "float, int, int, int, elem_t*, float*",
+                           "float, int, int, int, float*, elem_t*, float*",
+        "router_weight_grad": "const elem_t*, const float*, int, int, int, int, float*",
+        "router_weight_sum": "const float*, int, int, elem_t*",
         "combine_gradients": "const elem_t*, const int*, const elem_t*, elem_t*, int, int",
     },
     launch=launch,

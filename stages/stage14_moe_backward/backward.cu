@@ -38,6 +38,7 @@ constexpr int A_BOX_BYTES = 64 * BOX_COLS * 2;  // expert_grad_weight: a 64-row 
 static_assert(CONSUMERS * A_BOX_BYTES == A_BYTES, "the weight kernel's A stage is one box per consumer");
 constexpr int GATHER_THREADS = 128;           // gather_gradient_rows and combine_gradients: a block per row
 constexpr int ROUTER_BACKWARD_THREADS = 256;  // router_backward: a warp per token, 8 warps a block
+constexpr int RWG_THREADS = 256, RWG_COLS = 64, RWG_TOKENS = 32;  // router_weight_grad's block and tile
 
 enum GradKind { DATA = 0, WEIGHT = 1, SWIGLU_DATA = 2 };
 
@@ -410,14 +411,16 @@ gather_gradient_rows(const elem_t* __restrict__ x, const elem_t* __restrict__ dy
 //                  g_j = Σ over column tiles of g_partial at the token-slot's row
 //   balance term   the loss α·E·Σ_i f_i·P_i through the full softmax p: dp_i = (α·E · f_i) / T,
 //                  dlogits[i] += p_i · (dp_i − Σ_l dp_l·p_l)
-// dlogits goes out in the dtype (the two small products dWr = xᵀ·dlogits and dlogits·Wrᵀ are PyTorch's);
-// dbias = Σ_t dlogits[t] in fp32, summed per block in shared memory, then once per block into dbias.
+// dlogits goes out in fp32, for dWr = xᵀ·dlogits (router_weight_grad), and in the dtype, for the data side
+// dlogits·Wrᵀ (PyTorch's product: rounded, its terms are small beside the experts' in dX; in fp16 a
+// balance-loss-only dlogits of 1e-6 is subnormal, which dWr could not take). dbias = Σ_t dlogits[t] in
+// fp32, summed per block in shared memory, then once per block into dbias.
 extern "C" __global__ void __launch_bounds__(ROUTER_BACKWARD_THREADS)
 router_backward(const float* __restrict__ logits, const int* __restrict__ topk_ids,
                 const float* __restrict__ topk_weights, const int* __restrict__ dest,
                 const float* __restrict__ g_partial, int g_tiles, int rows, const int* __restrict__ expert_counts,
-                float aux_scale, int tokens, int experts, int top_k, elem_t* __restrict__ dlogits,
-                float* __restrict__ dbias) {
+                float aux_scale, int tokens, int experts, int top_k, float* __restrict__ dlogits,
+                elem_t* __restrict__ dlogits_rounded, float* __restrict__ dbias) {
     constexpr int PER_LANE = MAX_EXPERTS / 32;
     __shared__ float block_sums[MAX_EXPERTS];
     for (int e = threadIdx.x; e < experts; e += blockDim.x) block_sums[e] = 0.0f;
@@ -480,7 +483,10 @@ router_backward(const float* __restrict__ logits, const int* __restrict__ topk_i
 #pragma unroll
         for (int i = 0; i < PER_LANE; ++i) {
             const int e = lane + 32 * i;
-            if (e < experts) dlogits[(size_t)t * experts + e] = from_float<elem_t>(grad[i]);
+            if (e < experts) {
+                dlogits[(size_t)t * experts + e] = grad[i];
+                dlogits_rounded[(size_t)t * experts + e] = from_float<elem_t>(grad[i]);
+            }
             column_sums[i] += grad[i];
         }
     }
@@ -491,6 +497,84 @@ router_backward(const float* __restrict__ logits, const int* __restrict__ topk_i
     for (int e = threadIdx.x; e < experts; e += blockDim.x) atomicAdd(&dbias[e], block_sums[e]);
 }
 // --8<-- [end:router]
+
+// --8<-- [start:router_weight]
+// dWr = xᵀ·dlogits [hidden, E] in fp32 on the CUDA cores: a thin product (E columns, K = T), 2·T·hidden·E
+// flops (8.6 G at 32K tokens × 4096 × 32 experts). Block (b, s) takes columns 64b .. 64b+63 of x over
+// the tokens of split s, 32 at a time through shared memory; thread (ty, tx) holds columns 4tx .. 4tx+3 ×
+// experts ty, ty + 16, ... (PER of them: E rounded up to 16s). Each split's sums go to its own slice of
+// `partial`; router_weight_sum adds the slices in a fixed order.
+struct RouterWeightShared {
+    float xs[RWG_TOKENS][RWG_COLS];     // 32 tokens × 64 columns of x
+    float ds[RWG_TOKENS][MAX_EXPERTS];  // the same tokens' dlogits
+};
+
+template <int PER>
+__device__ void router_weight_tile(const elem_t* __restrict__ x, const float* __restrict__ dlogits, int tokens,
+                                   int hidden, int experts, int per_split, float* __restrict__ partial,
+                                   RouterWeightShared& sh) {
+    auto& xs = sh.xs;
+    auto& ds = sh.ds;
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16, col0 = blockIdx.x * RWG_COLS;
+    const int begin = blockIdx.y * per_split, end = min(tokens, begin + per_split);
+    float acc[4][PER] = {};
+    for (int t0 = begin; t0 < end; t0 += RWG_TOKENS) {
+        __syncthreads();  // the last chunk is read
+        {  // 32 tokens × 64 columns of x: 8 elements a thread
+            const int tok = threadIdx.x / 8, col = col0 + 8 * (threadIdx.x % 8);
+            float v[8] = {};
+            if (t0 + tok < end && col < hidden) load8(x + (size_t)(t0 + tok) * hidden + col, v);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) xs[tok][8 * (threadIdx.x % 8) + i] = v[i];
+        }
+        for (int i = threadIdx.x; i < RWG_TOKENS * experts; i += RWG_THREADS) {
+            const int tok = i / experts, e = i % experts;
+            ds[tok][e] = t0 + tok < end ? dlogits[(size_t)(t0 + tok) * experts + e] : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll 4
+        for (int tok = 0; tok < RWG_TOKENS; ++tok) {
+            const float4 xv = *reinterpret_cast<const float4*>(&xs[tok][4 * tx]);
+#pragma unroll
+            for (int i = 0; i < PER; ++i) {
+                const float d = ty + 16 * i < experts ? ds[tok][ty + 16 * i] : 0.0f;
+                acc[0][i] += xv.x * d;
+                acc[1][i] += xv.y * d;
+                acc[2][i] += xv.z * d;
+                acc[3][i] += xv.w * d;
+            }
+        }
+    }
+    float* out = partial + (size_t)blockIdx.y * hidden * experts;
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const int col = col0 + 4 * tx + a, e = ty + 16 * i;
+            if (col < hidden && e < experts) out[(size_t)col * experts + e] = acc[a][i];
+        }
+}
+
+extern "C" __global__ void __launch_bounds__(RWG_THREADS)
+router_weight_grad(const elem_t* __restrict__ x, const float* __restrict__ dlogits, int tokens, int hidden,
+                   int experts, int per_split, float* __restrict__ partial) {
+    __shared__ RouterWeightShared sh;  // 40 KB, static: one for every variant below
+    if (experts <= 32) router_weight_tile<2>(x, dlogits, tokens, hidden, experts, per_split, partial, sh);
+    else if (experts <= 64) router_weight_tile<4>(x, dlogits, tokens, hidden, experts, per_split, partial, sh);
+    else if (experts <= 128) router_weight_tile<8>(x, dlogits, tokens, hidden, experts, per_split, partial, sh);
+    else router_weight_tile<16>(x, dlogits, tokens, hidden, experts, per_split, partial, sh);
+}
+
+// dwr[i] = the splits' partial sums of element i, added in order, rounded once. A thread per element.
+extern "C" __global__ void router_weight_sum(const float* __restrict__ partial, int splits, int count,
+                                             elem_t* __restrict__ dwr) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= count) return;
+    float sum = 0.0f;
+    for (int s = 0; s < splits; ++s) sum += partial[(size_t)s * count + i];
+    dwr[i] = from_float<elem_t>(sum);
+}
+// --8<-- [end:router_weight]
 
 // --8<-- [start:combine]
 // The permutation backward, without a sort: dx[t] = Σ_j dX_perm[dest[t, j]] + router[t] (router: the
