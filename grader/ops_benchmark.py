@@ -9,7 +9,8 @@ checks, descriptors, launches) and the layouts it hands over. This measures that
 - the host time of one forward and one backward call, piece by piece (checks, allocations, dispatch,
   tensor maps, launches);
 - tiny: the specification's small shapes (fp16, D 64, forward), course ms per call against SDPA's;
-- moe_layer: ops.moe_layer's host µs and ms per call beside PyTorch's grouped-GEMM layer;
+- moe_layer: ops.moe_layer's host µs and ms per call beside PyTorch's grouped-GEMM layer, and its forward +
+  backward (stage 7 then stage 14 on what it saved) beside the grouped-GEMM layer's under autograd;
 - block_sparse_serving: the specification's serving figures, in-process, at block-sparse attention's first
   benchmark shape (B1, the 100K-token neighbourhood graph, D 64, fp16): latency P50 and P99 over 100
   synchronized calls of ops.block_sparse_attention's forward from Python, and calls per second of 100
@@ -270,6 +271,29 @@ def measure_tiny(ops) -> list:
     return rows
 
 
+def moe_forward_backward_ms(ops, layer: dict, top_k: int) -> dict:
+    """ms per training call of the layer, forward then backward of a fixed dY into x, the router and both
+    expert weights (the gradients dropped after each call, not accumulated), through ops.moe_layer (stage 7
+    saving for stage 14) beside PyTorch's grouped-GEMM layer (autograd keeping its own activations), both
+    routed with the same bias."""
+    from reference import moe
+
+    leaves = {n: layer[n].detach().requires_grad_() for n in ("x", "wr", "w1", "w2")}
+    dy = torch.randn_like(layer["x"])
+
+    def train(forward):
+        def step():
+            for leaf in leaves.values():
+                leaf.grad = None
+            forward().backward(dy)
+        return step
+
+    steps = {"course": train(lambda: ops.moe_layer(leaves["x"], leaves["wr"], leaves["w1"], leaves["w2"], top_k,
+                                                   router_bias=layer["bias"]))}
+    steps |= moe.grouped_mm_baseline(train(lambda: moe.layer_grouped_mm({**leaves, "bias": layer["bias"]}, top_k)))
+    return side_by_side(steps)
+
+
 def measure_moe_layer(ops) -> list:
     from reference import moe
 
@@ -282,7 +306,8 @@ def measure_moe_layer(ops) -> list:
         steps = {"course": course, **moe.grouped_mm_baseline(lambda: moe.layer_grouped_mm(layer, k))}
         ms = side_by_side(steps)
         rows.append({"shape": dict(tokens=tokens, **MOE_SHAPE, dtype="bfloat16"), "host_us": host_us(course),
-                     "ms": ms, "host_us_by_piece": moe_host_breakdown(ops, layer, k)})
+                     "ms": ms, "host_us_by_piece": moe_host_breakdown(ops, layer, k),
+                     "ms_forward_backward": moe_forward_backward_ms(ops, layer, k)})
         del layer
         torch.cuda.empty_cache()
     return rows
