@@ -146,11 +146,11 @@ __device__ __forceinline__ void stage_tile(const float (&acc)[ACC_FRAGS][4], uns
 // (each element x·W1[e] at one B column, rounded to elem_t) through the consumer's buffer to h1, each
 // 64-column box at the very B column the producer loaded for it (b_column<true>: gate boxes at 128n,
 // up boxes at I + 128n), so h1 = [G U] column for column. Where I is not a multiple of 128 a gate
-// box's last columns are up columns, which the loaded B columns hold too: stored twice, alike. The
-// store's own wait (the tile's `store` below waits for these reads) frees the buffer for h.
-__device__ __forceinline__ void store_h1(const float (&acc)[ACC_FRAGS][4], unsigned char* buffer, unsigned buffer_address,
-                                         const TmaMap& h1_map, const Tile& tile, int consumer, int up, int my_barrier,
-                                         bool storer, int warp_in_group, int lane) {
+// box's last columns are up columns, whose B columns it loaded too: those are stored twice, the same
+// product either way. The tile's `store` below waits for these reads before it stages h.
+__device__ __forceinline__ void store_h1(const float (&acc)[ACC_FRAGS][4], unsigned char* buffer,
+                                         unsigned buffer_address, const TmaMap& h1_map, const Tile& tile, int consumer,
+                                         int up, int my_barrier, bool storer, int warp_in_group, int lane) {
     if (storer) tma_store_wait_read();  // the previous tile's stores must have read the buffer
     named_barrier_sync(my_barrier, 128);
     stage_tile<false>(acc, buffer, warp_in_group, lane);
