@@ -16,6 +16,7 @@ import stages.stage7_moe_layer as stage7
 from reference import moe
 from reference.moe_layer_backward import Saved
 from stages.common.launcher import parameter_types
+from stage_on_gpu import StageOnGpu
 
 LAYER = reference.load("moe_layer")
 SHAPES = [dict(T=37, E=8, k=2, hidden=64, inter=72), dict(T=1000, E=64, k=8, hidden=4096, inter=1408),
@@ -176,3 +177,43 @@ def test_forward_for_backward_runs_the_saving_launch_and_names_what_it_saved():
     assert list(found) == ["out", "topk_ids", *Saved._fields[1:]]
     assert found["out"] is outputs["out"] and found["topk_ids"] is outputs["topk_ids"]
     assert "expert_up_swiglu_saving" in kernels.names()
+
+
+# ---------------------------------------------------------------- on an H100 or H200: the kernels
+
+ON_GPU = StageOnGpu("stage7")  # its kernels run here on one case at a time
+GPU_CASES = ["T1 E64 k8 hidden128 inter128 bf16", "T333 E16 k4 hidden200 inter136 fp16",
+             "T777 E16 k2 hidden136 inter200 bf16", "T500 E16 k4 hidden72 inter104 empty3,7 bf16",
+             "T1000 E32 k2 hidden256 inter384 bf16 x10"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GPU_CASES)
+def test_on_the_gpu_saving_changes_no_output_and_saves_the_routing_and_h1(name):
+    """The saving launch writes the plain launch's out and topk_ids bit for bit, and saves: the fp32 logits,
+    the softmax of the chosen ones, the counts and padded offsets of the ids, a permutation that puts each
+    token-slot in its expert's segment (source_token its inverse), and h1 = x·W1[e] of each token-slot at its
+    row, up to the dtype's rounding (I not a multiple of 128 among the cases: gate boxes holding up columns)."""
+    case = next(c for c in LAYER.cases() if c.name == name)
+    ON_GPU.arch()
+    inputs = LAYER.make_inputs(case.shape, case.dtype, case.seed, case.input_scale)
+    kernels = ON_GPU.kernels(ON_GPU.stage.source_path, inputs)
+    plain, outputs = LAYER.allocate_outputs(inputs), LAYER.allocate_outputs(inputs)
+    LAYER.run_stage(ON_GPU.stage, kernels, inputs, plain)
+    found = LAYER.forward_for_backward(ON_GPU.stage, kernels, inputs, outputs)
+    torch.cuda.synchronize()
+    assert torch.equal(found["out"], plain["out"]) and torch.equal(found["topk_ids"], plain["topk_ids"])
+    saved = Saved(*(found[n] for n in Saved._fields))
+    x, w1, (T, k), E = inputs["x"], inputs["w1"], saved.topk_ids.shape, inputs["wr"].shape[1]
+    ids = saved.topk_ids.long()
+    logits = moe.router_logits(x, inputs["wr"], inputs["bias"])
+    torch.testing.assert_close(saved.logits, logits, rtol=1e-5, atol=1e-5 * float(logits.abs().max()))
+    torch.testing.assert_close(saved.topk_weights, torch.softmax(saved.logits.gather(1, ids), dim=-1))
+    assert torch.equal(saved.expert_counts, moe.expert_counts(saved.topk_ids, E))
+    assert torch.equal(saved.expert_offsets, moe.expert_offsets(saved.expert_counts, stage6.BLOCK_M))
+    rows, token = saved.dest.flatten().long(), torch.arange(T * k, device=x.device) // k
+    start, count = saved.expert_offsets[ids.flatten()].long(), saved.expert_counts[ids.flatten()].long()
+    assert ((rows >= start) & (rows < start + count)).all() and rows.unique().numel() == T * k
+    assert torch.equal(saved.source_token[rows].long(), token)
+    h1 = torch.stack([x[t].float() @ w1[e].float() for t, e in zip(token.tolist(), ids.flatten().tolist())])
+    torch.testing.assert_close(saved.h1[rows].float(), h1, rtol=1e-2, atol=1e-2 * float(h1.abs().max()))
