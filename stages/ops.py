@@ -31,8 +31,8 @@ where <mask> is a BlockMask's kv_num_blocks, kv_indices, full_kv_num_blocks, ful
 document_ids (or None), element_mask and window (0 where none): ops.block_sparse_attention unpacks the
 BlockMask, which a custom op cannot take. moe_layer_saving's outputs after out are what the MoE backward
 reads (reference/moe_layer_backward.Saved: the routing, the permutation, h1 = x·W1 per token-slot; rows =
-moe.padded_capacity(T, E, k, 128)), none of them differentiable; ops.moe_layer calls it where a gradient is
-wanted, flashmoe::moe_layer otherwise.
+moe.padded_capacity(T, E, k, 128)), none of them differentiable; traced, ops.moe_layer calls it where a
+gradient is wanted and flashmoe::moe_layer, which has none, otherwise.
 
 Each op returns new tensors and mutates none of its inputs. `ops.attention`, `ops.moe_layer` and
 `ops.block_sparse_attention` refuse inputs the kernels do not take with one ValueError, in one line,
