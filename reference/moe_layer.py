@@ -61,6 +61,14 @@ class MoeLayerProblem(Problem):
         stage.launch(kernels, i["x"], i["wr"], i["bias"], i["w1"], i["w2"], i["top_k"], outputs["out"],
                      outputs["topk_ids"])
 
+    def forward_for_backward(self, stage, kernels, inputs: dict, outputs: dict) -> dict:
+        """run_stage with save=True: the outputs, and what the stage saved for the backward under the names
+        of moe_layer_backward.Saved's fields, the backward's inputs (topk_ids, an output, is one of them)."""
+        i = inputs
+        saved = stage.launch(kernels, i["x"], i["wr"], i["bias"], i["w1"], i["w2"], i["top_k"], outputs["out"],
+                             outputs["topk_ids"], save=True)
+        return {**outputs, **saved._asdict()}
+
     # ---- the exact result and the check ------------------------------------------------------
     def reference(self, inputs: dict) -> dict:
         """The exact logits, and the layer itself: out is evaluated through the kernel's routing."""

@@ -17,15 +17,22 @@ that calls them; the attentions and the MoE layer have autograd through the cour
 
     flashmoe::attention_forward(q, k, v, causal, scale) -> (o, lse)        lse fp32 [B, H, Sq], no gradient
     flashmoe::attention_backward(grad_o, q, k, v, o, lse, causal, scale) -> (dq, dk, dv)
-    flashmoe::moe_layer(x, router_weight, router_bias, w1, w2, top_k) -> (out, topk_ids)    no gradient of topk_ids
-    flashmoe::moe_layer_backward(grad_out, x, router_weight, router_bias, w1, w2, topk_ids)
+    flashmoe::moe_layer(x, router_weight, router_bias, w1, w2, top_k) -> (out, topk_ids)    no gradient (inference)
+    flashmoe::moe_layer_saving(x, router_weight, router_bias, w1, w2, top_k)
+        -> (out, topk_ids, topk_weights, logits, expert_counts, expert_offsets, dest, source_token, h1)
+                                            the layer with gradients: out's, through what the forward saves
+    flashmoe::moe_layer_backward(grad_out, x, router_weight, w1, w2, topk_ids, topk_weights, logits,
+                                 expert_counts, expert_offsets, dest, source_token, h1)
         -> (dx, dwr, dbias, dw1, dw2)                                   dbias fp32 [E], no load-balancing loss
     flashmoe::block_sparse_attention_forward(q, k, v, <mask>, scale) -> (o, lse)
     flashmoe::block_sparse_attention_backward(grad_o, q, k, v, o, lse, <mask>, scale) -> (dq, dk, dv)
 
 where <mask> is a BlockMask's kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, then
 document_ids (or None), element_mask and window (0 where none): ops.block_sparse_attention unpacks the
-BlockMask, which a custom op cannot take.
+BlockMask, which a custom op cannot take. moe_layer_saving's outputs after out are what the MoE backward
+reads (reference/moe_layer_backward.Saved: the routing, the permutation, h1 = x·W1 per token-slot; rows =
+moe.padded_capacity(T, E, k, 128)), none of them differentiable; traced, ops.moe_layer calls it where a
+gradient is wanted and flashmoe::moe_layer, which has none, otherwise.
 
 Each op returns new tensors and mutates none of its inputs. `ops.attention`, `ops.moe_layer` and
 `ops.block_sparse_attention` refuse inputs the kernels do not take with one ValueError, in one line,
@@ -65,6 +72,8 @@ import reference
 import stages
 from reference import moe
 from reference.block_sparse_attention import BLOCK, ELEMENT_MASKS, LAYOUT
+from reference.moe_experts import BLOCK as MOE_BLOCK
+from reference.moe_layer_backward import Saved
 from stages.common.compiler import compile_cubin
 from stages.common.launcher import KernelSet
 from stages.common.moe import MAX_EXPERTS, MAX_TOP_K
@@ -521,16 +530,20 @@ def moe_layer(x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor, w2
 
     A backward through `out` gives the gradients of x, router_weight, router_bias, w1 and w2 (those that
     require grad), in their dtypes, by stage 14 (reference/moe_layer_backward.py), which runs on sm_90a
-    alone (an H100 or H200): elsewhere the backward raises one ValueError. No gradient flows through the
-    discrete top-k choice. The layer returns no load-balancing loss, so the backward adds none (aux_coef 0):
-    a model that wants one computes it in PyTorch from the router's logits and the returned topk_ids
+    alone (an H100 or H200): elsewhere the backward raises one ValueError. Where a gradient is wanted, the
+    forward keeps what the backward reads (reference/moe_layer_backward.Saved): the routing, and h1 = x·W1
+    per token-slot, [T·k + E·127, 2·I] in the dtype. No gradient flows through the discrete top-k choice.
+    The layer returns no load-balancing loss, so the backward adds none (aux_coef 0): a model that wants
+    one computes it in PyTorch from the router's logits and the returned topk_ids
     (reference.moe.balance_loss), and autograd adds its gradient to x's and the router's."""
     refuse("ops.moe_layer", moe_layer_input_problem(x, router_weight, router_bias, w1, w2, top_k))
     top_k = int(top_k)
+    wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                             for t in (x, router_weight, router_bias, w1, w2))
     if not plain_eager(x, router_weight, w1, w2):
-        out, topk_ids = moe_layer_op(x, router_weight, router_bias, w1, w2, top_k)
-    elif torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                         for t in (x, router_weight, router_bias, w1, w2)):
+        layer = moe_layer_saving if wanted else moe_layer_op
+        out, topk_ids = layer(x, router_weight, router_bias, w1, w2, top_k)[:2]
+    elif wanted:
         out, topk_ids = _MoeLayer.apply(x, router_weight, router_bias, w1, w2, top_k)
     else:
         out, topk_ids = moe_forward(x, router_weight, router_bias, w1, w2, top_k)
@@ -542,16 +555,17 @@ class _MoeLayer(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, router_weight, router_bias, w1, w2, top_k):
-        out, topk_ids = moe_launch(x, router_weight, router_bias, w1, w2, top_k)
-        ctx.save_for_backward(x, router_weight, router_bias, w1, w2, topk_ids)
-        ctx.mark_non_differentiable(topk_ids)
-        return out, topk_ids
+        out, saved = moe_saving_launch(x, router_weight, router_bias, w1, w2, top_k)
+        ctx.save_for_backward(x, router_weight, w1, w2, *saved)
+        ctx.mark_non_differentiable(saved.topk_ids)
+        return out, saved.topk_ids
 
     @staticmethod
     def backward(ctx, grad_out, grad_topk_ids):
-        x = ctx.saved_tensors[0]
+        x, router_weight, w1, w2, *saved = ctx.saved_tensors
         refuse("ops.moe_layer", moe_backward_gpu_problem(x.device.index))
-        return *wanted_gradients(ctx, moe_backward_launch(grad_out, *ctx.saved_tensors)), None
+        gradients = moe_backward_launch(grad_out, x, router_weight, w1, w2, Saved(*saved))
+        return *wanted_gradients(ctx, gradients), None
 
 
 def wanted_gradients(ctx, gradients: tuple) -> tuple:
@@ -560,13 +574,46 @@ def wanted_gradients(ctx, gradients: tuple) -> tuple:
     return tuple(g if needed else None for g, needed in zip(gradients, ctx.needs_input_grad))
 
 
-def moe_launch(x, router_weight, router_bias, w1, w2, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, topk_ids) by the fastest MoE layer stage, for inputs already checked."""
+def moe_launch(x, router_weight, router_bias, w1, w2, top_k: int, save: bool = False) -> tuple:
+    """(out, topk_ids) by the fastest MoE layer stage, for inputs already checked; with save, (out, Saved):
+    the forward of a backward (the problem's forward_for_backward, stage 7's launch with save=True)."""
     out = torch.empty_like(x)
     topk_ids = torch.empty(x.shape[0], top_k, dtype=torch.int32, device=x.device)
-    launch_fastest(MOE_LAYER, dict(x=x, wr=router_weight, bias=router_bias, w1=w1, w2=w2, top_k=top_k),
-                   dict(out=out, topk_ids=topk_ids))
-    return out, topk_ids
+    layer = (MOE_LAYER, dict(x=x, wr=router_weight, bias=router_bias, w1=w1, w2=w2, top_k=top_k),
+             dict(out=out, topk_ids=topk_ids))
+    if not save:
+        launch_fastest(*layer)
+        return out, topk_ids
+    found = launch_fastest(*layer, saving=True)
+    return out, Saved(*(found[name] for name in Saved._fields))
+
+
+def moe_saving_launch(x, router_weight, router_bias, w1, w2, top_k: int) -> tuple[torch.Tensor, Saved]:
+    """(out, Saved) of the layer for its backward, for inputs already checked. On a GPU where no stage runs
+    the backward (off sm_90a, where stage 7's rung cannot save), the forward alone and Saved's tensors
+    unwritten: the backward refuses there before it reads them."""
+    if moe_backward_gpu_problem(x.device.index):
+        out, topk_ids = moe_launch(x, router_weight, router_bias, w1, w2, top_k)
+        return out, saved_like(x, router_weight, w1, topk_ids)
+    return moe_launch(x, router_weight, router_bias, w1, w2, top_k, save=True)
+
+
+def saved_specs(x, router_weight, w1, top_k: int) -> dict:
+    """{field of Saved: (dtype, shape)} of what the forward on x saves: the permuted buffers hold
+    moe.padded_capacity(T, E, k, 128) rows, stage 7's."""
+    (tokens, _), experts = x.shape, router_weight.shape[1]
+    rows = moe.padded_capacity(tokens, experts, top_k, MOE_BLOCK)
+    f32, i32 = torch.float32, torch.int32
+    return dict(topk_ids=(i32, (tokens, top_k)), topk_weights=(f32, (tokens, top_k)), logits=(f32, (tokens, experts)),
+                expert_counts=(i32, (experts,)), expert_offsets=(i32, (experts + 1,)), dest=(i32, (tokens, top_k)),
+                source_token=(i32, (rows,)), h1=(x.dtype, (rows, w1.shape[2])))
+
+
+def saved_like(x, router_weight, w1, topk_ids) -> Saved:
+    """A Saved for the forward on x that chose topk_ids, its other tensors unwritten (the saving op's fake)."""
+    specs = saved_specs(x, router_weight, w1, topk_ids.shape[1])
+    return Saved(topk_ids, *(x.new_empty(shape, dtype=dtype) for name, (dtype, shape) in specs.items()
+                             if name != "topk_ids"))
 
 
 # A small call without gradients (decoding, a short prompt) costs the GPU well under a millisecond, and the
@@ -634,15 +681,11 @@ def remember(cache: OrderedDict, key, value, size: int) -> None:
         cache.popitem(last=False)
 
 
-def moe_backward_launch(grad_out, x, router_weight, router_bias, w1, w2, topk_ids) -> tuple:
+def moe_backward_launch(grad_out, x, router_weight, w1, w2, saved: Saved) -> tuple:
     """(dx, dwr, dbias, dw1, dw2) by the fastest MoE backward stage, for inputs already checked: the
-    problem's inputs with a zero bias for None, the top-k weights recomputed (the softmax of the fp32 logits
-    at the forward's ids) and no load-balancing loss (aux_coef 0: ops.moe_layer returns none)."""
-    bias = x.new_zeros(router_weight.shape[1], dtype=torch.float32) if router_bias is None else router_bias
-    logits = moe.router_logits(x, router_weight, bias)
-    topk_weights = torch.softmax(logits.gather(1, topk_ids.long()), dim=-1)
-    inputs = dict(x=x, wr=router_weight, bias=bias, w1=w1, w2=w2, top_k=topk_ids.shape[1], topk_ids=topk_ids,
-                  topk_weights=topk_weights, dy=grad_out.contiguous(), aux_coef=0.0)
+    problem's inputs, what the forward saved under Saved's field names, and no load-balancing loss
+    (aux_coef 0: ops.moe_layer returns none)."""
+    inputs = dict(x=x, wr=router_weight, w1=w1, w2=w2, dy=grad_out.contiguous(), aux_coef=0.0, **saved._asdict())
     gradients = empty_moe_gradients(x, router_weight, w1, w2)
     launch_fastest(MOE_LAYER_BACKWARD, inputs, dict(zip(MOE_LAYER_BACKWARD.outputs, gradients)))
     return gradients
@@ -667,37 +710,59 @@ def _(x, router_weight, router_bias, w1, w2, top_k):
     return torch.empty_like(x), x.new_empty((x.shape[0], top_k), dtype=torch.int32)
 
 
+@torch.library.custom_op("flashmoe::moe_layer_saving", mutates_args=())
+def moe_layer_saving(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[torch.Tensor],
+                     w1: torch.Tensor, w2: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                              torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                              torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, *Saved) of the MoE layer, differentiable in out: see ops.moe_layer. Saved's tensors (the
+    routing, the permutation, h1) are the backward's inputs."""
+    refuse("flashmoe::moe_layer_saving", moe_layer_input_problem(x, router_weight, router_bias, w1, w2, top_k))
+    out, saved = moe_saving_launch(x, router_weight, router_bias, w1, w2, top_k)
+    # stage 7's counts and offsets are views of one buffer, and a custom op's outputs may not alias
+    return out, *saved._replace(expert_offsets=saved.expert_offsets.clone())
+
+
+@moe_layer_saving.register_fake
+def _(x, router_weight, router_bias, w1, w2, top_k):
+    topk_ids = x.new_empty((x.shape[0], top_k), dtype=torch.int32)
+    return torch.empty_like(x), *saved_like(x, router_weight, w1, topk_ids)
+
+
 @torch.library.custom_op("flashmoe::moe_layer_backward", mutates_args=())
-def moe_layer_backward(grad_out: torch.Tensor, x: torch.Tensor, router_weight: torch.Tensor,
-                       router_bias: Optional[torch.Tensor], w1: torch.Tensor, w2: torch.Tensor,
-                       topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                        torch.Tensor]:
-    """(dx, dwr, dbias, dw1, dw2) for out's gradient grad_out (any strides) and the forward's topk_ids, with no
-    load-balancing loss; dbias fp32 [E] (that of a zero bias where router_bias is None)."""
-    refuse("flashmoe::moe_layer_backward",
-           moe_layer_backward_input_problem(grad_out, x, router_weight, router_bias, w1, w2, topk_ids))
-    return moe_backward_launch(grad_out, x, router_weight, router_bias, w1, w2, topk_ids)
+def moe_layer_backward(grad_out: torch.Tensor, x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor,
+                       w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, logits: torch.Tensor,
+                       expert_counts: torch.Tensor, expert_offsets: torch.Tensor, dest: torch.Tensor,
+                       source_token: torch.Tensor, h1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                             torch.Tensor, torch.Tensor]:
+    """(dx, dwr, dbias, dw1, dw2) for out's gradient grad_out (any strides) and what flashmoe::moe_layer_saving
+    saved (Saved's fields, in order), with no load-balancing loss; dbias fp32 [E]."""
+    saved = Saved(topk_ids, topk_weights, logits, expert_counts, expert_offsets, dest, source_token, h1)
+    refuse("flashmoe::moe_layer_backward", moe_layer_backward_input_problem(grad_out, x, router_weight, w1, w2, saved))
+    return moe_backward_launch(grad_out, x, router_weight, w1, w2, saved)
 
 
 @moe_layer_backward.register_fake
-def _(grad_out, x, router_weight, router_bias, w1, w2, topk_ids):
+def _(grad_out, x, router_weight, w1, w2, *saved):
     return empty_moe_gradients(x, router_weight, w1, w2)
 
 
 def _save_for_moe_layer_backward(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:5], output[1])  # x, router_weight, router_bias, w1, w2, topk_ids
-    ctx.mark_non_differentiable(output[1])
+    x, router_weight, _, w1, w2, _ = inputs
+    ctx.save_for_backward(x, router_weight, w1, w2, *output[1:])  # and Saved's tensors
+    ctx.mark_non_differentiable(*output[1:])
 
 
-def _moe_layer_gradients(ctx, grad_out, grad_topk_ids):
+def _moe_layer_gradients(ctx, grad_out, *grad_saved):
     return *wanted_gradients(ctx, moe_layer_backward(grad_out, *ctx.saved_tensors)), None
 
 
-moe_layer_op.register_autograd(_moe_layer_gradients, setup_context=_save_for_moe_layer_backward)
+moe_layer_saving.register_autograd(_moe_layer_gradients, setup_context=_save_for_moe_layer_backward)
 
 
-def moe_layer_input_problem(x, router_weight, router_bias, w1, w2, top_k) -> str | None:
-    """What is wrong with the MoE layer's inputs for stage 7, in words; None if nothing (the GPU last)."""
+def moe_layer_input_problem(x, router_weight, router_bias, w1, w2, top_k, saved: Saved | None = None) -> str | None:
+    """What is wrong with the MoE layer's inputs for stage 7, in words; None if nothing (the GPU last). With
+    `saved` (the backward's check), also what the forward saved, shaped as saved_specs says."""
     tensors = {"x": x, "router_weight": router_weight, "w1": w1, "w2": w2}
     if not all(isinstance(t, torch.Tensor) for t in tensors.values()) or \
             not (router_bias is None or isinstance(router_bias, torch.Tensor)):
@@ -725,21 +790,26 @@ def moe_layer_input_problem(x, router_weight, router_bias, w1, w2, top_k) -> str
         return f"top_k must be an int from 1 to min(E, {MAX_TOP_K}) = {min(experts, MAX_TOP_K)}; got {top_k!r}"
     if router_bias is not None:
         tensors["router_bias"] = router_bias
+    if saved is not None:
+        specs, tensors = saved_specs(x, router_weight, w1, top_k), {**tensors, **saved._asdict()}
+        if wrong := [name for name, t in saved._asdict().items() if (t.dtype, tuple(t.shape)) != specs[name]]:
+            expected = ", ".join(f"{n} {specs[n][0]} {list(specs[n][1])}" for n in wrong)
+            return (f"expected what the forward saves, {expected}; "
+                    f"got {', '.join(f'{n} {tensors[n].dtype} {list(tensors[n].shape)}' for n in wrong)}")
     return layout_problem(tensors) or device_problem(tensors)
 
 
-def moe_layer_backward_input_problem(grad_out, x, router_weight, router_bias, w1, w2, topk_ids) -> str | None:
-    """grad_out and topk_ids as the forward gives them for x, moe_layer_input_problem, and a GPU that runs the
-    backward (the GPU last)."""
-    if not all(isinstance(t, torch.Tensor) for t in (grad_out, x, topk_ids)) or topk_ids.dim() != 2:
-        return "grad_out and x must be tensors, topk_ids a tensor [T, top_k]"
-    if grad_out.shape != x.shape or grad_out.dtype != x.dtype or topk_ids.shape[0] != x.shape[0] or \
-            topk_ids.dtype != torch.int32:
-        return (f"expected grad_out of x's shape {list(x.shape)} and dtype {x.dtype}, topk_ids int32 [T, top_k]; "
-                f"got grad_out {grad_out.dtype} {list(grad_out.shape)}, topk_ids {topk_ids.dtype} "
-                f"{list(topk_ids.shape)}")
-    return moe_layer_input_problem(x, router_weight, router_bias, w1, w2, topk_ids.shape[1]) or \
-        device_problem({"x": x, "grad_out": grad_out, "topk_ids": topk_ids}) or moe_backward_gpu_problem(x.device.index)
+def moe_layer_backward_input_problem(grad_out, x, router_weight, w1, w2, saved: Saved) -> str | None:
+    """grad_out and the saved tensors as the forward gives them for x (saved_specs), moe_layer_input_problem,
+    and a GPU that runs the backward (the GPU last)."""
+    topk_ids = saved.topk_ids
+    if not all(isinstance(t, torch.Tensor) for t in (grad_out, x, *saved)) or topk_ids.dim() != 2:
+        return f"grad_out, x and {', '.join(Saved._fields)} must be tensors, topk_ids [T, top_k]"
+    if grad_out.shape != x.shape or grad_out.dtype != x.dtype or topk_ids.shape[0] != x.shape[0]:
+        return (f"expected grad_out of x's shape {list(x.shape)} and dtype {x.dtype}, topk_ids [T, top_k]; "
+                f"got grad_out {grad_out.dtype} {list(grad_out.shape)}, topk_ids {list(topk_ids.shape)}")
+    return moe_layer_input_problem(x, router_weight, None, w1, w2, topk_ids.shape[1], saved) or \
+        device_problem({"x": x, "grad_out": grad_out}) or moe_backward_gpu_problem(x.device.index)
 
 
 @functools.cache
@@ -807,18 +877,20 @@ def device_problem(tensors: dict) -> str | None:
 _LOADED: dict = {}  # (problem, GPU, variant values) -> (stage, its KernelSet on that GPU)
 
 
-def launch_fastest(problem, inputs: dict, outputs: dict) -> None:
+def launch_fastest(problem, inputs: dict, outputs: dict, saving: bool = False):
     """problem.run_stage (the grader's call) of the fastest stage solving `problem` on the GPU of its
-    primary input, compiled for the variant the inputs need (problem.variant: dtype, head dimension)."""
+    primary input, compiled for the variant the inputs need (problem.variant: dtype, head dimension). With
+    saving, problem.forward_for_backward instead (the forward of a backward, as the grader runs it), whose
+    dict is returned: the outputs and what the stage saved for the backward."""
     device = inputs[problem.primary_input].device
     variant = problem.variant(inputs)
     key = (problem.name, device.index, *variant.values())
     stage, kernels = _LOADED.get(key) or _load(key, problem, device.index, variant)
+    run = problem.forward_for_backward if saving else problem.run_stage
     if device.index == torch.cuda.current_device():
-        problem.run_stage(stage, kernels, inputs, outputs)
-    else:  # the current stream, which the launch uses, must be that GPU's
-        with torch.cuda.device(device):
-            problem.run_stage(stage, kernels, inputs, outputs)
+        return run(stage, kernels, inputs, outputs)
+    with torch.cuda.device(device):  # the current stream, which the launch uses, must be that GPU's
+        return run(stage, kernels, inputs, outputs)
 
 
 def fastest_stage_on(problem: str, device_index: int) -> tuple[stages.Stage, str]:

@@ -1,17 +1,17 @@
-"""ops.moe_layer's gradients (stages/ops.py): stage 14's backward behind the eager torch.autograd.Function and
-behind the custom ops flashmoe::moe_layer and flashmoe::moe_layer_backward (torch.library.register_autograd).
+"""ops.moe_layer's gradients (stages/ops.py): stage 14's backward, on what stage 7's forward saved, behind the
+eager torch.autograd.Function and behind the custom ops flashmoe::moe_layer_saving and
+flashmoe::moe_layer_backward (torch.library.register_autograd).
 
-Without a GPU: stage 14's launch arithmetic, with PyTorch's grouped GEMMs in place of its kernels
-(test_moe_backward_stage.TorchGemms), stands in for the launch, through the backward problem's own run_stage;
-the gradients that reach ops.moe_layer's inputs then pass the backward problem's check, on both paths, which
-therefore hand the launch the right tensors under the right names. Also: gradients only where wanted, none
-for a router_bias of None, a caller's load-balancing loss on top, the fake implementations, make_fx,
-torch.compile(fullgraph=True) forward and backward, torch.library.opcheck, and the refusals in one line (a
-backward off sm_90a among them). On an H100 or H200: the same checks on stage 14's kernels, opcheck and
-torch.compile(fullgraph=True) of a forward and backward."""
+Without a GPU: PyTorch math stands in for the kernels, the forward's with what it saves (test_ops.saved_in_torch)
+and the backward's from the saved tensors alone (backward_from_saved: the routing's weights, logits and
+permutation and h1, as stage 14's launch takes them); the gradients that reach ops.moe_layer's inputs then pass
+the backward problem's check, on both paths, which therefore hand the backward what the forward saved under
+the right names. Also: gradients only where wanted, none for a router_bias of None, a caller's load-balancing
+loss on top, the fake implementations, make_fx, torch.compile(fullgraph=True) forward and backward,
+torch.library.opcheck, and the refusals in one line (a backward off sm_90a among them). On an H100 or H200:
+the same checks on stage 7's and stage 14's kernels, opcheck and torch.compile(fullgraph=True) of a forward
+and backward."""
 import functools
-from types import SimpleNamespace
-
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -20,12 +20,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import reference
 import stages
 from reference import moe
-from reference.moe_layer_backward import DIFFERENTIATED
+from reference.moe_layer_backward import DIFFERENTIATED, Saved
 from reference.moe_routing import ALPHA
 from stages import ops
-from stages.stage14_moe_backward import backward
-from test_moe_backward_stage import TorchGemms
-from test_ops import A100, H100, called_ops, fake_cuda, math_launches, no_launch
+from test_ops import A100, H100, called_ops, fake_cuda, math_launches, no_launch, saved_in_torch
 
 BACKWARD = reference.load("moe_layer_backward")
 CASES = BACKWARD.cases()
@@ -33,8 +31,8 @@ LAYER_INPUTS = ("x", "wr", "bias", "w1", "w2")  # the backward problem's names o
 LAYERS = {  # the eager path (the autograd.Function) and the custom op's, each -> (out, topk_ids)
     "ops.moe_layer": lambda x, wr, bias, w1, w2, top_k: ops.moe_layer(x, wr, w1, w2, top_k, router_bias=bias,
                                                                       return_topk_ids=True),
-    "flashmoe::moe_layer": lambda x, wr, bias, w1, w2, top_k: torch.ops.flashmoe.moe_layer(x, wr, bias, w1, w2,
-                                                                                           top_k),
+    "flashmoe::moe_layer_saving": lambda x, wr, bias, w1, w2, top_k: tuple(
+        torch.ops.flashmoe.moe_layer_saving(x, wr, bias, w1, w2, top_k)[:2]),
 }
 
 
@@ -78,20 +76,55 @@ def caller_balance_loss(leaves, out, topk_ids):
     return moe.balance_loss(torch.softmax(logits, dim=-1), counts, topk_ids.shape[1], ALPHA)
 
 
-# ---------------------------------------------------------------- without a GPU: stage 14's arithmetic for the kernels
+# ---------------------------------------------------------------- without a GPU: PyTorch math for the kernels
 
-def cpu_launches(problem, inputs, outputs):
-    """Stands in for launch_fastest on CPU tensors: the forward's contract in PyTorch math (test_ops), the
-    backward by stage 14's launch with PyTorch's grouped GEMMs, called by the backward problem's run_stage."""
+def backward_from_saved(x, wr, w1, w2, dy, aux_coef, saved: Saved, dx, dwr, dbias, dw1, dw2) -> None:
+    """The backward problem's gradients into dx .. dw2 (reference/moe_layer_backward.py's formulas) in fp32,
+    from what the forward saved and nothing recomputed: h1 = [G U] of each token-slot at its row dest[t, j],
+    the top-k weights, the logits (the load-balancing term's softmax), the counts; stage 14's launch's
+    arguments. Each row's token must be source_token's."""
+    ids, weights, h1 = saved.topk_ids.long(), saved.topk_weights, saved.h1
+    (tokens, top_k), experts, inter = ids.shape, wr.shape[1], w2.shape[1]
+    rows = saved.dest.flatten().long()
+    token = torch.arange(tokens * top_k) // top_k
+    assert torch.equal(saved.source_token[rows].long(), token), "dest and source_token disagree"
+    slot_gradient = torch.zeros(tokens * top_k)  # g_j = dY[t] · y_e(x[t])
+    dx_f, dy_f = torch.zeros(x.shape), dy.float()
+    for e in range(experts):
+        slots = torch.nonzero(ids.flatten() == e).flatten()
+        gate, up = h1[rows[slots]].float().split(inter, dim=1)
+        sig = torch.sigmoid(gate)
+        h = gate * sig * up
+        weighted = weights.flatten()[slots, None] * dy_f[token[slots]]
+        slot_gradient[slots] = (dy_f[token[slots]] * (h @ w2[e].float())).sum(1)
+        dh = weighted @ w2[e].float().T
+        dh1 = torch.cat((dh * up * sig * (1 + gate * (1 - sig)), dh * gate * sig), dim=1)
+        dw2[e] = h.T @ weighted
+        dw1[e] = x[token[slots]].float().T @ dh1
+        dx_f.index_add_(0, token[slots], dh1 @ w1[e].float().T)
+    g = slot_gradient.view(tokens, top_k)
+    dlogits = torch.zeros(tokens, experts).scatter_add_(1, ids, weights * (g - (weights * g).sum(1, keepdim=True)))
+    p, f = torch.softmax(saved.logits, dim=-1), saved.expert_counts.float() / (tokens * top_k)
+    dlogits += aux_coef * experts / tokens * p * (f - (p * f).sum(1, keepdim=True))
+    dwr.copy_(x.float().T @ dlogits)
+    dbias.copy_(dlogits.sum(0))
+    dx.copy_(dx_f + dlogits @ wr.float().T)
+
+
+def cpu_launches(problem, inputs, outputs, saving=False):
+    """Stands in for launch_fastest on CPU tensors: the forward's contract in PyTorch math (test_ops), with
+    what it saves where saving; the backward by backward_from_saved on the backward problem's inputs, as
+    stage 14's launch takes them (Saved's fields by their names)."""
     if problem.name != BACKWARD.name:
-        return math_launches(problem, inputs, outputs)
-    stage14 = SimpleNamespace(launch=lambda kernels, *args: backward(TorchGemms(), *args))
-    problem.run_stage(stage14, None, inputs, outputs)
+        return math_launches(problem, inputs, outputs, saving=saving)
+    i = inputs
+    backward_from_saved(i["x"], i["wr"], i["w1"], i["w2"], i["dy"], i["aux_coef"],
+                        Saved(*(i[name] for name in Saved._fields)), *(outputs[n] for n in BACKWARD.outputs))
 
 
 @pytest.fixture
 def on_the_cpu(monkeypatch):
-    """CPU tensors taken (every check but the device's runs), stage 14's arithmetic as the backward."""
+    """CPU tensors taken (every check but the device's runs), PyTorch math as the kernels."""
     monkeypatch.setattr(ops, "launch_fastest", cpu_launches)
     monkeypatch.setattr(ops, "device_problem", lambda tensors: None)
     monkeypatch.setattr(ops, "moe_backward_gpu_problem", lambda device_index: None)
@@ -122,10 +155,10 @@ def test_both_paths_give_the_same_gradients(on_the_cpu):
 def test_a_wrong_routing_fails_the_check(on_the_cpu, monkeypatch):
     """The check above can fail: a backward handed other top-k ids than the forward's gives gradients the
     problem rejects."""
-    def shifted(problem, inputs, outputs):
+    def shifted(problem, inputs, outputs, saving=False):
         if problem.name == BACKWARD.name:
             inputs = dict(inputs, topk_ids=(inputs["topk_ids"] + 1) % inputs["wr"].shape[1])
-        cpu_launches(problem, inputs, outputs)
+        return cpu_launches(problem, inputs, outputs, saving)
     monkeypatch.setattr(ops, "launch_fastest", shifted)
     inputs = problem_inputs(case_named(CPU_CASES[0]), device="cpu")
     assert failures(inputs, layer_gradients(LAYERS["ops.moe_layer"], inputs))
@@ -187,24 +220,47 @@ def test_opcheck_passes_with_stage_14s_arithmetic_for_the_kernels(with_bias, on_
     layer, dy = small_layer(requires_grad=True)
     bias = layer["bias"] if with_bias else None
     args = (layer["x"], layer["wr"], bias, layer["w1"], layer["w2"])
-    torch.library.opcheck(torch.ops.flashmoe.moe_layer.default, (*args, 2))
+    torch.library.opcheck(torch.ops.flashmoe.moe_layer_saving.default, (*args, 2))
     detached = [None if t is None else t.detach() for t in args]
-    _, topk_ids = torch.ops.flashmoe.moe_layer(*detached, 2)
-    torch.library.opcheck(torch.ops.flashmoe.moe_layer_backward.default, (dy, *detached, topk_ids))
+    torch.library.opcheck(torch.ops.flashmoe.moe_layer.default, (*detached, 2))
+    _, *saved = torch.ops.flashmoe.moe_layer_saving(*detached, 2)
+    x, wr, _, w1, w2 = detached
+    torch.library.opcheck(torch.ops.flashmoe.moe_layer_backward.default, (dy, x, wr, w1, w2, *saved))
 
 
 # ---------------------------------------------------------------- tracing: fake implementations and make_fx
 
+def saved_shapes(T, E, k, inter, dtype=torch.bfloat16) -> list:
+    """(shape, dtype) of each of Saved's tensors, as stage 7 saves them: rows = T·k + E·127."""
+    rows = moe.padded_capacity(T, E, k, 128)
+    i32, f32 = torch.int32, torch.float32
+    return [((T, k), i32), ((T, k), f32), ((T, E), f32), ((E,), i32), ((E + 1,), i32), ((T, k), i32),
+            ((rows,), i32), ((rows, 2 * inter), dtype)]
+
+
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_the_backwards_fake_gives_the_gradients_shapes_dtypes_and_devices(with_bias, monkeypatch):
+def test_the_saving_forwards_fake_gives_out_and_what_stage_7_saves(with_bias, monkeypatch):
+    no_launch(monkeypatch)
+    mode = FakeTensorMode()
+    x, wr = fake_cuda(mode, 5, 64), fake_cuda(mode, 64, 8)
+    w1, w2 = fake_cuda(mode, 8, 64, 256), fake_cuda(mode, 8, 128, 64)
+    bias = fake_cuda(mode, 8, dtype=torch.float32) if with_bias else None
+    with mode:
+        out, *saved = torch.ops.flashmoe.moe_layer_saving(x, wr, bias, w1, w2, 3)
+    assert all(isinstance(t, FakeTensor) and t.device.type == "cuda" for t in (out, *saved))
+    assert (out.shape, out.dtype) == (x.shape, x.dtype)
+    assert [(tuple(t.shape), t.dtype) for t in saved] == saved_shapes(5, 8, 3, 128)
+    assert len(saved) == len(Saved._fields)
+
+
+def test_the_backwards_fake_gives_the_gradients_shapes_dtypes_and_devices(monkeypatch):
     no_launch(monkeypatch)
     mode = FakeTensorMode()
     x, dy, wr = fake_cuda(mode, 5, 64), fake_cuda(mode, 5, 64), fake_cuda(mode, 64, 8)
     w1, w2 = fake_cuda(mode, 8, 64, 256), fake_cuda(mode, 8, 128, 64)
-    bias = fake_cuda(mode, 8, dtype=torch.float32) if with_bias else None
     with mode:
-        topk_ids = torch.empty(5, 3, dtype=torch.int32, device="cuda")
-        gradients = torch.ops.flashmoe.moe_layer_backward(dy, x, wr, bias, w1, w2, topk_ids)
+        saved = [torch.empty(shape, dtype=dtype, device="cuda") for shape, dtype in saved_shapes(5, 8, 3, 128)]
+        gradients = torch.ops.flashmoe.moe_layer_backward(dy, x, wr, w1, w2, *saved)
     assert all(isinstance(g, FakeTensor) and g.device.type == "cuda" for g in gradients)
     assert [(g.shape, g.dtype) for g in gradients] == [(x.shape, x.dtype), (wr.shape, wr.dtype),
                                                        ((8,), torch.float32), (w1.shape, w1.dtype),
@@ -212,8 +268,8 @@ def test_the_backwards_fake_gives_the_gradients_shapes_dtypes_and_devices(with_b
 
 
 def test_make_fx_traces_the_moe_backward(monkeypatch):
-    """Differentiating through ops.moe_layer puts flashmoe::moe_layer_backward in the graph (fake CPU tensors,
-    the device check off, as test_ops's attention backward)."""
+    """Differentiating through ops.moe_layer puts the saving forward and flashmoe::moe_layer_backward in the
+    graph, and not the inference op (fake CPU tensors, the device check off, as test_ops's attention backward)."""
     no_launch(monkeypatch)
     monkeypatch.setattr(ops, "device_problem", lambda tensors: None)
     with FakeTensorMode():
@@ -227,8 +283,26 @@ def test_make_fx_traces_the_moe_backward(monkeypatch):
         return out, *torch.autograd.grad((out.float() * dy.float()).sum(), (x, wr, bias, w1, w2))
 
     graph = make_fx(model, tracing_mode="fake")(*(layer[n] for n in LAYER_INPUTS))
-    assert {torch.ops.flashmoe.moe_layer.default, torch.ops.flashmoe.moe_layer_backward.default} <= \
-        called_ops(graph), graph.code
+    called = called_ops(graph)
+    assert {torch.ops.flashmoe.moe_layer_saving.default, torch.ops.flashmoe.moe_layer_backward.default} <= called, \
+        graph.code
+    assert torch.ops.flashmoe.moe_layer.default not in called
+
+
+def test_without_gradients_the_traced_layer_is_the_inference_op(monkeypatch):
+    no_launch(monkeypatch)
+    monkeypatch.setattr(ops, "device_problem", lambda tensors: None)
+    with FakeTensorMode():
+        shapes = dict(x=(37, 64), wr=(64, 8), w1=(8, 64, 144), w2=(8, 72, 64))
+        layer = {n: torch.empty(shape, dtype=torch.bfloat16).requires_grad_() for n, shape in shapes.items()}
+
+    def model(x, wr, w1, w2):
+        with torch.no_grad():
+            return ops.moe_layer(x, wr, w1, w2, 2)
+
+    called = called_ops(make_fx(model, tracing_mode="fake")(*layer.values()))
+    assert torch.ops.flashmoe.moe_layer.default in called
+    assert torch.ops.flashmoe.moe_layer_saving.default not in called
 
 
 # ---------------------------------------------------------------- refusals
@@ -238,10 +312,10 @@ REFUSAL = ("the MoE layer's backward needs an H100 or H200 (sm_90a, where stage 
 
 
 @pytest.mark.parametrize("path,who", [("ops.moe_layer", "ops.moe_layer"),
-                                      ("flashmoe::moe_layer", "flashmoe::moe_layer_backward")])
+                                      ("flashmoe::moe_layer_saving", "flashmoe::moe_layer_backward")])
 def test_a_backward_off_sm_90a_is_refused_in_one_line(path, who, monkeypatch):
-    """The forward runs (stage 7's rung, here its math); the backward raises one ValueError naming the GPUs
-    that run it, before anything is launched."""
+    """The forward runs (stage 7's rung, here its math), without saving (the rung cannot); the backward raises
+    one ValueError naming the GPUs that run it, before anything is launched."""
     def forward_only(problem, inputs, outputs):
         assert problem.name != BACKWARD.name, "the backward launched off sm_90a"
         math_launches(problem, inputs, outputs)
@@ -267,18 +341,28 @@ def test_stage_14_alone_runs_the_backward_and_on_sm_90a_only(monkeypatch):
 def backward_args(**changes) -> dict:
     """flashmoe::moe_layer_backward's arguments by name, as the forward gives them on the CPU, but `changes`."""
     layer, dy = small_layer()
-    return {"grad_out": dy, "x": layer["x"], "router_weight": layer["wr"], "router_bias": layer["bias"],
-            "w1": layer["w1"], "w2": layer["w2"], "topk_ids": torch.zeros(37, 2, dtype=torch.int32), **changes}
+    topk_ids = moe.topk_exact(moe.router_logits(layer["x"], layer["wr"], layer["bias"]), 2)[0]
+    return {"grad_out": dy, "x": layer["x"], "router_weight": layer["wr"], "w1": layer["w1"], "w2": layer["w2"],
+            **saved_in_torch(layer, topk_ids)._asdict(), **changes}
 
 
+ROWS = moe.padded_capacity(37, 8, 2, 128)  # small_layer's
 BAD_BACKWARD_INPUTS = {
     "grad_out of another shape": (dict(grad_out=torch.zeros(36, 64, dtype=torch.bfloat16)),
                                   "expected grad_out of x's shape [37, 64] and dtype torch.bfloat16"),
     "grad_out in float16": (dict(grad_out=torch.zeros(37, 64, dtype=torch.float16)), "got grad_out torch.float16"),
-    "int64 topk_ids": (dict(topk_ids=torch.zeros(37, 2, dtype=torch.int64)), "topk_ids torch.int64 [37, 2]"),
-    "flat topk_ids": (dict(topk_ids=torch.zeros(74, dtype=torch.int32)), "topk_ids a tensor [T, top_k]"),
+    "int64 topk_ids": (dict(topk_ids=torch.zeros(37, 2, dtype=torch.int64)),
+                       "topk_ids torch.int32 [37, 2]; got topk_ids torch.int64 [37, 2]"),
+    "flat topk_ids": (dict(topk_ids=torch.zeros(74, dtype=torch.int32)), "topk_ids [T, top_k]"),
     "top_k 9": (dict(topk_ids=torch.zeros(37, 9, dtype=torch.int32)), "top_k must be an int from 1 to min(E, 8)"),
     "fp32 weights": (dict(w1=torch.zeros(8, 64, 144)), "must all be float16 or all bfloat16"),
+    "bf16 logits": (dict(logits=torch.zeros(37, 8, dtype=torch.bfloat16)),
+                    "logits torch.float32 [37, 8]; got logits torch.bfloat16 [37, 8]"),
+    "h1 of the unpadded rows": (dict(h1=torch.zeros(74, 144, dtype=torch.bfloat16)),
+                                f"h1 torch.bfloat16 [{ROWS}, 144]; got h1 torch.bfloat16 [74, 144]"),
+    "offsets without their end": (dict(expert_offsets=torch.zeros(8, dtype=torch.int32)),
+                                  "expert_offsets torch.int32 [9]; got expert_offsets torch.int32 [8]"),
+    "a strided h1": (dict(h1=torch.zeros(144, ROWS, dtype=torch.bfloat16).t()), "must be contiguous"),
     "CPU tensors": ({}, "must be on one CUDA GPU"),
 }
 
@@ -345,10 +429,12 @@ def test_opcheck_passes_on_the_moe_ops_with_gradients():
     for with_bias in (True, False):
         layer, dy = small_layer("cuda", requires_grad=True)
         args = (layer["x"], layer["wr"], layer["bias"] if with_bias else None, layer["w1"], layer["w2"])
-        torch.library.opcheck(torch.ops.flashmoe.moe_layer.default, (*args, 2))
+        torch.library.opcheck(torch.ops.flashmoe.moe_layer_saving.default, (*args, 2))
         detached = [None if t is None else t.detach() for t in args]
-        _, topk_ids = torch.ops.flashmoe.moe_layer(*detached, 2)
-        torch.library.opcheck(torch.ops.flashmoe.moe_layer_backward.default, (dy, *detached, topk_ids))
+        torch.library.opcheck(torch.ops.flashmoe.moe_layer.default, (*detached, 2))
+        _, *saved = torch.ops.flashmoe.moe_layer_saving(*detached, 2)
+        x, wr, _, w1, w2 = detached
+        torch.library.opcheck(torch.ops.flashmoe.moe_layer_backward.default, (dy, x, wr, w1, w2, *saved))
 
 
 @pytest.mark.gpu

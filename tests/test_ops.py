@@ -18,6 +18,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import reference
 from reference import moe
 from reference.attention import causal_mask, sdpa
+from reference.moe_experts import BLOCK
+from reference.moe_layer_backward import Saved
 from reference.tolerance import relative_to_library
 import stages
 from stages import ops
@@ -91,16 +93,17 @@ def scores_of(q, k, scale, causal):
     return scores.masked_fill(causal_mask(q.shape[2], k.shape[2], q.device), float("-inf")) if causal else scores
 
 
-def math_launches(problem, inputs, outputs):
+def math_launches(problem, inputs, outputs, saving=False):
     """Stands in for launch_fastest: the kernels' contract in PyTorch math, on the problem's inputs and
     outputs (run_stage's dicts). The backward recomputes P from the O and LSE the forward wrote (as a
-    FlashAttention backward does), so that both must reach it."""
+    FlashAttention backward does), so that both must reach it. The MoE layer's forward with saving: also
+    what stage 7 saves for the backward (saved_in_torch), returned as forward_for_backward returns it."""
     i = inputs
     if problem.name == "moe_layer":
         layer = {n: i[n] for n in ("x", "wr", "bias", "w1", "w2")}
         outputs["topk_ids"].copy_(moe.topk_exact(moe.router_logits(i["x"], i["wr"], i["bias"]), i["top_k"])[0])
         outputs["out"].copy_(moe.layer_reference(layer, i["top_k"], dtype=torch.float32))
-        return
+        return {**outputs, **saved_in_torch(layer, outputs["topk_ids"])._asdict()} if saving else None
     wide = torch.promote_types(i["q"].dtype, torch.float32)  # 16-bit inputs: the math in fp32, as the kernels'
     q, k, v, scale, causal = i["q"].to(wide), i["k"].to(wide), i["v"].to(wide), i["scale"], i["causal"]
     if problem.name == "attention":
@@ -116,6 +119,31 @@ def math_launches(problem, inputs, outputs):
     dq.copy_(grad_scores @ k)
     dk.copy_(grad_scores.transpose(-1, -2) @ q)
     dv.copy_(p.transpose(-1, -2) @ grad_o)
+
+
+def saved_in_torch(layer: dict, topk_ids: torch.Tensor) -> Saved:
+    """What stage 7 saves for the backward (reference/moe_layer_backward.Saved) of the layer routed by
+    topk_ids, in PyTorch: fp32 logits and the softmax of the chosen ones, each expert's token-slots in
+    (token, slot) order at its segment padded to 128 rows, h1 = x·W1[e] in fp32 rounded to the dtype, its
+    padding rows 0 (any values would do) and source_token -1 there."""
+    x, w1 = layer["x"], layer["w1"]
+    (tokens, top_k), experts = topk_ids.shape, w1.shape[0]
+    logits = moe.router_logits(x, layer["wr"], layer["bias"])
+    topk_weights = torch.softmax(logits.gather(1, topk_ids.long()), dim=-1)
+    counts = moe.expert_counts(topk_ids, experts)
+    offsets = moe.expert_offsets(counts, BLOCK)
+    rows = moe.padded_capacity(tokens, experts, top_k, BLOCK)
+    order, flat = torch.argsort(topk_ids.flatten(), stable=True), topk_ids.flatten().long()
+    first_slot = torch.cumsum(counts.long(), 0) - counts.long()
+    dest = torch.empty_like(flat)
+    dest[order] = offsets[flat[order]].long() + torch.arange(flat.numel()) - first_slot[flat[order]]
+    source_token = torch.full((rows,), -1, dtype=torch.int32)
+    source_token[dest] = (torch.arange(flat.numel()) // top_k).to(torch.int32)
+    h1 = torch.zeros(rows, w1.shape[2], dtype=x.dtype)
+    for e in range(experts):
+        slots = torch.nonzero(flat == e).flatten()
+        h1[dest[slots]] = (x[slots // top_k].float() @ w1[e].float()).to(x.dtype)
+    return Saved(topk_ids, topk_weights, logits, counts, offsets, dest.view(tokens, top_k).int(), source_token, h1)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -253,7 +281,7 @@ def test_the_backward_is_stage_9_on_hopper_and_stage_8_elsewhere(gpu, stage, arc
 
 # ---------------------------------------------------------------- registration and fake implementations
 
-OPS = ("attention_forward", "attention_backward", "moe_layer", "moe_layer_backward")
+OPS = ("attention_forward", "attention_backward", "moe_layer", "moe_layer_saving", "moe_layer_backward")
 
 
 @pytest.mark.parametrize("name", OPS)

@@ -35,8 +35,8 @@ class KernelParts(Parts):
         self.spare_sms = spare_sms
 
     def route(self, x, topk_ids):
-        weights, counts, _, dest, source_token = route_tokens(self.kernels, x, self.wr, self.bias, self.top_k, 0,
-                                                              topk_ids)
+        weights, _, counts, _, dest, source_token = route_tokens(self.kernels, x, self.wr, self.bias, self.top_k, 0,
+                                                                 topk_ids)
         return Routing(topk_ids, weights, counts, source_token, dest)
 
     def regroup_index(self, piece):

@@ -6,6 +6,8 @@
 // Two kernels then compute, for every expert at once,
 //   expert_up_swiglu   h[rows of e] = silu(x·W1[e][:, :I]) * (x·W1[e][:, I:])    [rows, I]
 //   expert_down        y[rows of e] = h · W2[e]                                   [rows, hidden]
+// and, for a forward whose backward follows (stage 14), expert_up_swiglu_saving: expert_up_swiglu
+// that also stores h1 = x·W1[e] = [G U] [rows, 2·I], the product SwiGLU's backward needs.
 // New here, after stage 4's TMA/wgmma/warp-specialization machinery:
 //   a device-side tile scheduler  the grid is one block per SM whatever the routing; each block
 //            walks the (expert, n, m) tiles t = blockIdx.x, + gridDim.x, ... and finds the expert of
@@ -140,12 +142,38 @@ __device__ __forceinline__ void stage_tile(const float (&acc)[ACC_FRAGS][4], uns
 }
 // --8<-- [end:epilogue]
 
+// The saving up kernel's extra store, before SwiGLU's output is staged: the raw 64 × 256 accumulator
+// (each element x·W1[e] at one B column, rounded to elem_t) through the consumer's buffer to h1, each
+// 64-column box at the very B column the producer loaded for it (b_column<true>: gate boxes at 128n,
+// up boxes at I + 128n), so h1 = [G U] column for column. Where I is not a multiple of 128 a gate
+// box's last columns are up columns, whose B columns it loaded too: those are stored twice, the same
+// product either way. The tile's `store` below waits for these reads before it stages h.
+__device__ __forceinline__ void store_h1(const float (&acc)[ACC_FRAGS][4], unsigned char* buffer,
+                                         unsigned buffer_address, const TmaMap& h1_map, const Tile& tile, int consumer,
+                                         int up, int my_barrier, bool storer, int warp_in_group, int lane) {
+    if (storer) tma_store_wait_read();  // the previous tile's stores must have read the buffer
+    named_barrier_sync(my_barrier, 128);
+    stage_tile<false>(acc, buffer, warp_in_group, lane);
+    fence_async_shared();
+    named_barrier_sync(my_barrier, 128);
+    if (storer) {
+        for (int box = 0; box < B_BOXES; ++box)
+            tma_store_3d(h1_map, buffer_address + box * OUT_BOX_BYTES, b_column<true>(tile.n, box, up),
+                         tile.row0 + consumer * CONSUMER_ROWS, 0);
+        tma_store_commit();
+    }
+}
+
 // out[rows of e, n_out] = A[rows of e, K] · B[e][K, ...], for every expert e with rows, with the
 // SwiGLU epilogue or without. a_map: A as [1, rows, K], boxes 1 × 128 × 64; b_map: B as [E, K, N],
 // boxes 1 × 64 × 64; out_map: the output as [1, rows, n_out], boxes 1 × 64 × 64; all 128-byte swizzled.
-template <bool SWIGLU>
+// SAVE_H1 (with SWIGLU): *h1_map, [1, rows, 2·I] in boxes 1 × 64 × 64, also receives the raw product
+// (store_h1); otherwise h1_map is not read.
+template <bool SWIGLU, bool SAVE_H1 = false>
 __device__ void grouped_gemm(const TmaMap& a_map, const TmaMap& b_map, const TmaMap& out_map,
-                             const int* __restrict__ offsets, int experts, int n_out, int k, int up) {
+                             const int* __restrict__ offsets, int experts, int n_out, int k, int up,
+                             const TmaMap* h1_map = nullptr) {
+    static_assert(SWIGLU || !SAVE_H1, "h1 is the up GEMM's product");
     extern __shared__ __align__(1024) unsigned char shared_raw[];
     // TMA's 128-byte swizzle and the descriptors' base offset 0 assume 1024-byte-aligned tiles.
     const unsigned base = (shared_address(shared_raw) + 1023) & ~1023u;
@@ -177,6 +205,7 @@ __device__ void grouped_gemm(const TmaMap& a_map, const TmaMap& b_map, const Tma
         tma_prefetch_map(a_map);
         tma_prefetch_map(b_map);
         tma_prefetch_map(out_map);
+        if (SAVE_H1) tma_prefetch_map(*h1_map);
         for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
             const Tile tile = scheduler.tile(t);
             for (int kb = 0; kb < k_blocks; ++kb, ++it) {
@@ -202,6 +231,9 @@ __device__ void grouped_gemm(const TmaMap& a_map, const TmaMap& b_map, const Tma
         for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
             const Tile tile = scheduler.tile(t);
             mainloop(acc, base, consumer, k_blocks, it);
+            if (SAVE_H1)
+                store_h1(acc, buffer, base + EPILOGUE + consumer * EPILOGUE_BYTES, *h1_map, tile, consumer, up,
+                         my_barrier, storer, warp_in_group, lane);
             // --8<-- [start:store]
             // The previous tile's stores must have read the buffer before it is overwritten.
             if (storer) tma_store_wait_read();
@@ -227,6 +259,14 @@ expert_up_swiglu(const __grid_constant__ TmaMap x_map, const __grid_constant__ T
                  const __grid_constant__ TmaMap h_map, const int* __restrict__ offsets, int experts, int inter,
                  int hidden) {
     grouped_gemm<true>(x_map, w1_map, h_map, offsets, experts, inter, hidden, inter);
+}
+
+// The same, h1 = x_perm · W1 = [G U] also stored, [rows, 2·inter]: for the backward (stage 14).
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
+expert_up_swiglu_saving(const __grid_constant__ TmaMap x_map, const __grid_constant__ TmaMap w1_map,
+                        const __grid_constant__ TmaMap h_map, const __grid_constant__ TmaMap h1_map,
+                        const int* __restrict__ offsets, int experts, int inter, int hidden) {
+    grouped_gemm<true, true>(x_map, w1_map, h_map, offsets, experts, inter, hidden, inter, &h1_map);
 }
 
 // y = h · W2, per expert. W2 is [E, inter, hidden].

@@ -4,12 +4,18 @@ The layer from the course's kernels, in eight launches (nine when the router spl
 synchronization: router logits, stage 5's top-k, offsets and permutation, a gather of the tokens into
 expert order, stage 6's two grouped GEMMs (SwiGLU fused into the first), stage 5's combine. sm_90a with stage 6's wgmma GEMMs;
 its mma_sync rung runs on sm_80 and newer with stage 6's mma_sync rung instead.
+
+A forward whose backward follows (stage 14: ops.moe_layer with gradients) launches with save=True: the
+same launches but for stage 6's saving up GEMM, which also stores h1 = x·W1, and the launch returns what
+the backward reads (reference/moe_layer_backward.Saved): the routing and the permutation, temporaries
+otherwise, and h1. sm_90a only: the mma_sync rung refuses to save.
 """
 from functools import partial
 
 import torch
 
 from reference.moe import padded_capacity
+from reference.moe_layer_backward import Saved
 import stages
 from stages import ALL_ARCHS, Goal, Stage
 from stages.common.moe import MAX_EXPERTS
@@ -61,8 +67,9 @@ def router_logits(kernels, x, wr, bias, logits) -> None:
 
 def route_tokens(kernels, x, wr, bias, top_k, block, topk_ids):
     """The router's logits (here) and stage 5's routing of x's tokens, each expert's segment padded to
-    `block` rows (0: none): (topk_weights, counts, offsets, dest, source_token), topk_ids written. Shared
-    with stage 11, which routes without padding."""
+    `block` rows (0: none): (topk_weights, logits, counts, offsets, dest, source_token), in Saved's order,
+    topk_ids written. counts and offsets are views of one buffer. Shared with stage 11, which routes
+    without padding."""
     tokens, hidden = x.shape
     experts = wr.shape[1]
     # The permuted buffers' capacity, known on the host without looking at the routing; the kernels
@@ -79,20 +86,34 @@ def route_tokens(kernels, x, wr, bias, top_k, block, topk_ids):
     router_logits(kernels, x, wr, bias, logits)
     route(kernels, logits, top_k, block, ALPHA, topk_ids, topk_weights, counts, offsets, dest, source_token,
           balance[:1], balance[1:])
-    return topk_weights, counts, offsets, dest, source_token
+    return topk_weights, logits, counts, offsets, dest, source_token
 
 
-def layer_launch(run_experts):
-    """The layer's launch, with `run_experts` for its grouped GEMMs (stage 6's, or a rung's)."""
-    def launch(kernels, x, wr, bias, w1, w2, top_k, out, topk_ids):
-        topk_weights, _, offsets, dest, source_token = route_tokens(kernels, x, wr, bias, top_k, BLOCK_M, topk_ids)
+SAVE_REFUSAL = ("the MoE backward needs sm_90a (an H100 or H200): stage 7's mma_sync rung cannot save what it "
+                "reads (h1 = x·W1, stage 6's saving up GEMM is a wgmma kernel)")
+
+
+def layer_launch(run_experts, saves=True):
+    """The layer's launch, with `run_experts` for its grouped GEMMs (stage 6's, or a rung's); `saves`:
+    whether they can store h1 (run_experts takes h1=), which save=True needs."""
+    def launch(kernels, x, wr, bias, w1, w2, top_k, out, topk_ids, save=False):
+        """out and topk_ids written; with save, also h1, and the Saved of this call returned (else None)."""
+        if save and not saves:
+            raise ValueError(SAVE_REFUSAL)
+        routing = route_tokens(kernels, x, wr, bias, top_k, BLOCK_M, topk_ids)
+        topk_weights, _, _, offsets, dest, source_token = routing
         rows, hidden, inter = source_token.shape[0], x.shape[1], w2.shape[1]
         x_perm = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
         h = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
         y_perm = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
         kernels.gather_rows((rows,), (GATHER_THREADS,), x, source_token, offsets, w1.shape[0], x_perm, hidden)
-        run_experts(kernels, x_perm, offsets, w1, w2, h, y_perm)
+        if save:
+            h1 = torch.empty(rows, 2 * inter, dtype=x.dtype, device=x.device)
+            run_experts(kernels, x_perm, offsets, w1, w2, h, y_perm, h1=h1)
+        else:
+            run_experts(kernels, x_perm, offsets, w1, w2, h, y_perm)
         combine(kernels, y_perm, dest, topk_weights, out, top_k)
+        return Saved(topk_ids, *routing, h1) if save else None
     return launch
 
 
@@ -120,7 +141,7 @@ RUNGS = (Stage(
     problem="moe_layer",
     source="layer.cu",
     kernels={**OWN_KERNELS, **ladder.KERNELS},
-    launch=layer_launch(partial(ladder.run_experts, "mma_sync")),
+    launch=layer_launch(partial(ladder.run_experts, "mma_sync"), saves=False),
     archs=ALL_ARCHS,
     geometry=geometry(stages.load("stage6:mma_sync")),
     goal=Goal("reference", 0.6),  # as stage 6's mma_sync rung
