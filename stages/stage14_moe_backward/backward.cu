@@ -31,6 +31,7 @@
 //            small kernels at memory speed around the GEMMs.
 // The padding rows of each expert's segment add nothing to the weights' gradients: their top-k weight is
 // 0, so dG, dU and w·h are 0 there (selected, whatever h1 holds in them).
+#define GROUPED_GEMM_MACHINERY_ONLY  // stage 6's device code without its kernels
 #include "stage6_grouped_gemm/experts.cu"  // stage 6: BLOCK_*, the ring's layout, Scheduler, stage_tile
 #include "wgmma_grad.cuh"  // stage 14: wgmma m64n256k16 with B K-major, and with A and B MN-major
 

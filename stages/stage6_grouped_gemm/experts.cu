@@ -253,6 +253,9 @@ __device__ void grouped_gemm(const TmaMap& a_map, const TmaMap& b_map, const Tma
     }
 }
 
+// The kernels, unless an including file wants the machinery above alone (stage 14's GEMMs: its cubin then
+// holds its own kernels only).
+#ifndef GROUPED_GEMM_MACHINERY_ONLY
 // h = silu(x_perm · W1_gate) * (x_perm · W1_up), per expert. W1 is [E, hidden, 2·inter].
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 expert_up_swiglu(const __grid_constant__ TmaMap x_map, const __grid_constant__ TmaMap w1_map,
@@ -276,3 +279,4 @@ expert_down(const __grid_constant__ TmaMap h_map, const __grid_constant__ TmaMap
             int inter) {
     grouped_gemm<false>(h_map, w2_map, y_map, offsets, experts, hidden, inter, 0);
 }
+#endif  // GROUPED_GEMM_MACHINERY_ONLY
