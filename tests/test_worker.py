@@ -125,3 +125,16 @@ def test_the_forward_then_backward_timing_runs_the_backward_on_what_the_forward_
                      ("backward", "backward stage", "backward stage's kernels",
                       {"x": "x", "topk_ids": "the forward's", "h1": "kept by the forward"}, {"dx": "poisoned"})]
     assert inputs == {"x": "x", "topk_ids": "exact", "h1": "exact"}  # the inputs themselves unchanged
+
+
+def test_an_input_holding_nan_is_unmodified_when_its_bits_are():
+    """The unmodified-inputs check compares bits: NaN poison in an input (the MoE backward's h1) is not a write."""
+    import torch
+
+    from grader.worker import same_bits
+
+    poisoned = torch.tensor([1.0, float("nan"), -0.0], dtype=torch.bfloat16)
+    assert same_bits(poisoned, poisoned.clone())
+    assert not same_bits(poisoned, torch.tensor([1.0, float("nan"), 0.0], dtype=torch.bfloat16))
+    ids = torch.tensor([3, 1], dtype=torch.int32)
+    assert same_bits(ids, ids.clone()) and not same_bits(ids, ids + 1)
