@@ -24,7 +24,7 @@ def _segments(offsets):
 class TorchKernels:
     """backward.cu's kernels in PyTorch (fp32 arithmetic, outputs rounded to the dtype), for the CPU."""
 
-    def gather(self, x, dy, saved, x_perm, dy_perm, row_weight, dbias):
+    def gather(self, x, dy, saved, x_perm, dy_perm, row_weight):
         used = int(saved.expert_offsets[-1])
         token = saved.source_token[:used].long()
         for e, a, b in _segments(saved.expert_offsets):  # a padding row copies its segment's first token
@@ -33,7 +33,6 @@ class TorchKernels:
         x_perm[:used], dy_perm[:used] = x[token], dy[token]
         row_weight[:used] = 0
         row_weight[saved.dest.flatten().long()] = saved.topk_weights.flatten()
-        dbias.zero_()
 
     def swiglu_grad(self, dy_perm, w2, saved, row_weight, dgu, hw, g_partial):
         inter = w2.shape[1]
@@ -59,7 +58,7 @@ class TorchKernels:
         for e, a, b in _segments(offsets):
             dw[e] = (a_perm[a:b].float().t() @ b_perm[a:b].float()).to(dw.dtype)
 
-    def router(self, saved, g_partial, aux_scale, dlogits, dlogits_rounded, dbias):
+    def router(self, saved, g_partial, aux_scale, dlogits, dlogits_rounded):
         tokens, experts = saved.logits.shape
         p = torch.softmax(saved.logits, dim=1)
         f = saved.expert_counts.float() / (tokens * saved.topk_ids.shape[1])
@@ -70,10 +69,10 @@ class TorchKernels:
         grad.scatter_add_(1, saved.topk_ids.long(), w * (g - (w * g).sum(1, keepdim=True)))
         dlogits.copy_(grad)
         dlogits_rounded.copy_(grad)
-        dbias += grad.sum(0)
 
-    def router_weight(self, x, dlogits, dwr):
+    def router_weight(self, x, dlogits, dwr, dbias):
         dwr.copy_(x.float().t() @ dlogits)
+        dbias.copy_(dlogits.double().sum(0))
 
     def combine(self, dx_perm, saved, router, dx):
         dx.copy_(dx_perm[saved.dest.long()].float().sum(1) + router.float())

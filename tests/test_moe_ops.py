@@ -429,7 +429,12 @@ def test_opcheck_passes_on_the_moe_ops_with_gradients():
     for with_bias in (True, False):
         layer, dy = small_layer("cuda", requires_grad=True)
         args = (layer["x"], layer["wr"], layer["bias"] if with_bias else None, layer["w1"], layer["w2"])
-        torch.library.opcheck(torch.ops.flashmoe.moe_layer_saving.default, (*args, 2))
+        # Not test_aot_dispatch_dynamic, which compares two runs' outputs bit for bit: the saved permutation's
+        # order within an expert's segment is stage 5's atomics' (dest, source_token and h1's rows with it),
+        # and rows past offsets[E] are never written. The gradients through it are compared below and in
+        # test_torch_compile_fullgraph_runs_the_moe_forward_and_backward_as_eager.
+        torch.library.opcheck(torch.ops.flashmoe.moe_layer_saving.default, (*args, 2),
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
         detached = [None if t is None else t.detach() for t in args]
         torch.library.opcheck(torch.ops.flashmoe.moe_layer.default, (*detached, 2))
         _, *saved = torch.ops.flashmoe.moe_layer_saving(*detached, 2)

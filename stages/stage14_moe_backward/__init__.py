@@ -44,12 +44,12 @@ class HopperKernels:
 
         self.kernels, self.sms = kernels, sm_count(device)
 
-    def gather(self, x, dy, saved, x_perm, dy_perm, row_weight, dbias):
-        """x_perm, dy_perm: each row's token's x and dY; row_weight: its top-k weight (0: padding); dbias = 0."""
+    def gather(self, x, dy, saved, x_perm, dy_perm, row_weight):
+        """x_perm, dy_perm: each row's token's x and dY; row_weight: its top-k weight (0 on padding rows)."""
         tokens, top_k = saved.topk_ids.shape
         self.kernels.gather_gradient_rows((x_perm.shape[0],), (GATHER_THREADS,), x, dy, saved.source_token, saved.dest,
-                                          saved.topk_weights, saved.expert_offsets, dbias.shape[0], tokens * top_k,
-                                          x.shape[1], x_perm, dy_perm, row_weight, dbias)
+                                          saved.topk_weights, saved.expert_offsets, saved.expert_counts.shape[0],
+                                          tokens * top_k, x.shape[1], x_perm, dy_perm, row_weight)
 
     def swiglu_grad(self, dy_perm, w2, saved, row_weight, dgu, hw, g_partial):
         """dA = dY·W2[e]ᵀ per expert's rows, through SwiGLU's backward: [dG dU], w·h and g's partials."""
@@ -79,19 +79,18 @@ class HopperKernels:
                                         tensor_map(b_perm[None], STEP_BOX), tensor_map(dw, OUT_BOX), offsets,
                                         experts, m_out, n_out, smem=SHARED_BYTES)
 
-    def router(self, saved, g_partial, aux_scale, dlogits, dlogits_rounded, dbias):
-        """dlogits (fp32, and rounded to the dtype) and dBias (added) from the top-k weights' g and the balance
-        loss."""
+    def router(self, saved, g_partial, aux_scale, dlogits, dlogits_rounded):
+        """dlogits (fp32, and rounded to the dtype) from the top-k weights' g and the balance loss."""
         tokens, experts = saved.logits.shape
         warps = ROUTER_BACKWARD_THREADS // 32
         blocks = min(-(-tokens // warps), ROUTER_BACKWARD_BLOCKS * self.sms)
         self.kernels.router_backward((blocks,), (ROUTER_BACKWARD_THREADS,), saved.logits, saved.topk_ids,
                                      saved.topk_weights, saved.dest, g_partial, g_partial.shape[0],
                                      g_partial.shape[1], saved.expert_counts, aux_scale, tokens, experts,
-                                     saved.topk_ids.shape[1], dlogits, dlogits_rounded, dbias)
+                                     saved.topk_ids.shape[1], dlogits, dlogits_rounded)
 
-    def router_weight(self, x, dlogits, dwr):
-        """dwr = xᵀ·dlogits, fp32 sums over token splits added in order."""
+    def router_weight(self, x, dlogits, dwr, dbias):
+        """dwr = xᵀ·dlogits and dbias = Σ_t dlogits[t], sums over token splits added in order."""
         tokens, hidden = x.shape
         experts = dlogits.shape[1]
         col_blocks = -(-hidden // RWG_COLS)
@@ -99,9 +98,11 @@ class HopperKernels:
         per_split = -(-tokens // (splits * RWG_TOKENS)) * RWG_TOKENS
         splits = -(-tokens // per_split)
         partial = torch.empty(splits, hidden, experts, dtype=torch.float32, device=x.device)
+        bias_partial = torch.empty(splits, experts, dtype=torch.float64, device=x.device)
         self.kernels.router_weight_grad((col_blocks, splits), (RWG_THREADS,), x, dlogits, tokens, hidden, experts,
-                                        per_split, partial)
-        self.kernels.router_weight_sum((-(-hidden * experts // 256),), (256,), partial, splits, hidden * experts, dwr)
+                                        per_split, partial, bias_partial)
+        self.kernels.router_weight_sum((-(-hidden * experts // 256),), (256,), partial, bias_partial, splits,
+                                       hidden * experts, experts, dwr, dbias)
 
     def combine(self, dx_perm, saved, router, dx):
         """dx[t] = Σ_j dx_perm[dest[t, j]] + router[t]."""
@@ -128,7 +129,7 @@ def backward(kernels, x, wr, w1, w2, dy, aux_coef, saved, dx, dwr, dbias, dw1, d
         return torch.empty(*shape, dtype=dtype, device=x.device)
 
     x_perm, dy_perm, row_weight = buffer(rows, hidden), buffer(rows, hidden), buffer(rows, dtype=f32)
-    kernels.gather(x, dy, saved, x_perm, dy_perm, row_weight, dbias)
+    kernels.gather(x, dy, saved, x_perm, dy_perm, row_weight)
 
     # The first product's epilogue: [dG dU], w·h, and g = dA·h in partial sums per column tile.
     dgu, hw, g_partial = buffer(rows, 2 * inter), buffer(rows, inter), buffer(-(-inter // BLOCK_N), rows, dtype=f32)
@@ -143,8 +144,8 @@ def backward(kernels, x, wr, w1, w2, dy, aux_coef, saved, dx, dwr, dbias, dw1, d
     # The router: dlogits and dBias, dWr = xᵀ·dlogits in fp32; its data side dlogits·Wrᵀ in PyTorch (the
     # launch's one PyTorch operation); then the permutation backward adds each token's k rows and it.
     dlogits, dlogits_rounded = buffer(tokens, experts, dtype=f32), buffer(tokens, experts)
-    kernels.router(saved, g_partial, aux_coef * experts, dlogits, dlogits_rounded, dbias)
-    kernels.router_weight(x, dlogits, dwr)
+    kernels.router(saved, g_partial, aux_coef * experts, dlogits, dlogits_rounded)
+    kernels.router_weight(x, dlogits, dwr, dbias)
     kernels.combine(dx_perm, saved, torch.mm(dlogits_rounded, wr.t()), dx)
 
 
@@ -158,15 +159,15 @@ STAGE = Stage(
     source="backward.cu",
     kernels={
         "gather_gradient_rows": "const elem_t*, const elem_t*, const int*, const int*, const float*, const int*, int, "
-                                "int, int, elem_t*, elem_t*, float*, float*",
+                                "int, int, elem_t*, elem_t*, float*",
         "expert_grad_swiglu": "const TmaMap, const TmaMap, const elem_t*, const float*, elem_t*, elem_t*, float*, "
                               "const int*, int, int, int, int",
         "expert_grad_data": "const TmaMap, const TmaMap, const TmaMap, const int*, int, int, int",
         "expert_grad_weight": "const TmaMap, const TmaMap, const TmaMap, const int*, int, int, int",
         "router_backward": "const float*, const int*, const float*, const int*, const float*, int, int, const int*, "
-                           "float, int, int, int, float*, elem_t*, float*",
-        "router_weight_grad": "const elem_t*, const float*, int, int, int, int, float*",
-        "router_weight_sum": "const float*, int, int, elem_t*",
+                           "float, int, int, int, float*, elem_t*",
+        "router_weight_grad": "const elem_t*, const float*, int, int, int, int, float*, double*",
+        "router_weight_sum": "const float*, const double*, int, int, int, elem_t*, float*",
         "combine_gradients": "const elem_t*, const int*, const elem_t*, elem_t*, int, int",
     },
     launch=launch,

@@ -374,16 +374,13 @@ expert_grad_weight(const __grid_constant__ TmaMap a_map, const __grid_constant__
 // The permutation, forward again: row r of x_perm and dy_perm is its token's x and dY, and row_weight[r]
 // its top-k weight (0 on a padding row, which copies its segment's first token: stage 7's gather_rows,
 // whose reason holds for the GEMMs here too). A block per row of the capacity; block s < T·k also places
-// token-slot s's weight at its row, dest[s]. Block 0 zeroes dbias, which router_backward adds into.
+// token-slot s's weight at its row, dest[s].
 extern "C" __global__ void __launch_bounds__(GATHER_THREADS)
 gather_gradient_rows(const elem_t* __restrict__ x, const elem_t* __restrict__ dy, const int* __restrict__ source_token,
                      const int* __restrict__ dest, const float* __restrict__ topk_weights,
                      const int* __restrict__ expert_offsets, int experts, int slots, int hidden,
-                     elem_t* __restrict__ x_perm, elem_t* __restrict__ dy_perm, float* __restrict__ row_weight,
-                     float* __restrict__ dbias) {
+                     elem_t* __restrict__ x_perm, elem_t* __restrict__ dy_perm, float* __restrict__ row_weight) {
     const int row = blockIdx.x;
-    if (row == 0)
-        for (int e = threadIdx.x; e < experts; e += blockDim.x) dbias[e] = 0.0f;
     if (row < slots && threadIdx.x == 0) row_weight[dest[row]] = topk_weights[row];
     if (row >= expert_offsets[experts]) return;
     int token = source_token[row];
@@ -414,20 +411,22 @@ gather_gradient_rows(const elem_t* __restrict__ x, const elem_t* __restrict__ dy
 //                  dlogits[i] += p_i · (dp_i − Σ_l dp_l·p_l)
 // dlogits goes out in fp32, for dWr = xᵀ·dlogits (router_weight_grad), and in the dtype, for the data side
 // dlogits·Wrᵀ (PyTorch's product: rounded, its terms are small beside the experts' in dX; in fp16 a
-// balance-loss-only dlogits of 1e-6 is subnormal, which dWr could not take). dbias = Σ_t dlogits[t] in
-// fp32, summed per block in shared memory, then once per block into dbias.
+// balance-loss-only dlogits of 1e-6 is subnormal, which dWr could not take). dBias, Σ_t dlogits[t], is
+// summed beside dWr (router_weight_grad).
 extern "C" __global__ void __launch_bounds__(ROUTER_BACKWARD_THREADS)
 router_backward(const float* __restrict__ logits, const int* __restrict__ topk_ids,
                 const float* __restrict__ topk_weights, const int* __restrict__ dest,
                 const float* __restrict__ g_partial, int g_tiles, int rows, const int* __restrict__ expert_counts,
                 float aux_scale, int tokens, int experts, int top_k, float* __restrict__ dlogits,
-                elem_t* __restrict__ dlogits_rounded, float* __restrict__ dbias) {
+                elem_t* __restrict__ dlogits_rounded) {
     constexpr int PER_LANE = MAX_EXPERTS / 32;
-    __shared__ float block_sums[MAX_EXPERTS];
-    for (int e = threadIdx.x; e < experts; e += blockDim.x) block_sums[e] = 0.0f;
-    __syncthreads();
     const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
-    float column_sums[PER_LANE] = {};
+    float dp[PER_LANE];  // the balance loss's gradient in p, the same for every token
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+        const int e = lane + 32 * i;
+        dp[i] = e < experts ? aux_scale * ((float)expert_counts[e] / (float)(tokens * top_k)) / (float)tokens : 0.0f;
+    }
     for (int t = blockIdx.x * warps + threadIdx.x / 32; t < tokens; t += gridDim.x * warps) {
         float p[PER_LANE], grad[PER_LANE];
         float top = -INFINITY;
@@ -450,15 +449,13 @@ router_backward(const float* __restrict__ logits, const int* __restrict__ topk_i
         float dot = 0.0f;  // Σ_l dp_l·p_l
 #pragma unroll
         for (int i = 0; i < PER_LANE; ++i) {
-            const int e = lane + 32 * i;
             p[i] /= sum;
-            grad[i] = e < experts ? aux_scale * ((float)expert_counts[e] / (float)(tokens * top_k)) / (float)tokens : 0.0f;
-            dot += grad[i] * p[i];
+            dot += dp[i] * p[i];
         }
 #pragma unroll
         for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(FULL_MASK, dot, offset);
 #pragma unroll
-        for (int i = 0; i < PER_LANE; ++i) grad[i] = p[i] * (grad[i] - dot);
+        for (int i = 0; i < PER_LANE; ++i) grad[i] = p[i] * (dp[i] - dot);
 
         // The top-k term: every lane computes the k values (broadcast loads), the owner of id_j adds it.
         float g[MAX_TOP_K], w[MAX_TOP_K], weighted = 0.0f;
@@ -488,14 +485,8 @@ router_backward(const float* __restrict__ logits, const int* __restrict__ topk_i
                 dlogits[(size_t)t * experts + e] = grad[i];
                 dlogits_rounded[(size_t)t * experts + e] = from_float<elem_t>(grad[i]);
             }
-            column_sums[i] += grad[i];
         }
     }
-#pragma unroll
-    for (int i = 0; i < PER_LANE; ++i)
-        if (lane + 32 * i < experts) atomicAdd(&block_sums[lane + 32 * i], column_sums[i]);
-    __syncthreads();
-    for (int e = threadIdx.x; e < experts; e += blockDim.x) atomicAdd(&dbias[e], block_sums[e]);
 }
 // --8<-- [end:router]
 
@@ -504,7 +495,10 @@ router_backward(const float* __restrict__ logits, const int* __restrict__ topk_i
 // flops (8.6 G at 32K tokens × 4096 × 32 experts). Block (b, s) takes columns 64b .. 64b+63 of x over
 // the tokens of split s, 32 at a time through shared memory; thread (ty, tx) holds columns 4tx .. 4tx+3 ×
 // experts ty, ty + 16, ... (PER of them: E rounded up to 16s). Each split's sums go to its own slice of
-// `partial`; router_weight_sum adds the slices in a fixed order.
+// `partial`; router_weight_sum adds the slices in a fixed order. The blocks of column block 0 also sum
+// dBias = Σ_t dlogits[t] over their split, thread e for expert e, in fp64: with one expert per token dBias
+// is the balance loss's term alone, T terms of one sign, and fp32 sums in the order of atomics missed the
+// library's error (1.2e-7 of it) twice over on the H200.
 struct RouterWeightShared {
     float xs[RWG_TOKENS][RWG_COLS];     // 32 tokens × 64 columns of x
     float ds[RWG_TOKENS][MAX_EXPERTS];  // the same tokens' dlogits
@@ -513,12 +507,13 @@ struct RouterWeightShared {
 template <int PER>
 __device__ void router_weight_tile(const elem_t* __restrict__ x, const float* __restrict__ dlogits, int tokens,
                                    int hidden, int experts, int per_split, float* __restrict__ partial,
-                                   RouterWeightShared& sh) {
+                                   double* __restrict__ bias_partial, RouterWeightShared& sh) {
     auto& xs = sh.xs;
     auto& ds = sh.ds;
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16, col0 = blockIdx.x * RWG_COLS;
     const int begin = blockIdx.y * per_split, end = min(tokens, begin + per_split);
     float acc[4][PER] = {};
+    double bias = 0.0;  // column block 0: thread e's share of dBias
     for (int t0 = begin; t0 < end; t0 += RWG_TOKENS) {
         __syncthreads();  // the last chunk is read
         {  // 32 tokens × 64 columns of x: 8 elements a thread
@@ -533,6 +528,8 @@ __device__ void router_weight_tile(const elem_t* __restrict__ x, const float* __
             ds[tok][e] = t0 + tok < end ? dlogits[(size_t)(t0 + tok) * experts + e] : 0.0f;
         }
         __syncthreads();
+        if (blockIdx.x == 0 && threadIdx.x < experts)
+            for (int tok = 0; tok < RWG_TOKENS; ++tok) bias += ds[tok][threadIdx.x];
 #pragma unroll 4
         for (int tok = 0; tok < RWG_TOKENS; ++tok) {
             const float4 xv = *reinterpret_cast<const float4*>(&xs[tok][4 * tx]);
@@ -546,6 +543,7 @@ __device__ void router_weight_tile(const elem_t* __restrict__ x, const float* __
             }
         }
     }
+    if (blockIdx.x == 0 && threadIdx.x < experts) bias_partial[blockIdx.y * experts + threadIdx.x] = bias;
     float* out = partial + (size_t)blockIdx.y * hidden * experts;
 #pragma unroll
     for (int a = 0; a < 4; ++a)
@@ -558,18 +556,26 @@ __device__ void router_weight_tile(const elem_t* __restrict__ x, const float* __
 
 extern "C" __global__ void __launch_bounds__(RWG_THREADS)
 router_weight_grad(const elem_t* __restrict__ x, const float* __restrict__ dlogits, int tokens, int hidden,
-                   int experts, int per_split, float* __restrict__ partial) {
+                   int experts, int per_split, float* __restrict__ partial, double* __restrict__ bias_partial) {
     __shared__ RouterWeightShared sh;  // 40 KB, static: one for every variant below
-    if (experts <= 32) router_weight_tile<2>(x, dlogits, tokens, hidden, experts, per_split, partial, sh);
-    else if (experts <= 64) router_weight_tile<4>(x, dlogits, tokens, hidden, experts, per_split, partial, sh);
-    else if (experts <= 128) router_weight_tile<8>(x, dlogits, tokens, hidden, experts, per_split, partial, sh);
-    else router_weight_tile<16>(x, dlogits, tokens, hidden, experts, per_split, partial, sh);
+    const auto args = [&](auto tile) { tile(x, dlogits, tokens, hidden, experts, per_split, partial, bias_partial, sh); };
+    if (experts <= 32) args(router_weight_tile<2>);
+    else if (experts <= 64) args(router_weight_tile<4>);
+    else if (experts <= 128) args(router_weight_tile<8>);
+    else args(router_weight_tile<16>);
 }
 
-// dwr[i] = the splits' partial sums of element i, added in order, rounded once. A thread per element.
-extern "C" __global__ void router_weight_sum(const float* __restrict__ partial, int splits, int count,
-                                             elem_t* __restrict__ dwr) {
+// dwr[i] = the splits' partial sums of element i, added in order, rounded once; dbias likewise from the
+// splits' fp64 sums. A thread per element.
+extern "C" __global__ void router_weight_sum(const float* __restrict__ partial, const double* __restrict__ bias_partial,
+                                             int splits, int count, int experts, elem_t* __restrict__ dwr,
+                                             float* __restrict__ dbias) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < experts) {
+        double bias = 0.0;
+        for (int s = 0; s < splits; ++s) bias += bias_partial[s * experts + i];
+        dbias[i] = (float)bias;
+    }
     if (i >= count) return;
     float sum = 0.0f;
     for (int s = 0; s < splits; ++s) sum += partial[(size_t)s * count + i];
