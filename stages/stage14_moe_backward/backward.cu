@@ -558,11 +558,12 @@ extern "C" __global__ void __launch_bounds__(RWG_THREADS)
 router_weight_grad(const elem_t* __restrict__ x, const float* __restrict__ dlogits, int tokens, int hidden,
                    int experts, int per_split, float* __restrict__ partial, double* __restrict__ bias_partial) {
     __shared__ RouterWeightShared sh;  // 40 KB, static: one for every variant below
-    const auto args = [&](auto tile) { tile(x, dlogits, tokens, hidden, experts, per_split, partial, bias_partial, sh); };
-    if (experts <= 32) args(router_weight_tile<2>);
-    else if (experts <= 64) args(router_weight_tile<4>);
-    else if (experts <= 128) args(router_weight_tile<8>);
-    else args(router_weight_tile<16>);
+    if (experts <= 32) router_weight_tile<2>(x, dlogits, tokens, hidden, experts, per_split, partial, bias_partial, sh);
+    else if (experts <= 64)
+        router_weight_tile<4>(x, dlogits, tokens, hidden, experts, per_split, partial, bias_partial, sh);
+    else if (experts <= 128)
+        router_weight_tile<8>(x, dlogits, tokens, hidden, experts, per_split, partial, bias_partial, sh);
+    else router_weight_tile<16>(x, dlogits, tokens, hidden, experts, per_split, partial, bias_partial, sh);
 }
 
 // dwr[i] = the splits' partial sums of element i, added in order, rounded once; dbias likewise from the
