@@ -103,8 +103,8 @@ MUTATIONS = {
                                                              "const bool padding = false;"),), None),
     # stage 14's router backward adds the top-k softmax's term without the weight w_j
     # in-process on the GPU: tests/test_moe_backward_stage.py
-    "moe_backward_topk_term_unweighted": Mutation("stage14", (("grad[i] += w[j] * (g[j] - weighted);",
-                                                               "grad[i] += g[j] - weighted;"),), None),
+    "moe_backward_topk_term_unweighted": Mutation("stage14", (("const double term = w[j] * (g[j] - weighted);",
+                                                               "const double term = g[j] - weighted;"),), None),
     # a write far outside any buffer: an illegal address
     "crash": Mutation("stage0", (("    __syncthreads();\n\n    float dot",
                                   "    __syncthreads();\n    scores[(size_t)1 << 40] = 1.0f;\n\n    float dot"),), None),

@@ -59,13 +59,12 @@ class TorchKernels:
             dw[e] = (a_perm[a:b].float().t() @ b_perm[a:b].float()).to(dw.dtype)
 
     def router(self, saved, g_partial, aux_scale, dlogits, dlogits_rounded):
-        tokens, experts = saved.logits.shape
-        p = torch.softmax(saved.logits, dim=1)
-        f = saved.expert_counts.float() / (tokens * saved.topk_ids.shape[1])
-        dp = aux_scale * f / tokens
+        tokens, experts = saved.logits.shape  # in fp64, as the kernel
+        p = torch.softmax(saved.logits.double(), dim=1)
+        dp = aux_scale * saved.expert_counts.double() / (tokens * saved.topk_ids.shape[1] * tokens)
         grad = p * (dp - (dp * p).sum(1, keepdim=True))
-        g = g_partial.sum(0)[saved.dest.long()]
-        w = saved.topk_weights
+        g = g_partial.sum(0)[saved.dest.long()].double()
+        w = saved.topk_weights.double()
         grad.scatter_add_(1, saved.topk_ids.long(), w * (g - (w * g).sum(1, keepdim=True)))
         dlogits.copy_(grad)
         dlogits_rounded.copy_(grad)

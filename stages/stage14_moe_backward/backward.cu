@@ -403,8 +403,10 @@ gather_gradient_rows(const elem_t* __restrict__ x, const elem_t* __restrict__ dy
 // --8<-- [end:gather]
 
 // --8<-- [start:router]
-// The router's backward, a warp per token (lane l holds experts l, l + 32, ...), in fp32 and in the order
-// PyTorch's autograd rounds it:
+// The router's backward, a warp per token (lane l holds experts l, l + 32, ...), in fp64 from the saved
+// fp32 logits (the balance term subtracts nearly equal values: dp_i − Σ_l dp_l·p_l is small where the
+// experts' loads are even, and in fp32 its rounding, summed over T tokens into dBias, went past twice the
+// library's error on the H200; a few thousand fp64 operations per token):
 //   top-k term     the softmax over the chosen logits: dlogits[ids[j]] += w_j · (g_j − Σ_l w_l·g_l), with
 //                  g_j = Σ over column tiles of g_partial at the token-slot's row
 //   balance term   the loss α·E·Σ_i f_i·P_i through the full softmax p: dp_i = (α·E · f_i) / T,
@@ -421,44 +423,43 @@ router_backward(const float* __restrict__ logits, const int* __restrict__ topk_i
                 elem_t* __restrict__ dlogits_rounded) {
     constexpr int PER_LANE = MAX_EXPERTS / 32;
     const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
-    float dp[PER_LANE];  // the balance loss's gradient in p, the same for every token
-#pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) {
-        const int e = lane + 32 * i;
-        dp[i] = e < experts ? aux_scale * ((float)expert_counts[e] / (float)(tokens * top_k)) / (float)tokens : 0.0f;
-    }
+    const double per_slot_and_token = __drcp_rn((double)tokens * top_k * tokens);  // (no division's slow path)
     for (int t = blockIdx.x * warps + threadIdx.x / 32; t < tokens; t += gridDim.x * warps) {
-        float p[PER_LANE], grad[PER_LANE];
-        float top = -INFINITY;
+        double p[PER_LANE], dp[PER_LANE];  // dp: the balance loss's gradient in p, α·E·f_i / T
+        double top = -INFINITY;
 #pragma unroll
         for (int i = 0; i < PER_LANE; ++i) {
             const int e = lane + 32 * i;
             p[i] = e < experts ? logits[(size_t)t * experts + e] : -INFINITY;
-            top = fmaxf(top, p[i]);
+            top = fmax(top, p[i]);
         }
 #pragma unroll
-        for (int offset = 16; offset > 0; offset /= 2) top = fmaxf(top, __shfl_xor_sync(FULL_MASK, top, offset));
-        float sum = 0.0f;
+        for (int offset = 16; offset > 0; offset /= 2) top = fmax(top, __shfl_xor_sync(FULL_MASK, top, offset));
+        double sum = 0.0;
 #pragma unroll
         for (int i = 0; i < PER_LANE; ++i) {
-            p[i] = lane + 32 * i < experts ? expf(p[i] - top) : 0.0f;
+            p[i] = lane + 32 * i < experts ? exp(p[i] - top) : 0.0;
             sum += p[i];
         }
 #pragma unroll
         for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(FULL_MASK, sum, offset);
-        float dot = 0.0f;  // Σ_l dp_l·p_l
+        const double inverse = __drcp_rn(sum);
+        double dot = 0.0;  // Σ_l dp_l·p_l
 #pragma unroll
         for (int i = 0; i < PER_LANE; ++i) {
-            p[i] /= sum;
+            const int e = lane + 32 * i;
+            dp[i] = e < experts ? (double)aux_scale * expert_counts[e] * per_slot_and_token : 0.0;
+            p[i] *= inverse;
             dot += dp[i] * p[i];
         }
 #pragma unroll
         for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(FULL_MASK, dot, offset);
 #pragma unroll
-        for (int i = 0; i < PER_LANE; ++i) grad[i] = p[i] * (dp[i] - dot);
+        for (int i = 0; i < PER_LANE; ++i) p[i] *= dp[i] - dot;  // now the balance term of dlogits
 
         // The top-k term: every lane computes the k values (broadcast loads), the owner of id_j adds it.
-        float g[MAX_TOP_K], w[MAX_TOP_K], weighted = 0.0f;
+        float g[MAX_TOP_K], w[MAX_TOP_K];
+        double weighted = 0.0;
 #pragma unroll
         for (int j = 0; j < MAX_TOP_K; ++j) {
             g[j] = 0.0f;
@@ -467,23 +468,22 @@ router_backward(const float* __restrict__ logits, const int* __restrict__ topk_i
                 const int row = dest[t * top_k + j];
                 for (int n = 0; n < g_tiles; ++n) g[j] += g_partial[(size_t)n * rows + row];
             }
-            weighted += w[j] * g[j];
+            weighted += (double)w[j] * g[j];
         }
 #pragma unroll
         for (int j = 0; j < MAX_TOP_K; ++j) {
             const int id = j < top_k ? topk_ids[t * top_k + j] : -1;
-            if (id >= 0 && id % 32 == lane) {
+            const double term = w[j] * (g[j] - weighted);
 #pragma unroll
-                for (int i = 0; i < PER_LANE; ++i)
-                    if (i == id / 32) grad[i] += w[j] * (g[j] - weighted);
-            }
+            for (int i = 0; i < PER_LANE; ++i)  // added as a select (a branch made the compiler index p in memory)
+                p[i] += id >= 0 && id == lane + 32 * i ? term : 0.0;
         }
 #pragma unroll
         for (int i = 0; i < PER_LANE; ++i) {
             const int e = lane + 32 * i;
             if (e < experts) {
-                dlogits[(size_t)t * experts + e] = grad[i];
-                dlogits_rounded[(size_t)t * experts + e] = from_float<elem_t>(grad[i]);
+                dlogits[(size_t)t * experts + e] = (float)p[i];
+                dlogits_rounded[(size_t)t * experts + e] = from_float<elem_t>((float)p[i]);
             }
         }
     }
