@@ -27,8 +27,8 @@
 //            read transposed: a TMA box of 64 rows × 64 m-columns is, in shared memory, [k][m] with m
 //            contiguous -- an MN-major A, which wgmma takes with imm-trans-a = 1 (wgmma_grad.cuh). An
 //            expert with no rows has no k-step: its tiles store zeros (dW[e] = 0, written).
-//   gather_gradient_rows, router_backward, combine_gradients  the permutation both ways and the router,
-//            small kernels at memory speed around the GEMMs.
+//   gather_gradient_rows, router_backward, router_weight_grad + router_weight_sum, combine_gradients
+//            the permutation both ways and the router, small kernels around the GEMMs.
 // The padding rows of each expert's segment add nothing to the weights' gradients: their top-k weight is
 // 0, so dG, dU and w·h are 0 there (selected, whatever h1 holds in them).
 #define GROUPED_GEMM_MACHINERY_ONLY  // stage 6's device code without its kernels
@@ -144,8 +144,10 @@ __device__ __forceinline__ void load_gate_up(const SwigluGrad& p, unsigned char*
 // One consumer's 64 × 256 tile of dA (rows row0.., columns 256·n.. of inter), through SwiGLU's backward
 // into dG, dU and w·h, and its rows' sums of dA·h. Entry j of a warp's float[32][4] is rows r, r + 8 ×
 // columns 8j + 2·(lane % 4), +1 (r = 16·warp + lane / 4), so fragment j is chunk j % 8 of box j / 8: the
-// 8 rows of a warp's read lie in 8 different chunk positions, conflict-free. The outputs go straight to
-// memory; the 4 lanes of a quad share a row, and their sums of dA·h meet by two shuffles.
+// 8 rows of a warp's read lie in 8 different chunk positions, conflict-free. dG and dU take G's and U's
+// places, w·h the staging box, and store_box copies the box out; the 4 lanes of a quad share a row, and
+// their sums of dA·h meet by two shuffles. The sigmoid takes the fast reciprocal (2 ulp): the outputs are
+// 16-bit, and g's sum over a row is far coarser than that.
 __device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 
 // A box's dG, dU (in G's and U's places in the slot) and w·h (in `staging`) out to memory: 16 bytes a
