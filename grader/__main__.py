@@ -25,7 +25,7 @@ GPU_ONLY = ("cases", "first_failure", "shapes", "no_bench", "json", "seed", "tri
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m grader", usage=USAGE,
                                 description="Compile, check, time and grade the course's CUDA kernels.")
-    p.add_argument("command", nargs="?", help="a stage, all, list or init (none: this usage and the stages)")
+    p.add_argument("command", nargs="?", help="a stage, all, list, init or ops (none: this usage and the stages)")
     p.add_argument("stages", nargs="*", metavar="STAGE", help="more stages to grade; after init, the stages to copy")
     p.add_argument("--kernel", type=Path, help="grade this .cu file instead of the stage's own or your workspace copy")
     p.add_argument("--solution", action="store_true", help="grade the course's kernel even if you have a workspace copy")
@@ -61,6 +61,10 @@ def fail(message: str) -> int:
 
 def option_problem(args) -> str | None:
     """What is wrong with the options whatever the stage, said in one line before any work; None if nothing."""
+    for variable in ("FLASHMOE_WORKSPACE", "FLASHMOE_CACHE"):  # folders the grader writes into
+        folder = os.environ.get(variable)
+        if folder and Path(folder).exists() and not Path(folder).is_dir():
+            return f"{variable}={folder}: not a folder (it names where the grader keeps its files)"
     if args.json is not None and not args.json.parent.is_dir():
         return f"--json {args.json}: no folder {args.json.parent} to write it in"
     if args.arch:

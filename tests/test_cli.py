@@ -305,3 +305,12 @@ def test_compile_only_shows_the_dynamic_shared_memory_of_the_launch():
     dynamic = r.stdout[r.stdout.index("Dynamic shared memory per block"):]
     assert f"fp16 D128 {GEOMETRY[128]['SHARED_BYTES']:,} B" in dynamic.replace("\n", " ")
     assert "Dynamic shared memory" not in grader("stage0", "--arch", "sm_80").stdout  # all of it static
+
+
+@pytest.mark.parametrize("variable", ["FLASHMOE_WORKSPACE", "FLASHMOE_CACHE"])
+def test_a_folder_variable_naming_a_file_is_one_line(variable, tmp_path):
+    """FLASHMOE_WORKSPACE or FLASHMOE_CACHE pointing at a file: one line, before any work (it was a traceback)."""
+    a_file = tmp_path / "not_a_folder"
+    a_file.write_text("")
+    r = grader("init", "stage1", env_extra={variable: str(a_file)})
+    assert_one_line_error(r, variable, "not a folder")
