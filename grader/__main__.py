@@ -187,6 +187,9 @@ def kernel_path_for(stage, args) -> Path:
     from grader import exercise
 
     if args.kernel:
+        if args.kernel.is_dir():
+            raise FileNotFoundError(f"--kernel {args.kernel}: a folder; give the .cu file in it (e.g. "
+                                    f"{args.kernel / stage.source})")
         if not args.kernel.is_file():
             raise FileNotFoundError(f"no such kernel file: {args.kernel}")
         return args.kernel.resolve()

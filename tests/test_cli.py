@@ -314,3 +314,8 @@ def test_a_folder_variable_naming_a_file_is_one_line(variable, tmp_path):
     a_file.write_text("")
     r = grader("init", "stage1", env_extra={variable: str(a_file)})
     assert_one_line_error(r, variable, "not a folder")
+
+
+def test_a_kernel_option_naming_a_folder_says_which_file_to_give():
+    r = grader("stage1", "--kernel", "stages/stage1_tiled", "--arch", "sm_80")
+    assert_one_line_error(r, "a folder", "stages/stage1_tiled/attention.cu")
