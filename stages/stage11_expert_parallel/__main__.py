@@ -58,7 +58,7 @@ VARIANTS = {"counts": {}, "capacity": dict(capacity=True), "2 pieces": dict(piec
             "NVLink kernels, 4 pieces, 16 SMs spared": dict(peers=True, pieces=4, spare_sms=16),
             "NVLink kernels, 4 pieces, 32 SMs spared": dict(peers=True, pieces=4, spare_sms=32)}
 PIECES, SPARED = (2, 4), (16, 32)  # the costs' pieces and spared SMs
-BANDWIDTH_BAR = 1.0   # issue #33: dispatch + combine at >= all_to_all_single's GB/s with the NVLink kernels
+BANDWIDTH_BAR = 1.0   # the bar: dispatch + combine at >= all_to_all_single's GB/s with the NVLink kernels
 NCCL_BANDWIDTH_BAR = 0.6  # and at >= 0.6 × through NCCL
 THROUGHPUT_BAR = 0.95  # the best variant at >= 0.95 × N × one GPU's stage 7, in tokens/s
 OVERLAP_BAR = 1.1     # an overlapped variant >= 1.1 × faster than the un-pipelined one of its transport
@@ -439,7 +439,7 @@ def one_gpu(whole: dict, local: dict, reps: int) -> float:
 # ---------------------------------------------------------------- the report
 
 def bars(c: dict) -> list[str]:
-    """The issue's bars on one configuration's figures, one line each."""
+    """The stage's bars on one configuration's figures, one line each."""
     ms, world, one_gpu = c["layer_ms"], c["world"], c["one_gpu_stage7_ms"]
     timed_ms = {name: v for name, v in ms.items() if not records.failed(v)}
     lines = []
