@@ -23,11 +23,12 @@ ROUTER_BACKWARD_THREADS = 256  # router_backward: a warp per token
 ROUTER_BACKWARD_BLOCKS = 4     # router_backward's blocks per SM at most (each adds its dBias once)
 SWIGLU_SHARED_BYTES = 231552   # expert_grad_swiglu: stage 6's layout and each consumer's 8 KB box of w·h
 RWG_THREADS, RWG_COLS, RWG_TOKENS = 256, 64, 32  # router_weight_grad: block, columns and tokens per step
-RWG_BLOCKS = 4                 # router_weight_grad's blocks per SM aimed at: T is split until there are
+RWG_MAX_EXPERT_BLOCK = 64      # router_weight_grad: experts a block at most (16, 32 or 64)
+RWG_BLOCKS = 8                 # router_weight_grad's blocks per SM aimed at: T is split until there are
 GEOMETRY = {**EXPERTS_GEOMETRY, "BLOCK_N": BLOCK_N, "A_BOX_BYTES": A_BOX_BYTES, "GATHER_THREADS": GATHER_THREADS,
             "ROUTER_BACKWARD_THREADS": ROUTER_BACKWARD_THREADS, "MAX_TOP_K": MAX_TOP_K,
             "SWIGLU_SHARED_BYTES": SWIGLU_SHARED_BYTES, "RWG_THREADS": RWG_THREADS, "RWG_COLS": RWG_COLS,
-            "RWG_TOKENS": RWG_TOKENS}
+            "RWG_TOKENS": RWG_TOKENS, "RWG_MAX_EXPERT_BLOCK": RWG_MAX_EXPERT_BLOCK}
 
 # TMA boxes (outermost first) of the launch's tensor maps, all 128-byte swizzled (stages.common.hopper).
 ROWS_BOX = (1, BLOCK_M, BLOCK_K)        # A of the data-side GEMMs: 128 permuted rows × 64 of K
@@ -93,14 +94,17 @@ class HopperKernels:
         """dwr = xᵀ·dlogits and dbias = Σ_t dlogits[t], sums over token splits added in order."""
         tokens, hidden = x.shape
         experts = dlogits.shape[1]
-        col_blocks = -(-hidden // RWG_COLS)
-        splits = max(1, min(-(-tokens // RWG_TOKENS), -(-RWG_BLOCKS * self.sms // col_blocks)))
+        per_block = 16  # the block's experts: 16, 32 or 64 (router_weight_grad's variants)
+        while per_block < min(experts, RWG_MAX_EXPERT_BLOCK):
+            per_block *= 2
+        col_blocks, expert_blocks = -(-hidden // RWG_COLS), -(-experts // per_block)
+        splits = max(1, min(-(-tokens // RWG_TOKENS), -(-RWG_BLOCKS * self.sms // (col_blocks * expert_blocks))))
         per_split = -(-tokens // (splits * RWG_TOKENS)) * RWG_TOKENS
         splits = -(-tokens // per_split)
         partial = torch.empty(splits, hidden, experts, dtype=torch.float32, device=x.device)
         bias_partial = torch.empty(splits, experts, dtype=torch.float64, device=x.device)
-        self.kernels.router_weight_grad((col_blocks, splits), (RWG_THREADS,), x, dlogits, tokens, hidden, experts,
-                                        per_split, partial, bias_partial)
+        self.kernels.router_weight_grad((col_blocks, splits, expert_blocks), (RWG_THREADS,), x, dlogits, tokens,
+                                        hidden, experts, per_block, per_split, partial, bias_partial)
         self.kernels.router_weight_sum((-(-hidden * experts // 256),), (256,), partial, bias_partial, splits,
                                        hidden * experts, experts, dwr, dbias)
 
@@ -166,7 +170,7 @@ STAGE = Stage(
         "expert_grad_weight": "const TmaMap, const TmaMap, const TmaMap, const int*, int, int, int",
         "router_backward": "const float*, const int*, const float*, const int*, const float*, int, int, const int*, "
                            "float, int, int, int, float*, elem_t*",
-        "router_weight_grad": "const elem_t*, const float*, int, int, int, int, float*, double*",
+        "router_weight_grad": "const elem_t*, const float*, int, int, int, int, int, float*, double*",
         "router_weight_sum": "const float*, const double*, int, int, int, elem_t*, float*",
         "combine_gradients": "const elem_t*, const int*, const elem_t*, elem_t*, int, int",
     },

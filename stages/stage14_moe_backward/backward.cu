@@ -40,6 +40,7 @@ static_assert(CONSUMERS * A_BOX_BYTES == A_BYTES, "the weight kernel's A stage i
 constexpr int GATHER_THREADS = 128;           // gather_gradient_rows and combine_gradients: a block per row
 constexpr int ROUTER_BACKWARD_THREADS = 256;  // router_backward: a warp per token, 8 warps a block
 constexpr int RWG_THREADS = 256, RWG_COLS = 64, RWG_TOKENS = 32;  // router_weight_grad's block and tile
+constexpr int RWG_MAX_EXPERT_BLOCK = 64;   // router_weight_grad: experts a block at most
 
 enum GradKind { DATA = 0, WEIGHT = 1, SWIGLU_DATA = 2 };
 
@@ -493,79 +494,122 @@ router_backward(const float* __restrict__ logits, const int* __restrict__ topk_i
 // --8<-- [end:router]
 
 // --8<-- [start:router_weight]
-// dWr = xᵀ·dlogits [hidden, E] in fp32 on the CUDA cores: a thin product (E columns, K = T), 2·T·hidden·E
-// flops (8.6 G at 32K tokens × 4096 × 32 experts). Block (b, s) takes columns 64b .. 64b+63 of x over
-// the tokens of split s, 32 at a time through shared memory; thread (ty, tx) holds columns 4tx .. 4tx+3 ×
-// experts ty, ty + 16, ... (PER of them: E rounded up to 16s). Each split's sums go to its own slice of
-// `partial`; router_weight_sum adds the slices in a fixed order. The blocks of column block 0 also sum
-// dBias = Σ_t dlogits[t] over their split, thread e for expert e, in fp64: with one expert per token dBias
-// is the balance loss's term alone, T terms of one sign, and fp32 sums in the order of atomics missed the
-// library's error (1.2e-7 of it) twice over on the H200.
-struct RouterWeightShared {
-    float xs[RWG_TOKENS][RWG_COLS];     // 32 tokens × 64 columns of x
-    float ds[RWG_TOKENS][MAX_EXPERTS];  // the same tokens' dlogits
+// dWr = xᵀ·dlogits [hidden, E] on the tensor cores in TF32 (mma.sync m16n8k8): a thin product (E columns,
+// K = T), 2·T·hidden·E flops (8.6 G at 32K tokens × 4096 × 32 experts). x's 16-bit values are exact in
+// TF32; dlogits is rounded to TF32's 10-bit mantissa but keeps fp32's exponent (in a 16-bit product a
+// balance-loss-only dlogits of 1e-6, subnormal in fp16, missed the library's error 42-fold). Block
+// (b, s, z) takes columns 64b .. 64b+63 of x × experts z·EB .. z·EB + EB-1 (EB = experts_per_block) over
+// the tokens of split s, 32 at a time through shared memory, the next 32 loaded into registers while
+// these are multiplied. Warp w holds columns 16·(w % 4) .. +15 × its half of the block's experts, NT
+// tiles of 8. Each split's sums go to its own slice of `partial`; router_weight_sum adds the slices in a
+// fixed order. The blocks of column block 0 also sum dBias = Σ_t dlogits[t] over their split, thread e
+// for expert e, in fp64 from the unrounded dlogits: with one expert per token dBias is the balance loss's
+// term alone, T terms of one sign, and fp32 sums in the order of atomics missed the library's error
+// (1.2e-7 of it) twice over on the H200.
+constexpr int RWG_X_STRIDE = RWG_COLS + 8;             // floats a row of xs: 8 banks on per row, so a
+constexpr int RWG_D_STRIDE = RWG_MAX_EXPERT_BLOCK + 8;  // fragment's 4 rows × 8 columns meet 32 banks
+struct __align__(16) RouterWeightShared {
+    float xs[RWG_TOKENS * RWG_X_STRIDE];  // 32 tokens × 64 columns of x, as floats
+    float ds[RWG_TOKENS * RWG_D_STRIDE];  // the same tokens' dlogits for the block's experts
 };
 
-template <int PER>
+__device__ __forceinline__ unsigned to_tf32(float value) {
+    unsigned bits;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(value));
+    return bits;
+}
+
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// One chunk of 32 tokens from memory into registers: 8 values of x and 2·NT of dlogits a thread
+// (zeros past the split's end and past the experts).
+template <int NT>
+struct RouterWeightChunk {
+    float x[8], d[2 * NT];
+
+    __device__ __forceinline__ void load(const elem_t* x_rows, const float* dlogits, int t0, int end, int col0,
+                                         int hidden, int expert0, int experts) {
+        const int tok = threadIdx.x / 8, col = col0 + 8 * (threadIdx.x % 8);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) x[i] = 0.0f;
+        if (t0 + tok < end && col < hidden) load8(x_rows + (size_t)(t0 + tok) * hidden + col, x);
+#pragma unroll
+        for (int i = 0; i < 2 * NT; ++i) {
+            const int at = threadIdx.x + RWG_THREADS * i, t = at / (16 * NT), e = expert0 + at % (16 * NT);
+            d[i] = t0 + t < end && e < experts ? dlogits[(size_t)(t0 + t) * experts + e] : 0.0f;
+        }
+    }
+
+    __device__ __forceinline__ void store(RouterWeightShared& sh) const {
+        const int tok = threadIdx.x / 8, col = 8 * (threadIdx.x % 8);
+        float4* to = reinterpret_cast<float4*>(sh.xs + tok * RWG_X_STRIDE + col);
+        to[0] = make_float4(x[0], x[1], x[2], x[3]);
+        to[1] = make_float4(x[4], x[5], x[6], x[7]);
+#pragma unroll
+        for (int i = 0; i < 2 * NT; ++i) {
+            const int at = threadIdx.x + RWG_THREADS * i;
+            sh.ds[at / (16 * NT) * RWG_D_STRIDE + at % (16 * NT)] = d[i];
+        }
+    }
+};
+
+template <int NT>  // 8-expert tiles a warp: the block's experts are 16·NT
 __device__ void router_weight_tile(const elem_t* __restrict__ x, const float* __restrict__ dlogits, int tokens,
                                    int hidden, int experts, int per_split, float* __restrict__ partial,
                                    double* __restrict__ bias_partial, RouterWeightShared& sh) {
-    auto& xs = sh.xs;
-    auto& ds = sh.ds;
-    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16, col0 = blockIdx.x * RWG_COLS;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = lane / 4, quad = lane % 4;
+    const int col0 = blockIdx.x * RWG_COLS, expert0 = blockIdx.z * 16 * NT;
+    const int m0 = 16 * (warp % 4), n0 = 8 * NT * (warp / 4);  // the warp's columns and experts in the block
     const int begin = blockIdx.y * per_split, end = min(tokens, begin + per_split);
-    float acc[4][PER] = {};
-    double bias = 0.0;  // column block 0: thread e's share of dBias
+    const bool sums_bias = blockIdx.x == 0 && threadIdx.x < 16 * NT && expert0 + threadIdx.x < experts;
+    float acc[NT][4] = {};
+    double bias = 0.0;
+    RouterWeightChunk<NT> chunk;
+    chunk.load(x, dlogits, begin, end, col0, hidden, expert0, experts);
     for (int t0 = begin; t0 < end; t0 += RWG_TOKENS) {
         __syncthreads();  // the last chunk is read
-        {  // 32 tokens × 64 columns of x: 8 elements a thread
-            const int tok = threadIdx.x / 8, col = col0 + 8 * (threadIdx.x % 8);
-            float v[8] = {};
-            if (t0 + tok < end && col < hidden) load8(x + (size_t)(t0 + tok) * hidden + col, v);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) xs[tok][8 * (threadIdx.x % 8) + i] = v[i];
-        }
-        for (int i = threadIdx.x; i < RWG_TOKENS * experts; i += RWG_THREADS) {
-            const int tok = i / experts, e = i % experts;
-            ds[tok][e] = t0 + tok < end ? dlogits[(size_t)(t0 + tok) * experts + e] : 0.0f;
-        }
+        chunk.store(sh);
         __syncthreads();
-        if (blockIdx.x == 0 && threadIdx.x < experts)
-            for (int tok = 0; tok < RWG_TOKENS; ++tok) bias += ds[tok][threadIdx.x];
-#pragma unroll 4
-        for (int tok = 0; tok < RWG_TOKENS; ++tok) {
-            const float4 xv = *reinterpret_cast<const float4*>(&xs[tok][4 * tx]);
+        if (t0 + RWG_TOKENS < end) chunk.load(x, dlogits, t0 + RWG_TOKENS, end, col0, hidden, expert0, experts);
+        if (sums_bias)
+            for (int tok = 0; tok < RWG_TOKENS; ++tok) bias += sh.ds[tok * RWG_D_STRIDE + threadIdx.x];
 #pragma unroll
-            for (int i = 0; i < PER; ++i) {
-                const float d = ty + 16 * i < experts ? ds[tok][ty + 16 * i] : 0.0f;
-                acc[0][i] += xv.x * d;
-                acc[1][i] += xv.y * d;
-                acc[2][i] += xv.z * d;
-                acc[3][i] += xv.w * d;
-            }
+        for (int k0 = 0; k0 < RWG_TOKENS; k0 += 8) {
+            // A = xᵀ (16 columns × 8 tokens), B = dlogits (8 tokens × 8 experts), the PTX fragments' layout.
+            const float* xk = sh.xs + (k0 + quad) * RWG_X_STRIDE + m0 + group;
+            const unsigned a[4] = {__float_as_uint(xk[0]), __float_as_uint(xk[8]),
+                                   __float_as_uint(xk[4 * RWG_X_STRIDE]), __float_as_uint(xk[4 * RWG_X_STRIDE + 8])};
+            const float* dk = sh.ds + (k0 + quad) * RWG_D_STRIDE + n0 + group;
+#pragma unroll
+            for (int j = 0; j < NT; ++j) mma_tf32(acc[j], a, to_tf32(dk[8 * j]), to_tf32(dk[4 * RWG_D_STRIDE + 8 * j]));
         }
     }
-    if (blockIdx.x == 0 && threadIdx.x < experts) bias_partial[blockIdx.y * experts + threadIdx.x] = bias;
+    if (sums_bias) bias_partial[blockIdx.y * experts + expert0 + threadIdx.x] = bias;
     float* out = partial + (size_t)blockIdx.y * hidden * experts;
 #pragma unroll
-    for (int a = 0; a < 4; ++a)
+    for (int j = 0; j < NT; ++j)
 #pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            const int col = col0 + 4 * tx + a, e = ty + 16 * i;
-            if (col < hidden && e < experts) out[(size_t)col * experts + e] = acc[a][i];
+        for (int i = 0; i < 4; ++i) {  // c0, c1: row `group`, columns 2·quad, +1; c2, c3: row group + 8
+            const int col = col0 + m0 + group + 8 * (i / 2), e = expert0 + n0 + 8 * j + 2 * quad + i % 2;
+            if (col < hidden && e < experts) out[(size_t)col * experts + e] = acc[j][i];
         }
 }
 
 extern "C" __global__ void __launch_bounds__(RWG_THREADS)
 router_weight_grad(const elem_t* __restrict__ x, const float* __restrict__ dlogits, int tokens, int hidden,
-                   int experts, int per_split, float* __restrict__ partial, double* __restrict__ bias_partial) {
-    __shared__ RouterWeightShared sh;  // 40 KB, static: one for every variant below
-    if (experts <= 32) router_weight_tile<2>(x, dlogits, tokens, hidden, experts, per_split, partial, bias_partial, sh);
-    else if (experts <= 64)
-        router_weight_tile<4>(x, dlogits, tokens, hidden, experts, per_split, partial, bias_partial, sh);
-    else if (experts <= 128)
-        router_weight_tile<8>(x, dlogits, tokens, hidden, experts, per_split, partial, bias_partial, sh);
-    else router_weight_tile<16>(x, dlogits, tokens, hidden, experts, per_split, partial, bias_partial, sh);
+                   int experts, int experts_per_block, int per_split, float* __restrict__ partial,
+                   double* __restrict__ bias_partial) {
+    __shared__ RouterWeightShared sh;  // static: one for every variant below
+    switch (experts_per_block) {
+        case 16: router_weight_tile<1>(x, dlogits, tokens, hidden, experts, per_split, partial, bias_partial, sh); break;
+        case 32: router_weight_tile<2>(x, dlogits, tokens, hidden, experts, per_split, partial, bias_partial, sh); break;
+        default: router_weight_tile<4>(x, dlogits, tokens, hidden, experts, per_split, partial, bias_partial, sh);
+    }
 }
 
 // dwr[i] = the splits' partial sums of element i, added in order, rounded once; dbias likewise from the
