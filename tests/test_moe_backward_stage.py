@@ -54,9 +54,9 @@ class TorchKernels:
         for e, a, b in _segments(offsets):
             out[a:b] = (a_perm[a:b].float() @ weight[e].float().t()).to(out.dtype)
 
-    def weight(self, a_perm, b_perm, offsets, dw):
-        for e, a, b in _segments(offsets):
-            dw[e] = (a_perm[a:b].float().t() @ b_perm[a:b].float()).to(dw.dtype)
+    def weight(self, a_perm, b_perm, offsets, counts, dw):
+        for (e, a, _), count in zip(_segments(offsets), counts.tolist()):
+            dw[e] = (a_perm[a:a + count].float().t() @ b_perm[a:a + count].float()).to(dw.dtype)
 
     def router(self, saved, g_partial, aux_scale, dlogits, dlogits_rounded):
         tokens, experts = saved.logits.shape  # in fp64, as the kernel

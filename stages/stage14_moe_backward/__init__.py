@@ -71,13 +71,13 @@ class HopperKernels:
                                       tensor_map(weight, WEIGHT_BOX), tensor_map(out[None], OUT_BOX), offsets,
                                       experts, n_out, k, smem=SHARED_BYTES)
 
-    def weight(self, a_perm, b_perm, offsets, dw):
+    def weight(self, a_perm, b_perm, offsets, counts, dw):
         """dw[e] = a_perm[rows of e]ᵀ · b_perm[rows of e], dw [E, m_out, n_out], every expert written."""
         from stages.common.hopper import tensor_map
 
         experts, m_out, n_out = dw.shape
         self.kernels.expert_grad_weight((self.sms,), (NUM_THREADS,), tensor_map(a_perm[None], STEP_BOX),
-                                        tensor_map(b_perm[None], STEP_BOX), tensor_map(dw, OUT_BOX), offsets,
+                                        tensor_map(b_perm[None], STEP_BOX), tensor_map(dw, OUT_BOX), offsets, counts,
                                         experts, m_out, n_out, smem=SHARED_BYTES)
 
     def router(self, saved, g_partial, aux_scale, dlogits, dlogits_rounded):
@@ -142,8 +142,8 @@ def backward(kernels, x, wr, w1, w2, dy, aux_coef, saved, dx, dwr, dbias, dw1, d
     # The data side of x·W1, then the weights' sides, sums over each expert's rows.
     dx_perm = buffer(rows, hidden)
     kernels.data(dgu, saved.expert_offsets, w1, dx_perm)
-    kernels.weight(x_perm, dgu, saved.expert_offsets, dw1)
-    kernels.weight(hw, dy_perm, saved.expert_offsets, dw2)
+    kernels.weight(x_perm, dgu, saved.expert_offsets, saved.expert_counts, dw1)
+    kernels.weight(hw, dy_perm, saved.expert_offsets, saved.expert_counts, dw2)
 
     # The router: dlogits and dBias, dWr = xᵀ·dlogits in fp32; its data side dlogits·Wrᵀ in PyTorch (the
     # launch's one PyTorch operation); then the permutation backward adds each token's k rows and it.
@@ -167,7 +167,7 @@ STAGE = Stage(
         "expert_grad_swiglu": "const TmaMap, const TmaMap, const elem_t*, const float*, elem_t*, elem_t*, float*, "
                               "const int*, int, int, int, int",
         "expert_grad_data": "const TmaMap, const TmaMap, const TmaMap, const int*, int, int, int",
-        "expert_grad_weight": "const TmaMap, const TmaMap, const TmaMap, const int*, int, int, int",
+        "expert_grad_weight": "const TmaMap, const TmaMap, const TmaMap, const int*, const int*, int, int, int",
         "router_backward": "const float*, const int*, const float*, const int*, const float*, int, int, const int*, "
                            "float, int, int, int, float*, elem_t*",
         "router_weight_grad": "const elem_t*, const float*, int, int, int, int, int, float*, double*",

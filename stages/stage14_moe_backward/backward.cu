@@ -69,10 +69,13 @@ struct GradTile {
 
 // --8<-- [start:weight_tile]
 // expert_grad_weight's tile t: experts one after the other, inside an expert the m-tiles fastest
-// (stage 6's order); the reduction runs over the expert's padded rows, 64 per k-step.
-__device__ __forceinline__ GradTile weight_tile(const int* offsets, int t, int m_tiles, int n_tiles) {
+// (stage 6's order); the reduction runs over the expert's rows, 64 per k-step, to the k-step holding
+// its last token-slot: the padding rows after it add zeros (their w is 0). Skipping them saves a k-step
+// wherever an expert's last 128-row tile holds 64 rows or fewer: one of 2 to 4 at 128 rows an expert.
+__device__ __forceinline__ GradTile weight_tile(const int* offsets, const int* counts, int t, int m_tiles,
+                                                int n_tiles) {
     const int per_expert = m_tiles * n_tiles, e = t / per_expert, local = t % per_expert;
-    return {e, (local % m_tiles) * BLOCK_M, local / m_tiles, (offsets[e + 1] - offsets[e]) / BLOCK_K};
+    return {e, (local % m_tiles) * BLOCK_M, local / m_tiles, (counts[e] + BLOCK_K - 1) / BLOCK_K};
 }
 // --8<-- [end:weight_tile]
 
@@ -241,7 +244,8 @@ __device__ __forceinline__ void swiglu_grad_tile(const float (&acc)[ACC_FRAGS][4
 // `k` is DATA's K; WEIGHT's is the rows, and `k` is m_out. Out-boxes 1 × 64 × 64; all 128-byte swizzled.
 template <int KIND>
 __device__ void grad_gemm(const TmaMap& a_map, const TmaMap& b_map, const TmaMap& out_map, const SwigluGrad& swiglu,
-                          const int* __restrict__ offsets, int experts, int n_out, int k) {
+                          const int* __restrict__ offsets, const int* __restrict__ counts, int experts, int n_out,
+                          int k) {
     extern __shared__ __align__(1024) unsigned char shared_raw[];
     const unsigned base = (shared_address(shared_raw) + 1023) & ~1023u;
     unsigned char* aligned = shared_raw + (base - shared_address(shared_raw));
@@ -262,7 +266,7 @@ __device__ void grad_gemm(const TmaMap& a_map, const TmaMap& b_map, const TmaMap
     const Scheduler scheduler{expert_offsets, experts, n_tiles};
     const int num_tiles = KIND == WEIGHT ? experts * m_tiles * n_tiles : scheduler.num_tiles();
     auto tile_of = [&](int t) -> GradTile {
-        if (KIND == WEIGHT) return weight_tile(expert_offsets, t, m_tiles, n_tiles);
+        if (KIND == WEIGHT) return weight_tile(expert_offsets, counts, t, m_tiles, n_tiles);
         const Tile tile = scheduler.tile(t);
         return {tile.expert, tile.row0, tile.n, (k + BLOCK_K - 1) / BLOCK_K};
     };
@@ -353,7 +357,7 @@ expert_grad_swiglu(const __grid_constant__ TmaMap a_map, const __grid_constant__
                    elem_t* __restrict__ hw, float* __restrict__ g_partial, const int* __restrict__ offsets,
                    int experts, int inter, int hidden, int rows) {
     const SwigluGrad swiglu{h1, row_weight, dgu, hw, g_partial, inter, rows};
-    grad_gemm<SWIGLU_DATA>(a_map, b_map, a_map, swiglu, offsets, experts, inter, hidden);
+    grad_gemm<SWIGLU_DATA>(a_map, b_map, a_map, swiglu, offsets, nullptr, experts, inter, hidden);
 }
 
 // dX_perm = [dG dU]·W1ᵀ (B = W1 [E, hidden, 2·inter], n_out = hidden, k = 2·inter).
@@ -361,16 +365,16 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 expert_grad_data(const __grid_constant__ TmaMap a_map, const __grid_constant__ TmaMap b_map,
                  const __grid_constant__ TmaMap out_map, const int* __restrict__ offsets, int experts, int n_out,
                  int k) {
-    grad_gemm<DATA>(a_map, b_map, out_map, SwigluGrad{}, offsets, experts, n_out, k);
+    grad_gemm<DATA>(a_map, b_map, out_map, SwigluGrad{}, offsets, nullptr, experts, n_out, k);
 }
 
 // dW[e] = A_eᵀ · B_e over each expert's rows: dW1 (A = x, B = [dG dU]: m_out = hidden, n_out = 2·inter)
 // and dW2 (A = w·h, B = dY: m_out = inter, n_out = hidden). Every expert's dW[e] is written.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 expert_grad_weight(const __grid_constant__ TmaMap a_map, const __grid_constant__ TmaMap b_map,
-                   const __grid_constant__ TmaMap out_map, const int* __restrict__ offsets, int experts, int m_out,
-                   int n_out) {
-    grad_gemm<WEIGHT>(a_map, b_map, out_map, SwigluGrad{}, offsets, experts, n_out, m_out);
+                   const __grid_constant__ TmaMap out_map, const int* __restrict__ offsets,
+                   const int* __restrict__ counts, int experts, int m_out, int n_out) {
+    grad_gemm<WEIGHT>(a_map, b_map, out_map, SwigluGrad{}, offsets, counts, experts, n_out, m_out);
 }
 
 // --8<-- [start:gather]
