@@ -176,7 +176,8 @@ LADDER_TOPS = {"stage6_grouped_gemm": "wgmma", "stage7_moe_layer": "wgmma"}
 def ladder_of(name: str, root: Path = ROOT) -> tuple[str, ...]:
     """A stage's key, then its rungs' from the highest down, as the module's RUNGS lists them (read
     with ast: `rung("mma_sync", ...)` or `Stage(..., rung="mma_sync")`, here or in the module RUNGS is
-    imported from); just the stage where it has no ladder."""
+    imported from), else its ladder package's (stages/<name>/ladder/, as stages.rungs finds them); just
+    the stage where it has no ladder."""
     def rungs_in(path: Path) -> list[str]:
         try:
             tree = ast.parse(path.read_text())
@@ -195,7 +196,9 @@ def ladder_of(name: str, root: Path = ROOT) -> tuple[str, ...]:
                 return found
         return []
 
-    return (name, *(f"{name}:{rung}" for rung in rungs_in(root / "stages" / name / "__init__.py")))
+    folder = root / "stages" / name
+    found = rungs_in(folder / "__init__.py") or rungs_in(folder / "ladder" / "__init__.py")  # stages.rungs' order
+    return (name, *(f"{name}:{rung}" for rung in found))
 
 
 def ladder_keys(name: str, run: dict | None = None) -> list[str]:
