@@ -547,6 +547,8 @@ def test_the_hook_reads_each_stages_ladder():
     assert hook.ladder_of("stage6_grouped_gemm") == (
         "stage6_grouped_gemm", "stage6_grouped_gemm:mma_sync", "stage6_grouped_gemm:simt")
     assert hook.ladder_of("stage7_moe_layer") == ("stage7_moe_layer", "stage7_moe_layer:mma_sync")
+    assert hook.ladder_of("stage4_hopper") == (  # from its ladder package, which its module does not import
+        "stage4_hopper", "stage4_hopper:warp_specialized", "stage4_hopper:tma", "stage4_hopper:wgmma")
     assert hook.ladder_of("stage0_naive") == ("stage0_naive",)
     assert hook.stage_name("stage6_grouped_gemm:mma_sync") == "Stage 6 · mma_sync rung"
     assert hook.stage_name("stage6_grouped_gemm") == "Stage 6"
