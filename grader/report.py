@@ -199,9 +199,9 @@ def print_stage(result: dict, gpu_name: str | None) -> None:
         console.print(Text(result["title"], style="bold"))
     console.print(f"Graded file: [bold]{result['kernel_path']}[/bold]  (sha256 {result['source_sha256'][:12]}…)")
     if result.get("rung"):
-        console.print(f"A lower rung of the stage's ladder ({result['rung']}): the technique of an earlier stage, "
-                      f"the way a GPU without the stage's own instructions runs it; here compiled for {result['arch']}.",
-                      soft_wrap=True)
+        console.print(f"A lower rung of the stage's ladder ({result['rung']}): the problem with fewer of the stage's "
+                      f"ideas, or with an earlier stage's technique where the stage's own instructions do not run; "
+                      f"here compiled for {result['arch']}.", soft_wrap=True)
     print_resources(result)
     if "correctness" in result:
         print_correctness(result["correctness"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -27,7 +28,9 @@ RESULTS_DIR = REPO / "results"
 def source_files(stage, kernel_path: Path | None = None) -> list[Path]:
     kernel_path = Path(kernel_path or stage.source_path)
     files = [kernel_path, stage.folder / "__init__.py"]
-    python = [files[1]]
+    if stage.rung:  # a rung's launch code: the module that defines it, its ladder's (stages.rungs)
+        files += [path for path in [Path(inspect.getfile(stage.launch))] if path not in files]
+    python = files[1:]
     while python:  # the launch code, and the stage modules it imports, recursively
         for path in _imported_stage_modules(python.pop()):
             if path not in files:

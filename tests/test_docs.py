@@ -547,6 +547,8 @@ def test_the_hook_reads_each_stages_ladder():
     assert hook.ladder_of("stage6_grouped_gemm") == (
         "stage6_grouped_gemm", "stage6_grouped_gemm:mma_sync", "stage6_grouped_gemm:simt")
     assert hook.ladder_of("stage7_moe_layer") == ("stage7_moe_layer", "stage7_moe_layer:mma_sync")
+    assert hook.ladder_of("stage4_hopper") == (  # from its ladder package, which its module does not import
+        "stage4_hopper", "stage4_hopper:warp_specialized", "stage4_hopper:tma", "stage4_hopper:wgmma")
     assert hook.ladder_of("stage0_naive") == ("stage0_naive",)
     assert hook.stage_name("stage6_grouped_gemm:mma_sync") == "Stage 6 · mma_sync rung"
     assert hook.stage_name("stage6_grouped_gemm") == "Stage 6"
@@ -664,6 +666,27 @@ def test_rung_placeholders(fake_results, monkeypatch):
     assert "| &emsp;Stage 6 (wgmma) |" in fill("<!-- rungs:stage6_grouped_gemm -->")
     with pytest.raises(hook.PluginError, match="no such stage or rung"):  # a typo fails the build
         fill("<!-- results:stage6_grouped_gemm:nosuchrung -->")
+
+
+def test_measured_cells_fill_in_where_a_step_is_first_recorded(fake_results, monkeypatch):
+    """measured: is a table's cell beside predicted ones: the figures from the first GPU's file that holds
+    the key (the H100's first), the GPU named; "not measured yet" where none does; a typo fails the build."""
+    monkeypatch.setenv("FLASHMOE_RESULTS_DIR", str(fake_results))
+    hook = load_hook()
+    page = types.SimpleNamespace(file=types.SimpleNamespace(src_path="stages/stage4.md"))
+    fill = lambda text: hook.on_page_markdown(text, page, None, None)
+    h100 = fill(f"<!-- measured:stage6_grouped_gemm:mma_sync:{MOE_LABEL}:ms+pct_of_reference -->")
+    assert re.fullmatch(r'<span class="fm-figure-value" title="Stage 6 · mma_sync rung, [^"]+">7\.80 ms · 32\.1%</span> '
+                        r'<small>H100 80GB HBM3</small>', h100), h100
+    h200 = fill(f"<!-- measured:stage7_moe_layer:mma_sync:{MOE_LABEL}:ms -->")  # only the H200 measured it
+    assert ">6.50 ms</span> <small>H200</small>" in h200 and "measured on the NVIDIA H200" in h200
+    over = fill(f"<!-- measured:stage6_grouped_gemm:mma_sync:{MOE_LABEL}:vs.stage6_grouped_gemm:simt -->")
+    assert ">7.73×</span>" in over
+    assert fill("<!-- measured:stage4_hopper:wgmma:B16 H16 S2048 D64:ms -->") == \
+        '<span class="fm-missing">not measured yet</span>'
+    for typo in ("stage4_hopper:nosuchrung:B16 H16 S2048 D64:ms", "stage4_hopper:wgmma:B16 H16 S2048 D64:msec"):
+        with pytest.raises(hook.MissingFigure):
+            fill(f"<!-- measured:{typo} -->")
 
 
 def test_without_the_rungs_tables_say_not_measured_but_a_figure_fails(tmp_path, monkeypatch):

@@ -94,3 +94,14 @@ def test_digest_follows_the_kernel_its_headers_and_launch_code():
     stage = stages.load("stage0")
     names = {p.name for p in results.source_files(stage)}
     assert names == {"attention.cu", "__init__.py", "attention.cuh", "attention.py"}  # attention.py: head_slices
+
+
+def test_a_rungs_digest_counts_its_ladders_launch_and_the_stages_does_not():
+    """Stage 4's rungs live in stages/stage4_hopper/ladder/, which stage 4's module does not import: each
+    rung's digest holds the ladder's launch code and shared header, stage 4's holds neither (its records
+    stay valid when its ladder changes)."""
+    ladder = stages.STAGES_DIR / "stage4_hopper" / "ladder"
+    for rung in stages.rungs("stage4_hopper"):
+        files = results.source_files(rung)
+        assert ladder / "__init__.py" in files and ladder / "forward.cuh" in files, rung.key
+    assert not [p for p in results.source_files(stages.load("stage4")) if ladder in p.parents]

@@ -17,6 +17,11 @@
                                        one measured figure in a lesson's prose (FIELDS lists the
                                        fields), e.g. "<!-- figure:stage6_grouped_gemm:T32768 E32 k2
                                        hidden4096 inter11008:tflops -->" becomes "678 TFLOP/s"
+    <!-- measured:<key>:<shape label>:<field>[+<field>...] -->
+                                       a table's measured cell beside predicted ones: the figures from
+                                       the first GPU's file that holds them (the H100's first), the GPU
+                                       named after them, e.g. "0.639 ms · 92.2% H200"; "not measured
+                                       yet" while no file does
     <!-- stage-list -->                the list of stages (home page only: its links are relative to docs/)
     <!-- gpus -->                      the GPUs the results files hold, each with its file, the H100's first
     <!-- stall-reasons -->             the warp-stall reasons a profile reports, with what each means
@@ -63,7 +68,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STAGE_DIR = re.compile(r"stage(\d+)_\w+")
 KEY = r"\w+(?::\w+)?"  # a stage directory, then ":rung" for a rung of its ladder
 PLACEHOLDER = re.compile(rf"<!-- (ladder|stage-list|gpus|stall-reasons|expert-parallel-records|ops-figures|results:({KEY})|rungs:(\w+)|figure:({KEY}):([^:>]+):([\w.:]+)"
-                         rf"|profile:({KEY})) -->")
+                         rf"|profile:({KEY})|measured:({KEY}):([^:>]+):([\w.:+]+)) -->")
 COLORS = ["#3b82f6", "#f59e0b", "#10b981", "#ef4444", "#8b5cf6", "#06b6d4", "#ec4899", "#84cc16"]
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 NOT_MEASURED = "Not measured yet"
@@ -165,18 +170,23 @@ def below_name(previous: str, key: str) -> str:
 # rung), for the "what each stage bought" figures, where the stage's idea would not say it; and what a
 # ladder's top (the stage's own kernel) multiplies with, to tell it from its rungs in the charts.
 LADDER_STEPS = {
+    "stage4_hopper:wgmma": "wgmma: a warpgroup multiplies 64 rows from shared memory (stage 3's cp.async loads)",
+    "stage4_hopper:tma": "TMA: one thread copies whole tiles, which land on mbarriers",
+    "stage4_hopper:warp_specialized": "warp specialization: a producer warpgroup copies, two consumers compute",
+    "stage4_hopper": "ping-pong consumers, S beside the previous P·V, and a persistent grid",
     "stage6_grouped_gemm:mma_sync": "the tensor cores: mma.sync fed by ldmatrix from a cp.async ring (stages 2 and 3)",
     "stage6_grouped_gemm": "Hopper's wgmma, from shared memory that TMA fills (stage 4's machinery)",
     "stage7_moe_layer": "stage 6's wgmma GEMMs in place of its mma_sync rung's",
 }
-LADDER_TOPS = {"stage6_grouped_gemm": "wgmma", "stage7_moe_layer": "wgmma"}
+LADDER_TOPS = {"stage4_hopper": "ping-pong", "stage6_grouped_gemm": "wgmma", "stage7_moe_layer": "wgmma"}
 
 
 @functools.lru_cache(maxsize=None)
 def ladder_of(name: str, root: Path = ROOT) -> tuple[str, ...]:
     """A stage's key, then its rungs' from the highest down, as the module's RUNGS lists them (read
     with ast: `rung("mma_sync", ...)` or `Stage(..., rung="mma_sync")`, here or in the module RUNGS is
-    imported from); just the stage where it has no ladder."""
+    imported from), else its ladder package's (stages/<name>/ladder/, as stages.rungs finds them); just
+    the stage where it has no ladder."""
     def rungs_in(path: Path) -> list[str]:
         try:
             tree = ast.parse(path.read_text())
@@ -195,7 +205,9 @@ def ladder_of(name: str, root: Path = ROOT) -> tuple[str, ...]:
                 return found
         return []
 
-    return (name, *(f"{name}:{rung}" for rung in rungs_in(root / "stages" / name / "__init__.py")))
+    folder = root / "stages" / name
+    found = rungs_in(folder / "__init__.py") or rungs_in(folder / "ladder" / "__init__.py")  # stages.rungs' order
+    return (name, *(f"{name}:{rung}" for rung in found))
 
 
 def ladder_keys(name: str, run: dict | None = None) -> list[str]:
@@ -357,6 +369,8 @@ def on_page_markdown(markdown, page, config, files):
             return rungs_md(m[3], runs)
         if m[7]:
             return profile_md(m[7], runs)
+        if m[8]:
+            return measured_md(runs, m[8], m[9], m[10], page.file.src_path)
         return figure_md(runs, m[4], m[5], m[6], page.file.src_path)
 
     return PLACEHOLDER.sub(fill, markdown)
@@ -676,9 +690,10 @@ def steps_figure(run: dict, stages: list[tuple[str, dict]], shapes: list[str], c
 
 
 def step_idea(run: dict, key: str, steps: list[Step], ideas: dict[str, str]) -> str:
-    """What `key` adds over the step below: within a ladder LADDER_STEPS says, else the stage's idea."""
+    """What `key` adds over the step below: LADDER_STEPS says for a rung, and for a stage's own kernel
+    over a rung of its ladder; else the stage's idea."""
     name, rung = split_key(key)
-    if all(split_key(step.previous)[0] == name for step in steps) and key in LADDER_STEPS:
+    if key in LADDER_STEPS and (rung or all(split_key(step.previous)[0] == name for step in steps)):
         return LADDER_STEPS[key]
     return (ideas.get(name) if not rung else None) or idea_of(run["stages"][key].get("title", key))
 
@@ -1386,6 +1401,37 @@ def raw_figure(run: dict, bench: dict, name: str, arg: str):
 
 def written(value: float, kind: str) -> str:
     return {"ms": f"{sig3(value)} ms", "tflops": f"{sig3(value)} TFLOP/s", "pct": f"{sig3(value)}%"}.get(kind) or ratio(value)
+
+
+def measured_md(runs: list[dict], key: str, shape: str, fields: str, page: str = "") -> str:
+    """A measured cell of a lesson's table (<!-- measured: -->): `fields` ("ms+pct_of.cudnn") of `key` at
+    `shape`, from the first GPU's results that hold the key (and a "vs." field's other key), with the GPU
+    named: unlike figure:, which quotes the H100 alone, a cell that fills in wherever the step is first
+    recorded. "not measured yet" while no file holds it; a key that is no stage or rung of the course,
+    an unknown field, or a shape or field the results hold the key without, fails the build."""
+    wanted = fields.split("+")
+    where = f"{page}: <!-- measured:{key}:{shape}:{fields} -->"
+    for field in wanted:
+        name, _, arg = field.partition(".")
+        if name not in FIELDS or (name in TAKES_ARGUMENT) != bool(arg):
+            raise MissingFigure(f"{where}: unknown field {field!r}")
+    needed = {key} | {field.partition(".")[2] for field in wanted if field.startswith("vs.")}
+    unknown = [k for k in needed if not (ROOT / "stages" / split_key(k)[0]).is_dir() or k not in ladder_of(split_key(k)[0])]
+    if unknown:
+        raise MissingFigure(f"{where}: no such stage or rung: {', '.join(sorted(unknown))}")
+    run = next((r for r in runs if needed <= set(r.get("stages", {}))), None)
+    if run is None:
+        return f'<span class="fm-missing">{NOT_MEASURED.lower()}</span>'
+    try:
+        values = [(figure_value(run, key, shape, field), field) for field in wanted]
+    except MissingFigure as missing:
+        if results_folder()[1]:
+            raise MissingFigure(f"{where}: {missing}") from None
+        return f'<span class="fm-missing">{NOT_MEASURED.lower()}</span>'
+    shown = " · ".join(written(value, FIELDS[field.partition(".")[0]][0]) for value, field in values)
+    tip = (f"{stage_name(key)}, {shape}, measured on the {gpu_of(run)}, "
+           f"{when(measured(run, run['stages'][key])).replace('`', '')}")
+    return f'<span class="fm-figure-value" title="{html.escape(tip)}">{shown}</span> <small>{html.escape(gpu_label(run))}</small>'
 
 
 def prose_run(runs: list[dict]) -> dict:
