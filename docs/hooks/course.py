@@ -38,7 +38,8 @@
   hold fails the build when the results are the repository's own; with $FLASHMOE_RESULTS_DIR
   (another GPU's results, a test's) it reads "not measured". A stage, rung or ladder with no results
   reads "not measured yet".
-- on_page_content: the tabs' radio buttons taken out of the paragraph Markdown puts them in.
+- on_page_content: the tabs' radio buttons taken out of the paragraph Markdown puts them in; each
+  chart and diagram at least its own size; the diagrams' arrowhead, once per page that has arrows.
 
 Charts are inline SVG written here: no JavaScript, nothing fetched when the page is read.
 """
@@ -308,14 +309,24 @@ def gpu_tabs(items: list[tuple[dict, str]]) -> str:
 
 
 SVG_OPEN = re.compile(r'<svg class="(fm-chart[^"]*|fm-diagram)" viewBox="0 0 ([\d.]+) ([\d.]+)"')
+# The head of every arrow of the lessons' diagrams (course.css ends each `.fm-diagram .arrow` in
+# url(#fm-arrow)): defined once per page, outside any diagram, so that an arrow finds it wherever
+# its diagram is (a figure, a tab, a folded details block) and no two diagrams define the same id.
+ARROWHEAD = ('<svg class="fm-markers" width="0" height="0" aria-hidden="true" focusable="false" '
+             'xmlns="http://www.w3.org/2000/svg"><defs><marker id="fm-arrow" viewBox="0 0 10 10" refX="9" refY="5" '
+             'markerWidth="7" markerHeight="7" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z"/></marker>'
+             '</defs></svg>\n')
 
 
 def on_page_content(html_text, page, config, files):
     """Markdown wraps the tabs' radio buttons in a paragraph; Material's tabs want them as the tab
-    set's own children. And every chart and diagram is drawn at least at its own size (one unit of
-    its viewBox a pixel, so that its text, 11 units and up, is 11 px and up on screen): on a narrow
-    screen the figure scrolls sideways (course.css) rather than shrink its text."""
+    set's own children. Every chart and diagram is drawn at least at its own size (one unit of its
+    viewBox a pixel, so that its text, 11 units and up, is 11 px and up on screen): on a narrow
+    screen the figure scrolls sideways (course.css) rather than shrink its text. A page with arrows
+    gets their arrowhead (ARROWHEAD)."""
     html_text = re.sub(rf'<p>((?:<input class="{TAB_INPUT}"[^>]*>)+)</p>', r"\1", html_text)
+    if 'class="arrow"' in html_text:
+        html_text = ARROWHEAD + html_text
     return SVG_OPEN.sub(lambda m: f'{m[0]} style="min-width: {float(m[2]):g}px"', html_text)
 
 
