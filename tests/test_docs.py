@@ -6,6 +6,7 @@ selenium; it is skipped, with the reason, where they are missing, and fails inst
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import functools
@@ -228,6 +229,27 @@ def test_lessons_include_the_real_kernels(site):
         html = (site / stage_page(d) / "index.html").read_text()
         assert "--8<--" not in html and 'class="highlight"' in html
         assert '<svg class="fm-diagram"' in html, f"{stage_page(d)}.md has no diagram"
+
+
+def test_diagrams_arrowheads_and_narrow_charts_in_the_built_pages(site):
+    """Every diagram in a figure (which scrolls sideways where the column is narrower, course.css); a page
+    with arrows holds their arrowhead once (the hook's ARROWHEAD); every chart is drawn wide and narrow,
+    in one figure (course.css shows the narrow drawing on a phone)."""
+    problems = []
+    for path in sorted(site.rglob("index.html")):
+        page, text = str(path.parent.relative_to(site)), path.read_text()
+        for m in re.finditer(r'<svg class="fm-diagram"[^>]*>', text):
+            if not text[:m.start()].endswith('<figure class="fm-figure">\n'):
+                problems.append(f"{page}: a diagram not in <figure class=\"fm-figure\">: {m[0][:120]}")
+        arrows, arrowheads = text.count('class="arrow"'), text.count('id="fm-arrow"')
+        if arrowheads != (1 if arrows else 0):
+            problems.append(f"{page}: {arrows} arrows, {arrowheads} arrowheads")
+        charts = re.findall(r'<svg class="fm-chart ([\w -]+)"', text)
+        figures = re.findall(r'<figure class="fm-figure fm-two-widths">\n<svg class="fm-chart ([\w-]+)"[^\n]*\n'
+                             r'<svg class="fm-chart ([\w-]+) fm-narrow"', text)
+        if len(charts) != 2 * len(figures) or any(wide != narrow for wide, narrow in figures):
+            problems.append(f"{page}: {len(charts)} chart drawings, {len(figures)} figures with a wide and a narrow one")
+    assert not problems, "\n".join(problems)
 
 
 def test_every_lesson_shows_its_profile(site):
@@ -991,7 +1013,8 @@ def test_rung_and_gpu_tables_fit_a_1400_pixel_window(browser, served):
 
 # Every chart and diagram on a page: its text inside the drawing (not clipped at its edge), no two texts
 # over each other, and none under 11 px on screen (the drawing is never shrunk below its own size: on a
-# narrow screen the figure scrolls sideways instead; course.css and the hook's on_page_content).
+# narrow screen a chart shows its narrow drawing and a diagram's figure scrolls sideways instead;
+# course.css and the hook's figure and on_page_content). A chart's drawing not shown has no width: skipped.
 CHART_TEXT = """document.querySelectorAll('details').forEach(d => d.open = true);
 const found = {charts: 0, outside: [], small: [], overlapping: [], shrunk: []};
 for (const svg of document.querySelectorAll('svg.fm-chart, svg.fm-diagram')) {
@@ -1037,3 +1060,81 @@ def test_chart_text_is_inside_and_legible(browser, served_site, site, width):
         problems += [f"/{page} at {width} px, {kind}: {item}" for kind in ("outside", "small", "overlapping", "shrunk")
                      for item in found[kind]]
     assert not problems, "\n".join(problems[:40])
+
+
+# Every page at a phone's width and a desktop's: the page never scrolls sideways (a wide diagram, table or
+# code block scrolls inside its own box), each diagram sits in its figure, each arrow has its arrowhead,
+# and each chart fits its figure, its bars and their values on screen. Every <details> is opened and every
+# GPU's tab shown at once, so that nothing is checked only in the first tab.
+LAYOUT = """document.querySelectorAll('details').forEach(d => d.open = true);
+const all = document.createElement('style');
+all.textContent = '.md-typeset .tabbed-content > .tabbed-block { display: block !important; }';
+document.head.appendChild(all);
+const root = document.documentElement, width = root.clientWidth;
+const name = el => el.getAttribute('aria-label') || el.getAttribute('class') || el.tagName;
+const scrolls = el => { for (let e = el.parentElement; e && e !== document.body; e = e.parentElement)
+  if (getComputedStyle(e).overflowX !== 'visible') return true; return false; };
+const found = {scroll: [], bare: [], arrows: 0, headless: [], charts: 0, cut: []};
+if (root.scrollWidth > width)
+  found.scroll = [`${root.scrollWidth} px wide in ${width} px`].concat(Array.from(document.body.querySelectorAll('*'))
+    .filter(el => el.getBoundingClientRect().right > width + 1 && !scrolls(el)).slice(0, 3)
+    .map(el => `${el.tagName.toLowerCase()} ${name(el)}`));
+for (const svg of document.querySelectorAll('svg.fm-diagram')) {
+  if (!svg.parentElement.matches('figure.fm-figure')) found.bare.push(name(svg));
+  for (const el of svg.querySelectorAll('path, line, polyline')) {
+    const style = getComputedStyle(el), ends = [style.markerStart, style.markerEnd].filter(m => m && m !== 'none');
+    if (el.matches('.fm-diagram .arrow')) {
+      found.arrows++;
+      if (!ends.length) found.headless.push(`${name(svg)}: an arrow without a marker`);
+    }
+    for (const url of ends) {
+      const id = /url\\("?#([^")]+)"?\\)/.exec(url), marker = id && document.getElementById(id[1]);
+      if (!marker || marker.tagName !== 'marker') found.headless.push(`${name(svg)}: ${url} names no marker`);
+      else if (document.querySelectorAll(`[id="${id[1]}"]`).length > 1) found.headless.push(`${name(svg)}: ${url} names two elements`);
+      else if (!marker.querySelector('path') || getComputedStyle(marker.querySelector('path')).fill === 'none')
+        found.headless.push(`${name(svg)}: ${url} draws nothing`);
+    }
+  }
+}
+for (const svg of document.querySelectorAll('svg.fm-chart')) {
+  const box = svg.getBoundingClientRect();
+  if (box.width === 0) continue;  // the other width's drawing of the chart
+  found.charts++;
+  const figure = svg.closest('figure'), fig = figure.getBoundingClientRect();
+  const left = fig.left + figure.clientLeft, right = left + figure.clientWidth;
+  if (box.left < left - 1 || box.right > right + 1)
+    found.cut.push(`${name(svg)}: ${box.width.toFixed(0)} px wide in a figure of ${figure.clientWidth} px`);
+  const bars = Array.from(svg.querySelectorAll('rect')).filter(r => !r.closest('defs'));
+  if (!bars.length) found.cut.push(`${name(svg)}: no bars`);
+  const off = bars.filter(bar => { const r = bar.getBoundingClientRect();
+    return r.width <= 0 || r.height <= 0 || r.left < left - 1 || r.right > right + 1 || r.right > width + 1; });
+  if (off.length) found.cut.push(`${name(svg)}: ${off.length} of ${bars.length} bars off screen or not drawn, the first: `
+                                 + (off[0].querySelector('title')?.textContent || ''));
+}
+return found;"""
+
+
+def site_pages(site: Path) -> list[str]:
+    return sorted(str(p.parent.relative_to(site)).replace(".", "") for p in site.rglob("index.html"))
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("width", [1400, 400])
+def test_pages_fit_a_phone_and_a_desktop(browser, served_site, site, width):
+    """At 400 px (a phone) and at 1400 px, every page of the site: no sideways scroll of the page, every
+    diagram in its figure with its arrowheads, every chart within its figure with its bars visible."""
+    pages = site_pages(site)
+    expected = ["", "setup", "grading", "pytorch", "glossary", "notebook/grading"] + [
+        page for d in STAGE_DIRS for page in (stage_page(d), stage_page(d).replace("stages/", "notebook/"))]
+    assert not set(expected) - set(pages), f"pages not built: {sorted(set(expected) - set(pages))}"
+    browser.set_window_size(width, 1000)
+    problems, arrows, charts = [], 0, 0
+    for page in pages:
+        browser.get(f"{served_site}/{page}/" if page else served_site + "/")
+        found = browser.execute_script(LAYOUT)
+        arrows, charts = arrows + found["arrows"], charts + found["charts"]
+        problems += [f"/{page} at {width} px, {kind}: {item}" for kind in ("scroll", "bare", "headless", "cut")
+                     for item in found[kind]]
+    assert arrows and charts, "no arrows or no charts found: the checks looked at nothing"
+    problems = [f"{p} (×{n})" if n > 1 else p for p, n in collections.Counter(problems).items()]
+    assert not problems, "\n".join(problems[:60])

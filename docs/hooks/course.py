@@ -43,9 +43,12 @@
   hold fails the build when the results are the repository's own; with $FLASHMOE_RESULTS_DIR
   (another GPU's results, a test's) it reads "not measured". A stage, rung or ladder with no results
   reads "not measured yet".
-- on_page_content: the tabs' radio buttons taken out of the paragraph Markdown puts them in.
+- on_page_content: the tabs' radio buttons taken out of the paragraph Markdown puts them in; each
+  chart and diagram at least its own size; the diagrams' arrowhead, once per page that has arrows.
 
-Charts are inline SVG written here: no JavaScript, nothing fetched when the page is read.
+Charts are inline SVG written here: no JavaScript, nothing fetched when the page is read. Each is drawn
+twice, wide (labels beside the bars) and narrow (labels above them), and course.css shows the one that
+fits its figure: a phone gets the narrow one.
 """
 from __future__ import annotations
 
@@ -58,6 +61,7 @@ import json
 import math
 import os
 import re
+import textwrap
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -320,14 +324,24 @@ def gpu_tabs(items: list[tuple[dict, str]]) -> str:
 
 
 SVG_OPEN = re.compile(r'<svg class="(fm-chart[^"]*|fm-diagram)" viewBox="0 0 ([\d.]+) ([\d.]+)"')
+# The head of every arrow of the lessons' diagrams (course.css ends each `.fm-diagram .arrow` in
+# url(#fm-arrow)): defined once per page, outside any diagram, so that an arrow finds it wherever
+# its diagram is (a figure, a tab, a folded details block) and no two diagrams define the same id.
+ARROWHEAD = ('<svg class="fm-markers" width="0" height="0" aria-hidden="true" focusable="false" '
+             'xmlns="http://www.w3.org/2000/svg"><defs><marker id="fm-arrow" viewBox="0 0 10 10" refX="9" refY="5" '
+             'markerWidth="7" markerHeight="7" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z"/></marker>'
+             '</defs></svg>\n')
 
 
 def on_page_content(html_text, page, config, files):
     """Markdown wraps the tabs' radio buttons in a paragraph; Material's tabs want them as the tab
-    set's own children. And every chart and diagram is drawn at least at its own size (one unit of
-    its viewBox a pixel, so that its text, 11 units and up, is 11 px and up on screen): on a narrow
-    screen the figure scrolls sideways (course.css) rather than shrink its text."""
+    set's own children. Every chart and diagram is drawn at least at its own size (one unit of its
+    viewBox a pixel, so that its text, 11 units and up, is 11 px and up on screen): on a narrow
+    screen a chart shows its narrow drawing (figure()) and a diagram's figure scrolls sideways
+    (course.css), rather than shrink the text. A page with arrows gets their arrowhead (ARROWHEAD)."""
     html_text = re.sub(rf'<p>((?:<input class="{TAB_INPUT}"[^>]*>)+)</p>', r"\1", html_text)
+    if 'class="arrow"' in html_text:
+        html_text = ARROWHEAD + html_text
     return SVG_OPEN.sub(lambda m: f'{m[0]} style="min-width: {float(m[2]):g}px"', html_text)
 
 
@@ -425,14 +439,38 @@ def is_yardstick(baseline: str) -> bool:
     return baseline.startswith("layer_")
 
 
-def figure(svg: str, caption: str) -> str:
+# A chart is drawn twice: WIDE units wide, its labels beside its bars, and NARROW, its labels above its
+# bars, which course.css shows instead where the figure is narrower than WIDE px (the column of a 400 px
+# phone is about 360 px, of a 320 px one 288). Each drawing is at least its own size on screen
+# (on_page_content), so that no text is under 11 px.
+WIDE, NARROW = 760, 280
+
+
+def figure(svg: str, caption: str, narrow: str = "") -> str:
+    """A chart's figure: its drawing, or its wide and narrow drawings (course.css shows one), and the caption."""
     # A raw HTML block for Python-Markdown: no blank line inside, blank lines around.
-    return f'\n\n<figure class="fm-figure">\n{svg}\n<figcaption>{caption}</figcaption>\n</figure>\n\n'
+    cls, drawings = ("fm-figure fm-two-widths", f"{svg}\n{narrow}") if narrow else ("fm-figure", svg)
+    return f'\n\n<figure class="{cls}">\n{drawings}\n<figcaption>{caption}</figcaption>\n</figure>\n\n'
 
 
 def svg_root(cls: str, width: int, height: float, aria: str, body: list[str]) -> str:
     return (f'<svg class="fm-chart {cls}" viewBox="0 0 {width} {height:.0f}" role="img" '
             f'xmlns="http://www.w3.org/2000/svg" aria-label="{html.escape(aria)}">{"".join(body)}</svg>')
+
+
+def wrapped(text: str, size: int, width: float = NARROW) -> list[str]:
+    """The words of `text` in lines that fit `width` at `size` px (0.6 em a character: wide for a sans font)."""
+    return textwrap.wrap(text, max(8, int(width / (0.6 * size)))) or [""]
+
+
+def lines_text(cls: str, x: float, y: float, lines: list[str], step: float) -> str:
+    """One <text> of several lines, the first's baseline at y, each `step` below the one before."""
+    spans = "".join(f'<tspan x="{x:g}" dy="{step if i else 0:g}">{html.escape(line)}</tspan>' for i, line in enumerate(lines))
+    return f'<text class="{cls}" x="{x:g}" y="{y:.1f}">{spans}</text>'
+
+
+def text_width(text: str, size: int) -> float:
+    return 0.6 * size * len(text)
 
 
 def swatch(color: str, text: str, cls: str = "fm-swatch") -> str:
@@ -619,12 +657,60 @@ def ladder_figure(panel: Panel, stages: list[tuple[str, dict]], shapes: list[str
                        if subs[g] else "")
                     + f'<text class="fm-axis" x="{cx:.1f}" y="{grade_y}" text-anchor="middle">grade {st.get("grade", "—")}</text>')
     svg = svg_root("fm-ladder", W, H, f"{unit} of each stage at each shape", body)
+    narrow = ladder_narrow(metric, stages, shapes, colors, marks, subs)
     keys = [swatch(colors[s], s) for s in shapes] + [swatch("", "the reference: the fastest library baseline", "fm-swatch fm-ref-key")]
     if any(at_time(b, metric, (b.get("baselines") or {}).get("flash")) for _, st in stages for b in timed(st)):
         keys.append(swatch("", "SDPA flash backend", "fm-swatch fm-flash-key"))
     rungs = " A stage's rungs stand before it, from the lowest up." if any(split_key(k)[1] for k, _ in stages) else ""
     return figure(svg, f"{html.escape(unit)} of each stage at the same shapes{', log scale' if log else ''}.{rungs} "
-                  + " ".join(keys))
+                  + " ".join(keys), narrow)
+
+
+def ladder_narrow(metric: str, stages: list[tuple[str, dict]], shapes: list[str], colors: dict, marks: list[float],
+                  subs: list[str]) -> str:
+    """The ladder at NARROW: one row of bars per stage, across, its name and grade above them; the
+    reference (and flash) as ticks across a bar, its value after it."""
+    unit = METRICS[metric]
+    left, bar, head, gap = 12, 13, 18, 8  # left: room for half the first tick's label
+    right = max(text_width(sig3(v), 11) for v in marks) + 8
+    scale, ticks, log = value_axis(marks, metric, NARROW - left - right)
+    x = lambda v: left + scale(v)
+    body, spans, y = [], [], 0.0
+    for g, (key, st) in enumerate(stages):
+        name = stage_name(split_key(key)[0]) + (f" · {subs[g]}" if subs[g] else "")
+        body.append(f'<text class="fm-label" x="0" y="{y + 13:.1f}">{html.escape(name)}'
+                    f'<tspan class="fm-axis" dx="8">grade {html.escape(str(st.get("grade", "—")))}</tspan></text>')
+        y += head
+        spans.append((y - 2, y + len(shapes) * bar + 1))
+        for shape in shapes:
+            body += ladder_row(stage_name(key), bench_at(st, shape), shape, metric, colors[shape], x, left, y, bar - 1)
+            y += bar
+        y += gap
+    grid = [f'<line class="fm-grid" x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{a:.1f}" y2="{b:.1f}"/>' for t in ticks for a, b in spans]
+    body = grid + body + [f'<text class="fm-axis" x="{x(t):.1f}" y="{y + 6:.1f}" text-anchor="middle">{t:g}</text>' for t in ticks]
+    body.append(f'<text class="fm-axis" x="0" y="{y + 22:.1f}">{html.escape(unit)}{" (log scale)" if log else ""}</text>')
+    return svg_root("fm-ladder fm-narrow", NARROW, y + 28, f"{unit} of each stage at each shape", body)
+
+
+def ladder_row(name: str, bench: dict | None, shape: str, metric: str, color: str, x, left: float, y: float, height: float) -> list[str]:
+    """One bar of the narrow ladder, across, with its reference ticks and its value, or a marked gap."""
+    unit = METRICS[metric]
+    if not bench or not bench.get(metric):
+        return [f'<text class="fm-axis" x="{left + 2:g}" y="{y + height - 1:.1f}">'
+                f'×<title>{html.escape(name)}: not measured at {html.escape(shape)}</title></text>']
+    ref = bench.get("reference") or {}
+    tip = (f"{name}, {shape}: {sig3(bench[metric])} {unit}; "
+           f"the reference ({ref.get('name', '—')}): {num(at_time(bench, metric, ref.get('ms')), '.1f')} {unit}")
+    end = x(bench[metric])
+    out = [f'<rect x="{left:g}" y="{y:.1f}" width="{max(end - left, 1):.1f}" height="{height:g}" fill="{color}">'
+           f'<title>{html.escape(tip)}</title></rect>']
+    for value, cls in ((at_time(bench, metric, ref.get("ms")), "fm-ref"),
+                       (at_time(bench, metric, (bench.get("baselines") or {}).get("flash")), "fm-flash")):
+        if value:
+            out.append(f'<line class="{cls}" x1="{x(value):.1f}" x2="{x(value):.1f}" y1="{y - 1:.1f}" y2="{y + height + 1:.1f}"/>')
+            end = max(end, x(value))
+    out.append(f'<text class="fm-axis" x="{end + 4:.1f}" y="{y + height - 1:.1f}">{sig3(bench[metric])}</text>')
+    return out
 
 
 def kernel_note(key: str, stages: list[tuple[str, dict]]) -> str:
@@ -682,11 +768,50 @@ def steps_figure(run: dict, stages: list[tuple[str, dict]], shapes: list[str], c
                  for t in ticks for a, b in spans]
     body += [f'<text class="fm-axis" x="{x(t):.1f}" y="{y + 12:.1f}" text-anchor="middle">{t:g}×</text>' for t in ticks]
     svg = svg_root("fm-steps", W, y + 18, "Speed-up of each stage over the one before it", body)
+    narrow = steps_narrow(run, groups, ideas, lo, hi, ticks, colors, hatch)
     return figure(svg, "What each stage bought: its speed-up over the step below it (the stage before it, or the next "
                   "lower rung of its ladder) at the same shape on the same GPU "
                   "(log scale; colours: the shapes, as above). Solid bars: the two kernels timed side by side in one "
                   "grader run; hatched bars: the ratio of the medians the two stages recorded in separate runs, each "
-                  "at its own commit and date (in the table below). Hover over a bar for both times.")
+                  "at its own commit and date (in the table below). Hover over a bar for both times.", narrow)
+
+
+def steps_narrow(run: dict, groups: list, ideas: dict[str, str], lo: float, hi: float, ticks: list[float], colors: dict,
+                 hatch: str) -> str:
+    """What each stage bought, at NARROW: the headings wrapped, each shape's label above its bar."""
+    right = max(text_width(ratio(step.speedup), 11) for _, found in groups for _, step in found) + 8
+    left, row = 10, 13  # left: room for half the first tick's label
+    x = lambda r: left + math.log(r / lo) / math.log(hi / lo) * (NARROW - left - right)
+    hatch = f"{hatch}-narrow"  # the wide drawing's pattern is not drawn where this one is
+    body = [f'<defs><pattern id="{hatch}" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
+            '<rect width="3" height="6" fill="#fff" fill-opacity="0.55"/></pattern></defs>']
+    y, spans = 0.0, []
+    for key, found in groups:
+        steps = [step for _, step in found]
+        heading, idea = wrapped(step_title(key, steps), 12), wrapped(step_idea(run, key, steps, ideas), 11)
+        body.append(lines_text("fm-label", 0, y + 13, heading, 15))
+        y += 15 * len(heading) + 3
+        body.append(lines_text("fm-axis", 0, y + 11, idea, 14))
+        y += 14 * len(idea) + 4
+        name_it = len({s.previous for s in steps}) > 1
+        for shape, step in found:
+            label = wrapped(shape + (f" ({step_note(step, True, key)})" if name_it else ""), 11)
+            body.append(lines_text("fm-axis", 0, y + 11, label, 14))
+            y += 14 * len(label)
+            spans.append((y - 1, y + row - 1))
+            x0, x1 = sorted((x(1.0), x(step.speedup)))
+            tip = html.escape(f"{shape}: {ratio(step.speedup)} ({step.detail})")
+            body.append(f'<rect x="{x0:.1f}" y="{y:.1f}" width="{max(x1 - x0, 1):.1f}" height="{row - 2}" fill="{colors[shape]}"><title>{tip}</title></rect>')
+            if not step.side_by_side:
+                body.append(f'<rect x="{x0:.1f}" y="{y:.1f}" width="{max(x1 - x0, 1):.1f}" height="{row - 2}" fill="url(#{hatch})"><title>{tip}</title></rect>')
+            body.append(f'<text class="fm-axis" x="{x(max(1.0, step.speedup)) + 4:.1f}" y="{y + row - 3:.1f}">{ratio(step.speedup)}</text>')
+            y += row + 2
+        y += 8
+    body[1:1] = [f'<line class="fm-grid{" fm-one" if t == 1 else ""}" x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{a:.1f}" y2="{b:.1f}"/>'
+                 for t in ticks for a, b in spans]
+    every = math.ceil(36 / max(x(ticks[1]) - x(ticks[0]), 1)) if len(ticks) > 1 else 1  # the ticks' labels 36 px apart at least
+    body += [f'<text class="fm-axis" x="{x(t):.1f}" y="{y + 4:.1f}" text-anchor="middle">{t:g}×</text>' for t in ticks[::every]]
+    return svg_root("fm-steps fm-narrow", NARROW, y + 10, "Speed-up of each stage over the one before it", body)
 
 
 def step_idea(run: dict, key: str, steps: list[Step], ideas: dict[str, str]) -> str:
@@ -698,14 +823,18 @@ def step_idea(run: dict, key: str, steps: list[Step], ideas: dict[str, str]) -> 
     return (ideas.get(name) if not rung else None) or idea_of(run["stages"][key].get("title", key))
 
 
-def step_heading(key: str, steps: list[Step], idea: str, y: float) -> str:
-    """"Stage 3 over stage 2 (timed side by side in one run)", "Stage 6 over the mma_sync rung (...)",
-    and the idea that the step adds."""
+def step_title(key: str, steps: list[Step]) -> str:
+    """"Stage 3 over stage 2 (timed side by side in one run)", "Stage 6 over the mma_sync rung (...)"."""
     previous, side = sorted({step.previous for step in steps}), {step.side_by_side for step in steps}
     source = ("timed side by side in one run" if side == {True} else "the ratio of medians from separate runs"
               if side == {False} else "hatched: separate runs")
     over = " and ".join(below_name(p, key) for p in previous)
-    return (f'<text class="fm-label" x="0" y="{y + 13:.1f}">{stage_name(key)} over {over} ({source})</text>'
+    return f"{stage_name(key)} over {over} ({source})"
+
+
+def step_heading(key: str, steps: list[Step], idea: str, y: float) -> str:
+    """The step's title, and the idea that the step adds."""
+    return (f'<text class="fm-label" x="0" y="{y + 13:.1f}">{step_title(key, steps)}</text>'
             f'<text class="fm-axis" x="0" y="{y + 27:.1f}">{html.escape(idea)}</text>')
 
 
@@ -1209,7 +1338,8 @@ def forward_backward_details(benches: list[dict]) -> list[str]:
 
 
 def stage_figure(benches: list[dict], metric: str) -> str:
-    """Horizontal bars per shape: this kernel and each baseline (not the yardsticks) in the metric."""
+    """Horizontal bars per shape: this kernel and each baseline (not the yardsticks) in the metric, each
+    shape's label left of its bars (and above them in the narrow drawing)."""
     names = [n for n in dict.fromkeys(n for b in benches for n in (b.get("baselines") or {})) if not is_yardstick(n)]
     series = ["this kernel"] + names
     rows = [(label(b), [b.get(metric)] + [at_time(b, metric, (b.get("baselines") or {}).get(n)) for n in names]) for b in benches]
@@ -1217,9 +1347,10 @@ def stage_figure(benches: list[dict], metric: str) -> str:
     if not top:
         return ""
     unit = METRICS[metric]
+    aria = f"{unit} of this stage and the baselines"
     longest = max(len(text) for text, _ in rows)  # the shapes' labels, right-aligned left of the bars: 12 px text
     left, right, bar, gap = max(260, 16 + 7 * longest), 56, 13, 12  # bar: the 11 px values beside them
-    W = left + 444 + right
+    W = max(WIDE, left + 300 + right)
     H = 8 + len(rows) * (len(series) * bar + gap)
     scale = (W - left - right) / top
     body, y = [], 8
@@ -1227,15 +1358,37 @@ def stage_figure(benches: list[dict], metric: str) -> str:
         body.append(f'<text class="fm-label" x="{left - 8}" y="{y + len(series) * bar / 2 + 4:.1f}" text-anchor="end">{html.escape(text)}</text>')
         for i, v in enumerate(values):
             if v:
-                body.append(f'<rect x="{left}" y="{y}" width="{v * scale:.1f}" height="{bar - 1}" fill="{COLORS[i % len(COLORS)]}">'
-                            f'<title>{html.escape(series[i])}: {v:.1f} {unit}</title></rect>'
-                            f'<text class="fm-axis" x="{left + v * scale + 4:.1f}" y="{y + bar - 3}">{v:.1f}</text>')
+                body += stage_bar(series[i], v, unit, COLORS[i % len(COLORS)], left, y, bar, scale)
             y += bar
         y += gap
-    svg = svg_root("fm-stage", W, H, f"{unit} of this stage and the baselines", body)
     keys = " ".join(swatch(COLORS[i % len(COLORS)], s) for i, s in enumerate(series))
     work = "FLOP count" if metric == "tflops" else "fewest bytes the problem must move"
-    return figure(svg, f"{html.escape(unit)} at each benchmark shape (a baseline's: the same {work} over its own time). {keys}")
+    return figure(svg_root("fm-stage", W, H, aria, body),
+                  f"{html.escape(unit)} at each benchmark shape (a baseline's: the same {work} over its own time). {keys}",
+                  stage_narrow(rows, series, unit, top, aria, bar, gap))
+
+
+def stage_bar(name: str, value: float, unit: str, color: str, x: float, y: float, bar: float, scale: float) -> list[str]:
+    """A bar from x, and its value after it."""
+    return [f'<rect x="{x:g}" y="{y:g}" width="{max(value * scale, 1):.1f}" height="{bar - 1}" fill="{color}">'
+            f'<title>{html.escape(name)}: {value:.1f} {unit}</title></rect>'
+            f'<text class="fm-axis" x="{x + value * scale + 4:.1f}" y="{y + bar - 3:g}">{value:.1f}</text>']
+
+
+def stage_narrow(rows: list[tuple[str, list]], series: list[str], unit: str, top: float, aria: str, bar: float, gap: float) -> str:
+    """The stage's chart at NARROW: each shape's label above its bars, the bars across the width less their values'."""
+    scale = (NARROW - text_width(f"{top:.1f}", 11) - 6) / top
+    body, y = [], 0.0
+    for text, values in rows:
+        lines = wrapped(text, 12)
+        body.append(lines_text("fm-label", 0, y + 12, lines, 15))
+        y += 15 * len(lines) + 4
+        for i, v in enumerate(values):
+            if v:
+                body += stage_bar(series[i], v, unit, COLORS[i % len(COLORS)], 0, y, bar, scale)
+            y += bar
+        y += gap
+    return svg_root("fm-stage fm-narrow", NARROW, y - gap + 4, aria, body)
 
 
 def launches_table(benches: list[dict]) -> list[str]:
