@@ -8,10 +8,10 @@ checks, descriptors, launches) and the layouts it hands over. This measures that
   call, ms per call in a loop, and the CUDA kernels one forward + backward launches (copies counted);
 - the host time of one forward and one backward call, piece by piece (checks, allocations, dispatch,
   tensor maps, launches);
-- tiny: the specification's small shapes (fp16, D 64, forward), course ms per call against SDPA's;
+- tiny: four small shapes (fp16, D 64, forward; TINY_SHAPES), course ms per call against SDPA's;
 - moe_layer: ops.moe_layer's host µs and ms per call beside PyTorch's grouped-GEMM layer, and its forward +
   backward (stage 7 then stage 14 on what it saved) beside the grouped-GEMM layer's under autograd;
-- block_sparse_serving: the specification's serving figures, in-process, at block-sparse attention's first
+- block_sparse_serving: the serving figures the course set, in-process, at block-sparse attention's first
   benchmark shape (B1, the 100K-token neighbourhood graph, D 64, fp16): latency P50 and P99 over 100
   synchronized calls of ops.block_sparse_attention's forward from Python, and calls per second of 100
   calls ended by one synchronization, beside compiled FlexAttention with the same BlockMask;
@@ -44,7 +44,7 @@ MOE_SHAPE = dict(hidden=4096, inter=14336, experts=8, top_k=2)
 LLAMA = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4, num_attention_heads=32,
              num_key_value_heads=8, vocab_size=32000)
 MODEL_BATCHES = [(2, 2048), (8, 512)]  # (batch, sequence)
-SERVING_CALLS = 100  # the specification's serving figures: latencies of 100 calls, and a loop of 100
+SERVING_CALLS = 100  # the serving figures: latencies of 100 calls, and a loop of 100
 # A server runs at the clocks its power cap leaves: at 700 W an H100 starts a busy run at 1,980 MHz and
 # settles at 1,400-1,700 within about a second (nvidia-smi, 2026-11-27). Timing the first calls would time
 # the boost, so each contender's calls run this long before the timed ones.

@@ -31,7 +31,7 @@ the logsumexp of a fully masked row to -inf and its softmax to 0 (torch._safe_so
 
 The masks of a shape ("mask": "graph", "causal", "document" or "sliding_window") are built from the shape
 alone (block_masks), so that its work can be counted without inputs; "empty_query_blocks" lists query
-blocks whose lists are emptied (their rows see no key). The neighbourhood graph, the specification's
+blocks whose lists are emptied (their rows see no key). The neighbourhood graph, a
 science workload (atoms in groups of 128, each group attending to its neighbourhood): the query blocks on a
 ring, each sees the blocks within ring distance "neighbours" (itself included) and "long_range" others
 drawn from a seeded generator ("graph_seed"), all full blocks.
@@ -360,7 +360,7 @@ _CASES = [
     (1, 2, 2, 127, 64, "bfloat16", 1, dict(mask="graph", neighbours=0, long_range=0, graph_seed=4)),
 ]
 
-# The three shapes: the specification's neighbourhood graph (100,000 atoms = 782 blocks, the last
+# The three benchmark shapes: the neighbourhood graph (100,000 atoms = 782 blocks, the last
 # of 32; 137 ring neighbours and 19 long-range blocks: 156 of 782, 80% of block pairs absent, all full),
 # packed documents (32K tokens of documents 512 to 8K long, causal inside each) and a sliding window.
 _BENCHMARKS = [

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 # name -> the layer's dimensions and the token counts the stages time it at.
 CONFIGS = {
-    # The course's seed configuration: a Llama-7B-sized FFN split into 32 experts.
+    # The course's 32-expert layer: 32 experts, each the size of Llama-7B's FFN, top-2.
     "seed": dict(hidden=4096, inter=11008, experts=32, top_k=2, tokens=(4 * 512, 16 * 2048, 32 * 2048)),
     "mixtral": dict(hidden=4096, inter=14336, experts=8, top_k=2, tokens=(4096,)),
     # Fine-grained, DeepSeek-V3-like: many small experts, 8 per token. Its weights alone are 22.5 GB

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from reference import moe
 from reference.moe_layer import MoeLayerProblem
 
-TOKENS_PER_RANK = 4096  # the multi-GPU bars' (issue #18): each rank brings 4096 tokens
+TOKENS_PER_RANK = 4096  # stage 11's bars across GPUs: each rank brings 4096 tokens
 BAR_CONFIGS = ("seed", "deepseek")
 
 

@@ -75,7 +75,7 @@ def cases(seed: int = 0, extra=()) -> list[Case]:
 
 
 def benchmarks() -> list[dict]:
-    """bfloat16, no skew: the seed configuration at each of its token counts, Mixtral, DeepSeek."""
+    """bfloat16, no skew: the 32-expert layer ("seed") at each of its token counts, Mixtral, DeepSeek."""
     shapes = []
     for name in ("seed", "mixtral", "deepseek"):
         config = moe.CONFIGS[name]
@@ -181,7 +181,8 @@ def permute(x: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor, offsets: t
     as a stable sort of the flattened ids leaves them), each expert's at its segment, and each padding
     row a copy of the last token-slot above it. Any values would do there (nobody reads those outputs);
     zeros are the obvious choice but not a neutral one: tiles with a few all-zero rows ran stage 6's
-    wgmma kernel at half speed on the H100 (results/NOTES.md), while cuBLAS did not slow down."""
+    wgmma kernel at half speed on the H100 (stage 6's lab notebook, docs/notebook/stage6.md), while cuBLAS
+    did not slow down."""
     order = torch.argsort(ids.flatten(), stable=True)
     rows = valid_rows(offsets, counts)
     source = torch.zeros(int(offsets[-1]), dtype=torch.long, device=x.device)

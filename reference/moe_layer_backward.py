@@ -65,7 +65,7 @@ and every expert's dW1 and dW2 written once (bias is not read: the saved logits 
 Saved bytes: what the forward keeps for this backward per token-slot, ours (saved_bytes_per_slot: `Saved`
 as allocated, h1's padding rows included) beside PyTorch's autograd graph of the same layer
 (grouped_mm_saved_bytes: the storages its saved_tensors_hooks see, each once, the layer's inputs and weights
-left out), counted on meta tensors at any shape. The seed's layer at 32,768 tokens (E 32, k 2, hidden 4096,
+left out), counted on meta tensors at any shape. The 32-expert layer at 32,768 tokens (E 32, k 2, hidden 4096,
 I 11008, bf16): ours 46,843 bytes per token-slot (h1 44,032, its padding rows 2,731, the routing 80: 3.1 GB),
 PyTorch's 137,392 (h1 44,032, silu(G) and h 22,016 each, two fp32 [T·k, hidden] 16,384 each, x in fp32 8,192,
 x's gathered rows 8,192, the logits, routing and Wr in fp32 176: 9.0 GB).
@@ -124,7 +124,7 @@ class MoeLayerBackwardProblem(Problem):
 
     def benchmarks(self) -> list[dict]:
         """The forward's shapes up to 32,768 tokens: each library's backward keeps its forward's graph (its
-        activations) beside the kernel's, and at 65,536 tokens of the seed's layer they do not fit 80 GB."""
+        activations) beside the kernel's, and at 65,536 tokens of the 32-expert layer they do not fit 80 GB."""
         return [shape for shape in FORWARD.benchmarks() if shape["tokens"] <= MAX_BENCHMARK_TOKENS]
 
     shape_label = staticmethod(moe_experts.shape_label)
@@ -217,7 +217,7 @@ def forward_saved(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor, w1: tor
     topk_ids, another forward's choice at a tie) and its softmax, the padded permutation with each expert's
     token-slots in (token, slot) order, and h1 = x·W1 in fp32 rounded to the dtype on the valid rows, NaN on
     every other row. h1 is computed expert by expert in pieces of H1_ROWS rows, one host synchronization for
-    the segments: no [T·k, 2·I] fp32 temporary (11.5 GB at 32K tokens of the seed's layer)."""
+    the segments: no [T·k, 2·I] fp32 temporary (11.5 GB at 32K tokens of the 32-expert layer)."""
     tokens, experts = x.shape[0], wr.shape[1]
     logits = moe.router_logits(x, wr, bias)
     if topk_ids is None:
@@ -256,7 +256,7 @@ def grouped_mm_saved_bytes(shape: dict, dtype: str = "bfloat16", device="meta") 
     """The bytes PyTorch's autograd keeps for the backward of the layer (routed_layer, logits in fp32) per
     token-slot: every storage its saved_tensors_hooks see, once however many views of it are saved, but the
     layer's inputs and weights (x, Wr, bias, W1, W2), through moe.layer_grouped_mm where torch._grouped_mm
-    exists, else moe.layer_loop (not on "meta"). On "meta" no tensor holds data (any shape, the seed's layer
+    exists, else moe.layer_loop (not on "meta"). On "meta" no tensor holds data (any shape, the 32-expert layer
     at 32K tokens included; the routing does not change what is kept, only the expert loop's pieces); on
     another device, make_inputs' inputs."""
     T, E, k, hidden, inter = (shape[n] for n in ("tokens", "experts", "top_k", "hidden", "inter"))

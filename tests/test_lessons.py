@@ -75,6 +75,54 @@ def test_the_scan_for_those_words():
     assert not BANNED.search("silent, equivalent, prevalent, excellent: a scratchpad-free line")
 
 
+# ---------------------------------------------------------------- words of the workshop, and its notes
+# The course names what it speaks of: "the 32-expert layer", "the stage's bar", "the first benchmark
+# shape", not the ticket or the specification it came from ("issue 7's second half", "the seed's
+# shape", "the specification's"). And what it cites, a reader can open: a lesson's lab notebook
+# (docs/notebook/), not results/NOTES.md, the repository's running log, which is not on the site.
+
+WORKSHOP = re.compile(
+    r"\bissues?\s*#\s*\d+"                          # "issue #7"
+    r"|\bissues?\s+\d+\b(?!\s+[a-z])"               # "issue 7's", "(issue 7)", "Issue 7:"; not "issue 4 wgmmas"
+    r"|\bissues?\s+\d+\s+(?:and|or|to)\s+\d+"       # "issues 7 and 8"
+    r"|\bthe issue's\b|\bof the issue\b"            # "the issue's bar", "the shapes of the issue"
+    r"|\bseed's\b|\bseed\s+configurations?\b"       # the MoE layer by the name of its configuration
+    r"|\bspecification's\b",
+    re.IGNORECASE)
+NOTES = re.compile(r"\bNOTES(?:\.md\b|,?\s+(?:\d|entr))")  # results/NOTES.md, "NOTES 7", "NOTES, entry 7"
+WORKSHOP_SCANNED = ("docs", "grader", "reference")
+
+
+def workshop_files(folders=WORKSHOP_SCANNED) -> list[Path]:
+    return sorted(p for folder in folders for p in (ROOT / folder).rglob("*")
+                  if p.is_file() and p.suffix in TEXT_SUFFIXES and "__pycache__" not in p.parts)
+
+
+def workshop_lines(path: Path) -> list[str]:
+    return [f"{path.relative_to(ROOT)}:{i}: {line.strip()[:120]}"
+            for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+            if WORKSHOP.search(line) or NOTES.search(line)]
+
+
+def test_no_words_of_the_workshop_and_no_citations_of_its_notes():
+    found = [line for path in workshop_files() for line in workshop_lines(path)]
+    assert not found, ("say what it is (the 32-expert layer, the stage's bar, the first benchmark shape) and cite "
+                       "the lesson's lab notebook, docs/notebook/stageN.md, not results/NOTES.md:\n" + "\n".join(found))
+
+
+def test_the_scan_for_the_workshops_words():
+    for text in ("issue 7's second half", "(issue 7)", "Issue 7: small launches", "issue #7", "issues 7 and 8",
+                 "the three shapes of the issue", "The issue's bars", "the seed's shape", "the seed configuration",
+                 "Seed configurations", "the specification's tiny shapes"):
+        assert WORKSHOP.search(text), text
+    for text in ("issue 4 wgmmas per stage", "one thread issues 2 copies", "the issue slots", "warps stall at issue",
+                 "seed 0", "--seed N", "`--config seed`", "ten seeds of two of them", "a seeded generator"):
+        assert not WORKSHOP.search(text), text
+    for text in ("see `results/NOTES.md`", "(NOTES 7)", "NOTES.md, entries 7 and 8", "NOTES, entry 7"):
+        assert NOTES.search(text), text
+    assert not NOTES.search("the notes under the table") and not NOTES.search("Notes: 14 shapes")
+
+
 # ---------------------------------------------------------------- one shape for every lesson
 
 SHAPE = ["The idea", "The code", "The exercise", "Results", "What each technique bought", "What to try next",

@@ -1078,7 +1078,7 @@ def ops_breakdown_table(pieces: dict, attention: list[dict]) -> list[str]:
 def ops_tiny_table(rows: list[dict]) -> list[str]:
     if not rows:
         return []
-    out = ["\nThe specification's tiny shapes (forward):\n",
+    out = ["\nThe tiny shapes (fp16, D 64, forward):\n",
            "| shape | course ms | SDPA ms | × SDPA |", "|---|--:|--:|--:|"]
     for row in rows:
         out.append(f"| {shape_label(row)} | {ms3(row.get('course_ms'))} | {ms3(row.get('sdpa_ms'))} "

@@ -5,7 +5,7 @@ GPU. For each configuration, N × T tokens in bf16, the inputs made alike on eve
 
   correctness  every variant's gathered outputs against one GPU's stage 7 on the gathered inputs (the same
                kernels row for row, but the router, which splits its sums by the number of tokens: a few
-               elements may differ, NOTES 14), and the problem's check (the float64 layer) on the first
+               elements may differ: docs/notebook/stage11.md), and the problem's check (the float64 layer) on the first
   layer        each variant's time: through NCCL, the counts' exchange or a fixed capacity, whole or in pieces
                by expert with SMs spared for NCCL; over NVLink by the stage's kernels; the same sharding in plain
                PyTorch; one GPU's stage 7 on one rank's tokens, the throughput bar's yardstick
