@@ -320,13 +320,14 @@ def test_stage11s_records_across_gpus_become_its_lessons_tables(tmp_path, monkey
     assert "Not measured yet." in hook.on_page_markdown("<!-- expert-parallel-records -->", page, None, None)
 
 
-def test_stage11s_records_load_without_torch():
-    """The hook reads stage 11's records.py by its path: the docs build needs no torch."""
+def test_the_records_of_stages_10_and_11_load_without_torch():
+    """The hook reads stage 10's and stage 11's records.py by their paths: the docs build needs no torch."""
     script = ("import importlib.util, sys, types\n"
               f"spec = importlib.util.spec_from_file_location('course_hook', {str(ROOT / 'docs' / 'hooks' / 'course.py')!r})\n"
               "hook = importlib.util.module_from_spec(spec); sys.modules[spec.name] = hook; spec.loader.exec_module(hook)\n"
               "page = types.SimpleNamespace(file=types.SimpleNamespace(src_path='stages/stage11.md'))\n"
               "assert '####' in hook.on_page_markdown('<!-- expert-parallel-records -->', page, None, None)\n"
+              "assert 'fm-training' in hook.on_page_markdown('<!-- training-records -->', page, None, None)\n"
               "assert 'torch' not in sys.modules, 'the records pulled torch in'\n")
     env = {k: v for k, v in os.environ.items() if k != "FLASHMOE_RESULTS_DIR"}
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
@@ -339,6 +340,82 @@ def test_the_built_lesson_shows_stage11s_records(site):
         rec = json.loads(path.read_text())
         for c in rec["configs"]:
             assert re.search(rf">{c['layer_ms']['NVLink kernels']:.3f}</td>", html), (path.name, c["config"])
+
+
+# ---------------------------------------------------------------- stage 10's training records
+
+def _way(tokens_per_s, losses, **more):
+    return {"losses": losses, "tokens_per_s": tokens_per_s, "warmup_s": 12.34, **more}
+
+
+def _training_run(model, label, ways, **more):
+    return {"model": model, "label": label, "batch": 4, "seq": 2048, "steps": 30, "every": 10, "lr": 3e-4,
+            "gpu": "NVIDIA H200", "torch": "2.11.0+cu130", "commit": "0123456789abcdef", "dirty": False,
+            "date": "2026-12-01T10:00:00+00:00", "command": f"python -m stages.stage10_model.train --model {model}",
+            "ways": ways, "skipped": {}, "failed": {}, **more}
+
+
+FAKE_TRAINING = {"gpu": "NVIDIA H200", "runs": [_training_run("llama", "llama L4 hidden2048 H32/8 inter5632 B4 S2048", {
+    "course": _way(61000.0, [5.6, 3.1, 2.5, 2.25]),
+    "pytorch": _way(50000.0, [5.6, 3.0, 2.6, 2.2]),
+    "pytorch-compiled": _way(55000.0, [5.6, 3.05, 2.55, 2.2], graphs=2, cudagraph_skips=1),
+    "course-compiled": _way(66000.0, [5.6, 3.1, 2.5, 2.21], graphs=2, cudagraph_skips=0)},
+    failed={"nothing": "RuntimeError: a made-up failure"})]}
+FAKE_TRAINING_H100 = {"gpu": "NVIDIA H100 80GB HBM3", "runs": [dict(_training_run("small", "small L2 B8 S256", {
+    "pytorch": _way(200000.0, [6.1, 3.0, 2.0, 1.7])}, gpu="NVIDIA H100 80GB HBM3"), batch=8, seq=256)]}
+
+
+def test_stage10s_training_records_become_its_lessons_charts_and_tables(tmp_path, monkeypatch):
+    """<!-- training-records -->: a tab per GPU, the H100's first; per run a line chart of each way's losses
+    (the compiled ways dashed) and a table of tokens/s against PyTorch eager's, the warm-up, the last loss
+    and the largest gap to PyTorch eager's loss; then the sizes the GPU's file lacks."""
+    hook = load_hook()
+    page = types.SimpleNamespace(file=types.SimpleNamespace(src_path="stages/stage10.md"))
+    assert "<!-- training-records -->" in (ROOT / "docs" / "stages" / "stage10.md").read_text()
+    monkeypatch.setenv("FLASHMOE_RESULTS_DIR", str(tmp_path))
+    empty = hook.on_page_markdown("<!-- training-records -->", page, None, None)
+    assert hook.NOT_MEASURED in empty and all(f"**{name}**" in empty for name in ("small", "moe", "llama", "moe-llama"))
+    (tmp_path / "training").mkdir()
+    (tmp_path / "training" / "h200.json").write_text(json.dumps(FAKE_TRAINING))
+    (tmp_path / "training" / "h100-sxm.json").write_text(json.dumps(FAKE_TRAINING_H100))
+    text = hook.on_page_markdown("<!-- training-records -->", page, None, None)
+    h100, h200 = text.split('<div class="tabbed-block" markdown>')[1:]
+    assert "NVIDIA H100" in h100 and "NVIDIA H200" in h200 and 'class="tabbed-set' in text
+    assert h200.count('<svg class="fm-chart fm-training"') == 1 and h200.count("<polyline") == 4
+    assert h200.count('stroke-dasharray="6 3"') == 2  # the compiled ways
+    assert "| course | 61,000 | 1.22× | 12.3 | 2.250 | 0.100 |" in h200
+    assert "| PyTorch eager | 50,000 | — | 12.3 | 2.200 | — |" in h200
+    assert "| course, compiled | 66,000 | 1.32× | 12.3 | 2.210 | 0.100 |" in h200
+    assert "PyTorch compiled: 1 of its compiled graphs ran without CUDA graphs." in h200
+    assert "nothing: failed (RuntimeError: a made-up failure)." in h200
+    assert "commit `0123456` on 2026-12-01 10:00 UTC, torch 2.11.0+cu130" in h200
+    lacking = h200[h200.index(hook.NOT_MEASURED):]
+    assert all(f"**{name}**" in lacking for name in ("small", "moe", "moe-llama")) and "**llama**" not in lacking
+    assert "--model small moe moe-llama --json" in lacking
+    assert "| PyTorch eager | 200,000 |" in h100 and "**llama**" in h100[h100.index(hook.NOT_MEASURED):]
+
+
+def test_stage10s_committed_training_records_in_its_lesson(monkeypatch):
+    monkeypatch.delenv("FLASHMOE_RESULTS_DIR", raising=False)
+    hook = load_hook()
+    page = types.SimpleNamespace(file=types.SimpleNamespace(src_path="stages/stage10.md"))
+    text = hook.on_page_markdown("<!-- training-records -->", page, None, None)
+    R = hook.training_records()
+    files = R.load()
+    assert files, "no records in results/training/"
+    for file in files:
+        for run in file["runs"]:
+            assert f"**{run['model']}**: {run['label']}" in text
+            for way in run["ways"].values():
+                assert f"| {way['tokens_per_s']:,.0f} |" in text
+        if missing := R.unmeasured(file["runs"]):
+            assert f"--model {' '.join(missing)} --json" in text
+
+
+def test_the_built_lesson_shows_stage10s_training_records(site):
+    html = (site / "stages" / "stage10" / "index.html").read_text()
+    runs = [run for file in load_hook().training_records().load() for run in file["runs"]]
+    assert html.count('<svg class="fm-chart fm-training"') == len(runs) and "<!-- training-records -->" not in html
 
 
 # ---------------------------------------------------------------- the results, through the hook

@@ -1,22 +1,30 @@
 """stages/stage10_model/train.py on the CPU, in float32, with tiny models: the text and its batches, gradients
-that reach every weight, a loss that falls, the course way's plumbing (PyTorch standing in for the ops gives the
-pytorch way's losses exactly, so that on a GPU any difference is the kernels'), the compiled way's balance loss,
-a refused course way, and the command's refusal without a CUDA GPU."""
+that reach every weight, a loss that falls, the sizes trained, the course way's plumbing (PyTorch standing in
+for the ops gives the pytorch way's losses exactly, so that on a GPU any difference is the kernels'), the
+compiled ways (each region one graph, the course's custom ops in it: no graph break; the eager losses and
+gradients, balance loss included), a refused course way and a failed compiled way, the records --json writes,
+and the command's refusal without a CUDA GPU."""
+import concurrent.futures
+import json
 import math
 import subprocess
 import sys
 
 import pytest
 import torch
+from torch._dynamo.backends.registry import lookup_backend
 
 from conftest import REPO
 from reference import moe
 from reference.model import WEIGHTS, attend, model_shape
 from stages import ops
+from stages.stage10_model import records
 from stages.stage10_model import train as T
 
 TINY = model_shape("small", 4, 32, layers=2, hidden=64, heads=2, kv_heads=1, inter=128)
 TINY_MOE = model_shape("moe", 4, 32, layers=2, hidden=64, heads=2, kv_heads=1, inter=64, experts=4, top_k=2)
+# head dimension 64, as the course's attention takes: for the custom ops' own checks
+TINY_MOE_D64 = model_shape("moe", 2, 32, layers=2, hidden=128, heads=2, kv_heads=1, inter=64, experts=4, top_k=2)
 STAND_INS = T.Way("sdpa", "loop")
 
 
@@ -83,7 +91,34 @@ def test_forty_steps_lower_the_loss_well_below_a_uniform_guess(shape, tokens):
     assert sum(losses[-10:]) / 10 < math.log(T.VOCAB) - 1.5, losses
 
 
-# ---------------------------------------------------------------- the three ways
+# ---------------------------------------------------------------- the sizes
+
+def test_the_llama_sizes_are_a_1b_like_model_s_widths_on_4_layers_at_4_by_2048_tokens():
+    for name, experts in (("llama", 0), ("moe-llama", 8)):
+        trained = records.TRAINED[name]
+        shape = T.trained_shape(name, trained["batch"], trained["seq"])
+        assert (shape["layers"], shape["hidden"], shape["heads"], shape["kv_heads"], shape["inter"]) == (4, 2048, 32, 8, 5632)
+        assert shape["hidden"] // shape["heads"] == 64 and (shape["experts"], shape["top_k"]) == (experts, 2 if experts else 0)
+        assert (shape["B"], shape["S"], shape["model"]) == (4, 2048, name)
+        assert {k: v for k, v in T.settings(T.parse(["--model", name]), name).items()} == \
+            {k: trained[k] for k in T.SETTINGS}
+    args = T.parse(["--model", "llama", "moe-llama", "--steps", "7", "--lr", "1e-4"])
+    assert args.model == ["llama", "moe-llama"]
+    assert T.settings(args, "moe-llama") == dict(batch=4, seq=2048, steps=7, lr=1e-4)
+    assert T.parse([]).model == ["small"] and T.settings(T.parse([]), "small") == dict(batch=8, seq=256, steps=200, lr=1e-3)
+
+
+# ---------------------------------------------------------------- the ways
+
+def test_four_ways_eager_first_the_compiled_ones_with_cuda_graphs_and_no_graph_break():
+    found = T.ways()
+    assert list(found) == ["course", "pytorch", "pytorch-compiled", "course-compiled"]
+    assert set(T.COURSE_WAYS) == {n for n, w in found.items() if callable(w.attention)} and set(records.WAYS) >= set(found)
+    assert found["course-compiled"][:2] == found["course"][:2] and found["pytorch-compiled"][:2] == found["pytorch"][:2]
+    assert found["course"].compile_options is found["pytorch"].compile_options is None
+    assert found["course-compiled"].compile_options == found["pytorch-compiled"].compile_options == \
+        dict(mode="reduce-overhead", fullgraph=True)
+
 
 def pytorch_ops(calls: list, checked: bool = False):
     """ops.attention and ops.moe_layer computed by PyTorch as the pytorch way computes them, counting calls;
@@ -103,21 +138,20 @@ def pytorch_ops(calls: list, checked: bool = False):
     return attention, moe_layer
 
 
-@pytest.mark.parametrize("name", sorted(T.TRAINED))
+@pytest.mark.parametrize("name", list(T.TRAINED))
 def test_the_trained_models_pass_every_check_of_the_ops_but_the_gpu_s(name, tokens, monkeypatch):
     """What the course way hands the ops in bf16 (layouts, dtypes, sizes) is what they take: on a GPU only the
-    GPU itself may refuse it."""
+    GPU itself may refuse it. Each model's widths, on one layer."""
     calls = []
     attention, moe_layer = pytorch_ops(calls, checked=True)
     monkeypatch.setattr(ops, "attention", attention)
     monkeypatch.setattr(ops, "moe_layer", moe_layer)
     monkeypatch.setattr(ops, "device_problem", lambda tensors: None)
-    shape = T.trained_shape(name, 2, 64)
+    shape = T.trained_shape(name, 2, 64, layers=1)
     (inputs, targets), = tiny_batches(tokens, shape, 1)
     with torch.no_grad():
         T.loss_function(T.ways()["course"], shape, torch.bfloat16)(T.initial_weights(shape, 0, "cpu"), inputs, targets)
-    assert calls.count("attention") == shape["layers"] and calls.count("moe_layer") == (shape["layers"]
-                                                                                        if shape["experts"] else 0)
+    assert calls == ["attention", "moe_layer"] if shape["experts"] else calls == ["attention"]
 
 
 def test_the_course_way_with_pytorch_for_the_ops_gives_the_pytorch_way_s_losses_exactly(tokens, monkeypatch):
@@ -129,22 +163,93 @@ def test_the_course_way_with_pytorch_for_the_ops_gives_the_pytorch_way_s_losses_
     monkeypatch.setattr(ops, "moe_layer", moe_layer)
     eager = {name: way for name, way in T.ways().items() if way.compile_options is None}
     assert set(eager) == {"course", "pytorch"}
-    results, skipped = T.compare(eager, TINY_MOE, tiny_batches(tokens, TINY_MOE, 8), 3e-3, torch.float32, every=3)
-    assert not skipped and len(results["course"]["losses"]) == 4  # steps 0, 3, 6 and the last, 7
-    assert results["course"]["losses"] == results["pytorch"]["losses"]
+    found = T.compare(eager, TINY_MOE, tiny_batches(tokens, TINY_MOE, 8), 3e-3, torch.float32, every=3)
+    assert not found.skipped and not found.failed and len(found.results["course"]["losses"]) == 4  # steps 0, 3, 6, 7
+    assert found.results["course"]["losses"] == found.results["pytorch"]["losses"]
     assert calls.count("attention") == calls.count("moe_layer") == 8 * TINY_MOE["layers"]
 
 
-def test_the_compiled_way_computes_the_eager_losses_balance_loss_included(tokens):
-    """Under torch.compile (here dynamo's graphs run by aot_eager: no C++ compiler), the balance losses that
-    Balanced keeps inside the compiled layer reach the loss. In bf16: grouped_mm's meta function takes no fp32."""
-    torch._dynamo.reset()
-    (inputs, targets), = tiny_batches(tokens, TINY_MOE, 1)
-    weights = T.initial_weights(TINY_MOE, T.SEED, "cpu")
-    eager, compiled = (T.loss_function(T.Way("sdpa", "grouped_mm", options), TINY_MOE, torch.bfloat16)(
-        weights, inputs, targets) for options in (None, dict(backend="aot_eager")))
-    assert float((compiled[1] - compiled[0]).detach()) > 0
-    torch.testing.assert_close(torch.stack(compiled), torch.stack(eager), rtol=1e-5, atol=1e-5)
+# ---------------------------------------------------------------- the compiled ways
+
+def differentiated(function, inputs: tuple, grad: torch.Tensor) -> tuple:
+    """The gradients of function(*inputs) for `grad`, in a thread of its own: a custom op's kernel runs below
+    autograd's dispatch keys, which a thread excludes for itself alone, so a fresh thread records a graph."""
+    def run():
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        return torch.autograd.grad(function(*leaves), leaves, grad)
+    with concurrent.futures.ThreadPoolExecutor(1) as thread:
+        return thread.submit(run).result()
+
+
+@pytest.fixture
+def stand_in_launches(monkeypatch):
+    """The custom ops as they are (checks, fake implementations, autograd), their launches computed by PyTorch
+    as the pytorch way computes them: SDPA, the grouped_mm layer; and a GPU's checks passed on the CPU."""
+    def forward(q, k, v, causal, scale):
+        o, lse = ops.outputs_like(q)
+        groups = q.shape[1] // k.shape[1]
+        scores = (q.float() @ k.repeat_interleave(groups, 1).float().transpose(-1, -2)) * scale
+        lse.copy_(torch.logsumexp(scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), -math.inf), -1))
+        return o.copy_(attend(q, k, v, "sdpa")), lse
+
+    def backward(grad_o, q, k, v, o, lse, causal, scale):
+        gradients = differentiated(lambda *qkv: attend(*qkv, "sdpa"), (q, k, v), grad_o)
+        return tuple(torch.empty_like(t).copy_(g) for t, g in zip((q, k, v), gradients))
+
+    def layer(x, router_weight, w1, w2, top_k):
+        return moe.layer_grouped_mm(dict(x=x, wr=router_weight, w1=w1, w2=w2), top_k)
+
+    def moe_saving(x, router_weight, router_bias, w1, w2, top_k):
+        ids = moe.torch_routing(moe.router_logits(x, router_weight), top_k)[0].to(torch.int32)
+        return layer(x, router_weight, w1, w2, top_k), ops.saved_like(x, router_weight, w1, ids)
+
+    def moe_backward(grad_out, x, router_weight, w1, w2, saved):
+        top_k = saved.topk_ids.shape[1]
+        dx, dwr, dw1, dw2 = differentiated(lambda *a: layer(*a, top_k), (x, router_weight, w1, w2), grad_out)
+        return dx, dwr, torch.zeros(router_weight.shape[1]), dw1, dw2
+
+    for name, stand_in in dict(forward_launch=forward, backward_launch=backward, moe_saving_launch=moe_saving,
+                               moe_backward_launch=moe_backward, device_problem=lambda tensors: None,
+                               moe_backward_gpu_problem=lambda device_index: None).items():
+        monkeypatch.setattr(ops, name, stand_in)
+
+
+def recording_backend(graphs: list):
+    """A torch.compile backend keeping each graph Dynamo hands it, then aot_eager's: autograd's forward and
+    backward run as PyTorch's own ops (no C++ compiler)."""
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return lookup_backend("aot_eager")(graph, example_inputs)
+    return backend
+
+
+@pytest.mark.parametrize("name", ["course", "pytorch"])
+def test_a_compiled_way_traces_each_region_in_one_graph_and_computes_the_eager_loss_and_gradients(
+        name, tokens, stand_in_launches):
+    """fullgraph=True: a graph break would raise. Two graphs, the regions (the start; one decoder layer, which
+    every layer runs: no recompilation), the course's custom ops inside the layer's (course-compiled), and
+    the eager way's losses, the balance loss that Balanced keeps from inside the compiled layer included, and
+    gradients. In bf16: grouped_mm's meta function takes no fp32."""
+    graphs = []
+    eager = T.ways()[name]
+    compiled = T.ways(dict(backend=recording_backend(graphs), fullgraph=True))[f"{name}-compiled"]
+    (inputs, targets), = tiny_batches(tokens, TINY_MOE_D64, 1)
+    found = {}
+    T.fresh_compiler()
+    for way in (eager, compiled):
+        weights = T.initial_weights(TINY_MOE_D64, T.SEED, "cpu")
+        losses = T.loss_function(way, TINY_MOE_D64, torch.bfloat16)(weights, inputs, targets)
+        losses[1].backward()
+        found[way.compile_options is None] = torch.stack(losses).detach(), {n: w.grad for n, w in weights.items()}
+    assert len(graphs) == 2 and T.compiled_counts() == dict(graphs=2, cudagraph_skips=0)
+    layer = graphs[1].code
+    course_ops = ("torch.ops.flashmoe.attention_forward", "torch.ops.flashmoe.moe_layer_saving")
+    assert all(op in layer for op in course_ops) if name == "course" else "flashmoe" not in layer
+    (eager_losses, eager_grads), (compiled_losses, compiled_grads) = found[True], found[False]
+    assert float(compiled_losses[1] - compiled_losses[0]) > 0
+    torch.testing.assert_close(compiled_losses, eager_losses, rtol=1e-5, atol=1e-5)
+    for weight, grad in eager_grads.items():
+        torch.testing.assert_close(compiled_grads[weight], grad, rtol=1e-2, atol=1e-5, msg=weight)
 
 
 def test_a_way_the_ops_refuse_is_skipped_with_its_line_and_the_others_run(tokens, monkeypatch):
@@ -154,12 +259,94 @@ def test_a_way_the_ops_refuse_is_skipped_with_its_line_and_the_others_run(tokens
         raise ValueError(refusal)
     monkeypatch.setattr(ops, "attention", refused)
     eager = {name: way for name, way in T.ways().items() if way.compile_options is None}
-    results, skipped = T.compare(eager, TINY, tiny_batches(tokens, TINY, 2), 1e-3, torch.float32, every=1)
-    assert skipped == {"course": refusal} and set(results) == {"pytorch"}
-    lines = T.report(results, skipped, steps=2, every=1)
+    found = T.compare(eager, TINY, tiny_batches(tokens, TINY, 2), 1e-3, torch.float32, every=1)
+    assert found.skipped == {"course": refusal} and set(found.results) == {"pytorch"} and not found.failed
+    lines = T.report(found, steps=2, every=1)
     assert len(lines) == 5 and lines[-1] == f"course: skipped: {refusal}"
     with pytest.raises(ValueError):  # another way's ValueError is a bug, not a refusal
         T.compare({"pytorch": T.Way(refused, "loop")}, TINY, tiny_batches(tokens, TINY, 1), 1e-3, torch.float32, 1)
+
+
+def test_a_compiled_way_that_fails_is_reported_in_a_line_and_the_others_run(tokens, capsys):
+    def broken(*args):  # a backend, or an MoE layer
+        raise RuntimeError("no CUDA graph today\nsecond line")
+    ways = {"pytorch": STAND_INS, "pytorch-compiled": STAND_INS._replace(compile_options=dict(backend=broken)),
+            "course-compiled": STAND_INS._replace(compile_options=dict(backend="eager", fullgraph=True))}
+    announced = []
+    found = T.compare(ways, TINY, tiny_batches(tokens, TINY, 2), 1e-3, torch.float32, 1, announced.append)
+    assert set(found.results) == {"pytorch", "course-compiled"} and list(found.failed) == ["pytorch-compiled"]
+    assert "no CUDA graph today" in found.failed["pytorch-compiled"] and "second line" not in found.failed["pytorch-compiled"]
+    assert "Traceback" in capsys.readouterr().err and [line.split(":")[0] for line in announced] == ["pytorch", "course-compiled"]
+    assert found.results["course-compiled"]["graphs"] == 2 and "graphs" not in found.results["pytorch"]
+    lines = T.report(found, steps=2, every=1)
+    assert lines[0].split() == ["step", "pytorch", "course-compiled"]
+    assert lines[-2:] == ["course-compiled: 2 graphs compiled, 0 run without CUDA graphs",
+                          f"pytorch-compiled: failed: {found.failed['pytorch-compiled']}"]
+    with pytest.raises(RuntimeError):  # an eager way's error is raised
+        T.compare({"pytorch": T.Way("sdpa", broken)}, TINY_MOE, tiny_batches(tokens, TINY_MOE, 1), 1e-3, torch.float32, 1)
+
+
+# ---------------------------------------------------------------- the records
+
+def a_run(model="llama", batch=4, seq=2048, gpu="NVIDIA H200", **more) -> dict:
+    return dict(model=model, batch=batch, seq=seq, gpu=gpu, **more)
+
+
+def test_a_run_s_record_carries_its_source_settings_and_each_way_s_figures(monkeypatch):
+    found = T.Comparison({"pytorch": dict(losses=[5.5, 3.0], tokens_per_s=1e6, warmup_s=2.0)}, {"course": "no GPU"}, {})
+    shape = T.trained_shape("llama", 4, 2048)
+    argv = ["--model", "llama", "--json", "results/training/h200.json"]
+    monkeypatch.setenv("FLASHMOE_COMMIT", "abc1234")
+    run = T.record("llama", shape, T.settings(T.parse(argv), "llama"), 10, found, "NVIDIA H200", argv)
+    assert run["label"] == "llama L4 hidden2048 H32/8 inter5632 B4 S2048" and (run["commit"], run["dirty"]) == ("abc1234", None)
+    assert run["command"] == "python -m stages.stage10_model.train --model llama --json results/training/h200.json"
+    assert {k: run[k] for k in ("model", "batch", "seq", "steps", "lr", "every", "gpu")} == \
+        dict(model="llama", batch=4, seq=2048, steps=200, lr=3e-4, every=10, gpu="NVIDIA H200")
+    assert run["ways"] == found.results and run["skipped"] == {"course": "no GPU"} and run["failed"] == {}
+    assert run["torch"] == torch.__version__ and run["date"].startswith("20")
+    monkeypatch.delenv("FLASHMOE_COMMIT")
+    assert T.source()["commit"]  # this checkout's HEAD, by git
+
+
+def test_a_records_file_holds_one_gpu_s_runs_a_new_one_replacing_its_size(tmp_path):
+    path = tmp_path / "training" / "h200.json"
+    records.merge(path, a_run(steps=1))
+    records.merge(path, a_run(model="small", batch=8, seq=256))
+    found = records.merge(path, a_run(steps=2))
+    assert json.loads(path.read_text()) == found and found["gpu"] == "NVIDIA H200"
+    assert [(r["model"], r.get("steps")) for r in found["runs"]] == [("small", None), ("llama", 2)]
+    assert records.unmeasured(found["runs"]) == ["moe", "moe-llama"]
+    with pytest.raises(ValueError, match="NVIDIA H200"):
+        records.merge(path, a_run(gpu="NVIDIA H100 80GB HBM3"))
+    assert records.load(path.parent)[0]["_file"] == "h200.json"
+
+
+def test_the_committed_records_are_runs_of_the_trained_sizes():
+    found = records.load()
+    assert found, "no records in results/training/"
+    for file in found:
+        for run in file["runs"]:
+            assert run["model"] in records.TRAINED and run["gpu"] == file["gpu"], run["model"]
+            assert {"label", "batch", "seq", "steps", "every", "lr", "torch", "commit", "date", "command"} <= set(run)
+            assert set(run["ways"]) <= set(records.WAYS) and records.BASELINE in run["ways"]
+            logged = len(range(0, run["steps"], run["every"])) + bool((run["steps"] - 1) % run["every"])
+            assert all(len(w["losses"]) == logged and w["tokens_per_s"] > 0 for w in run["ways"].values())
+
+
+def test_a_model_s_run_prints_its_figures_and_records_them(tokens, tmp_path, monkeypatch, capsys):
+    """The command's work for one model (main runs it on the GPU, for each model named): small's widths at 2 × 32
+    tokens for 3 steps, one eager way standing in for the four."""
+    monkeypatch.setattr(T, "ways", lambda: {"pytorch": STAND_INS})
+    path = tmp_path / "h200.json"
+    argv = ["--model", "small", "--batch", "2", "--seq", "32", "--steps", "3", "--every", "2", "--json", str(path)]
+    found = T.run_model("small", T.parse(argv), argv, tokens, torch.device("cpu"), "NVIDIA H200")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "small L2 hidden768 H12 inter2048 B2 S32 bf16, 3 steps, AdamW lr 0.001, on NVIDIA H200, torch " \
+        + torch.__version__
+    assert out[1].startswith("pytorch: ") and out[2].split() == ["step", "pytorch"] and out[-1].startswith("tokens/s")
+    run, = json.loads(path.read_text())["runs"]
+    assert run["ways"] == found.results and (run["model"], run["batch"], run["seq"], run["steps"]) == ("small", 2, 32, 3)
+    assert len(run["ways"]["pytorch"]["losses"]) == 2  # steps 0 and 2, the last
 
 
 # ---------------------------------------------------------------- the command without a GPU

@@ -33,6 +33,9 @@
     <!-- expert-parallel-records -->   stage 11's records across GPUs, results/expert-parallel/*.json: the tables
                                        its runner prints, one heading per record (its records.py's
                                        lesson_tables), or "Not measured yet." without records
+    <!-- training-records -->          stage 10's training runs, results/training/<gpu>.json (a tab per GPU):
+                                       each run's loss curves (SVG) and its table of tokens/s, then the
+                                       sizes the file lacks (stages/stage10_model/records.py's TRAINED)
     <!-- ops-figures -->               `python -m grader ops`'s figures, the "ops" entry of each results file
                                        that has one (a tab per GPU): attention host µs and ms beside SDPA,
                                        the host time by piece, the tiny shapes, ops.moe_layer, whole models;
@@ -71,7 +74,7 @@ from mkdocs.exceptions import PluginError
 ROOT = Path(__file__).resolve().parents[2]
 STAGE_DIR = re.compile(r"stage(\d+)_\w+")
 KEY = r"\w+(?::\w+)?"  # a stage directory, then ":rung" for a rung of its ladder
-PLACEHOLDER = re.compile(rf"<!-- (ladder|stage-list|gpus|stall-reasons|expert-parallel-records|ops-figures|results:({KEY})|rungs:(\w+)|figure:({KEY}):([^:>]+):([\w.:]+)"
+PLACEHOLDER = re.compile(rf"<!-- (ladder|stage-list|gpus|stall-reasons|expert-parallel-records|training-records|ops-figures|results:({KEY})|rungs:(\w+)|figure:({KEY}):([^:>]+):([\w.:]+)"
                          rf"|profile:({KEY})|measured:({KEY}):([^:>]+):([\w.:+]+)) -->")
 COLORS = ["#3b82f6", "#f59e0b", "#10b981", "#ef4444", "#8b5cf6", "#06b6d4", "#ec4899", "#84cc16"]
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
@@ -375,6 +378,8 @@ def on_page_markdown(markdown, page, config, files):
             return stall_reasons_md()
         if m[1] == "expert-parallel-records":
             return expert_parallel_md()
+        if m[1] == "training-records":
+            return training_md()
         if m[1] == "ops-figures":
             return ops_md(runs)
         if m[2]:
@@ -508,6 +513,9 @@ def when(p: dict) -> str:
 
 
 def readable_date(iso: str) -> str:
+    """"2026-11-23T12:28:00+00:00" -> "2026-11-23 12:28 UTC"; a day alone as it is."""
+    if re.fullmatch(r"\d{4}-\d{2}-\d{2}", str(iso)):
+        return str(iso)
     try:
         stamp = datetime.fromisoformat(str(iso))
     except ValueError:
@@ -942,16 +950,20 @@ def stage_run_md(run: dict, key: str) -> str:
 NOT_PROFILED = "Not profiled yet"
 
 
-@functools.lru_cache(maxsize=None)
-def profile_helpers():
-    """grader/profile.py, loaded from its file (not through the grader package, whose __init__ may grow
-    imports): its report's pure helpers (table_rows, heading, short_name, top_stalls, verdict, _cell)
-    and STALL_REASONS, so that the site shows what `python -m grader stageN --profile` prints. The
-    module imports only the standard library at its top."""
-    spec = importlib.util.spec_from_file_location("flashmoe_grader_profile", ROOT / "grader" / "profile.py")
+def module_at(path: Path, name: str):
+    """The module in the file at `path`, loaded by itself (not through its package, whose __init__ may import
+    torch or grow imports): the course's files the hook reads import only the standard library at their top."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@functools.lru_cache(maxsize=None)
+def profile_helpers():
+    """grader/profile.py (module_at): its report's pure helpers (table_rows, heading, short_name, top_stalls,
+    verdict, _cell) and STALL_REASONS, so that the site shows what `python -m grader stageN --profile` prints."""
+    return module_at(ROOT / "grader" / "profile.py", "flashmoe_grader_profile")
 
 
 def stall_reasons_md() -> str:
@@ -971,13 +983,8 @@ EXPERT_PARALLEL_RECORDS = ROOT / "stages" / "stage11_expert_parallel" / "records
 
 @functools.lru_cache(maxsize=None)
 def expert_parallel_records():
-    """stages/stage11_expert_parallel/records.py, loaded from its file (not through the stages package,
-    which imports torch): plain JSON and text, the tables the runner prints. It imports only the standard
-    library."""
-    spec = importlib.util.spec_from_file_location("flashmoe_expert_parallel_records", EXPERT_PARALLEL_RECORDS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """stages/stage11_expert_parallel/records.py (module_at): plain JSON and text, the tables the runner prints."""
+    return module_at(EXPERT_PARALLEL_RECORDS, "flashmoe_expert_parallel_records")
 
 
 def expert_parallel_md() -> str:
@@ -985,6 +992,134 @@ def expert_parallel_md() -> str:
     each record's tables under a heading of its own, or "Not measured yet." without records."""
     tables = expert_parallel_records().lesson_tables(results_folder()[0] / "expert-parallel")
     return f'\n\n<div class="fm-results" markdown>\n\n{tables}\n\n</div>\n\n'
+
+
+# ---------------------------------------------------------------- stage 10's training records
+
+TRAINING_RECORDS = ROOT / "stages" / "stage10_model" / "records.py"
+TRAIN_COMMAND = "python -m stages.stage10_model.train"
+
+
+@functools.lru_cache(maxsize=None)
+def training_records():
+    """stages/stage10_model/records.py (module_at): the sizes trained, the ways' names, the records files."""
+    return module_at(TRAINING_RECORDS, "flashmoe_training_records")
+
+
+def training_md() -> str:
+    """The records of results/training/ ($FLASHMOE_RESULTS_DIR/training/ with the override), a tab per GPU
+    (the H100's first): each run's loss curves and tokens/s, then the sizes not measured on that GPU; a note
+    where no file is."""
+    R = training_records()
+    found = R.load(results_folder()[0] / "training")
+    if not found:
+        return (f'\n\n!!! note "{NOT_MEASURED}"\n    No `results/training/*.json` holds a training run: '
+                f"{unmeasured_md(list(R.TRAINED))}\n\n")
+    return gpu_tabs([(file, training_file_md(file)) for file in sorted(found, key=lambda f: PROSE_GPU not in gpu_of(f))])
+
+
+def unmeasured_md(names: list[str]) -> str:
+    """"Not measured yet: llama (...), moe-llama (...); `python -m ... --model llama moe-llama` measures them"."""
+    R = training_records()
+    sizes = "; ".join(f"**{name}** ({html.escape(R.describe(name), quote=False)})" for name in names)
+    return (f"{NOT_MEASURED}: {sizes}. `{TRAIN_COMMAND} --model {' '.join(names)} --json results/training/<gpu>.json` "
+            "measures them.")
+
+
+def training_file_md(file: dict) -> str:
+    """One GPU's runs, in the order of TRAINED's sizes (then any other), then the sizes it lacks."""
+    R = training_records()
+    order = {name: i for i, name in enumerate(R.TRAINED)}
+    runs = sorted(file.get("runs", []), key=lambda r: (order.get(r.get("model"), len(order)), r.get("batch", 0)))
+    out = [f"\n\nOn the **{gpu_of(file)}** (`results/training/{file.get('_file', '?')}`).\n"]
+    out += [training_run_md(run) for run in runs]
+    if missing := R.unmeasured(runs):
+        out.append(unmeasured_md(missing))
+    return "\n\n".join(out) + "\n\n"
+
+
+def training_run_md(run: dict) -> str:
+    """A run's heading line, its loss curves (loss_chart) and its table of tokens/s."""
+    R = training_records()
+    ways = [w for w in R.WAYS if w in run.get("ways", {})] + [w for w in run.get("ways", {}) if w not in R.WAYS]
+    where = ", ".join(bit for bit in (when(run), f"torch {run['torch']}" if run.get("torch") else "", run.get("machine", ""))
+                      if bit)
+    head = (f"**{html.escape(str(run.get('model')), quote=False)}**: {html.escape(str(run.get('label', '')), quote=False)}, "
+            f"{run.get('steps')} "
+            f"steps, AdamW lr {run.get('lr', '—')}; {where}. `{run.get('command', '')}`")
+    notes = [f"{way_name(w)}: skipped ({html.escape(str(why))})." for w, why in (run.get("skipped") or {}).items()]
+    notes += [f"{way_name(w)}: failed ({html.escape(str(why))})." for w, why in (run.get("failed") or {}).items()]
+    notes += [f"{way_name(w)}: {r['cudagraph_skips']} of its compiled graphs ran without CUDA graphs."
+              for w, r in run["ways"].items() if r.get("cudagraph_skips")]
+    return "\n\n".join([head, loss_chart(run, ways), training_table(run, ways)] + notes)
+
+
+def way_name(way: str) -> str:
+    return html.escape(training_records().WAYS.get(way, way), quote=False)
+
+
+def way_colors() -> dict:
+    """Each way's colour, the same in every chart."""
+    names = list(training_records().WAYS)
+    return dict(zip(names, palette(len(names))))
+
+
+def logged_steps(run: dict) -> list[int]:
+    """The steps whose losses a run logged: 0, every, 2·every, ... and the last."""
+    steps, every = run["steps"], run["every"]
+    return [*range(0, steps, every)] + ([steps - 1] if (steps - 1) % every else [])
+
+
+def loss_chart(run: dict, ways: list[str]) -> str:
+    """Each way's cross-entropy by step, a line each, the compiled ways' dashed."""
+    xs = logged_steps(run)
+    curves = {w: list(zip(xs, run["ways"][w]["losses"])) for w in ways}
+    values = [loss for curve in curves.values() for _, loss in curve]
+    if not values:
+        return ""
+    W, H, left, right, top, bottom = 760, 260, 58, 12, 12, 40
+    step = nice_step(max(max(values) - min(values), 1e-3) / 4)
+    lo, hi = step * math.floor(min(values) / step), step * math.ceil(max(values) / step)
+    x = lambda s: left + s / max(xs[-1], 1) * (W - left - right)  # noqa: E731
+    y = lambda v: H - bottom - (v - lo) / (hi - lo) * (H - top - bottom)  # noqa: E731
+    middle = (top + H - bottom) / 2
+    body = [f'<text class="fm-axis" x="14" y="{middle}" transform="rotate(-90 14 {middle})" text-anchor="middle">'
+            "cross-entropy (nats)</text>",
+            f'<text class="fm-axis" x="{(left + W - right) / 2}" y="{H - 6}" text-anchor="middle">step</text>']
+    for k in range(round((hi - lo) / step) + 1):
+        t = lo + k * step
+        body.append(f'<line class="fm-grid" x1="{left}" x2="{W - right}" y1="{y(t):.1f}" y2="{y(t):.1f}"/>'
+                    f'<text class="fm-axis" x="{left - 6}" y="{y(t) + 4:.1f}" text-anchor="end">{t:g}</text>')
+    every_x = nice_step(max(xs[-1], 1) / 5)
+    body += [f'<text class="fm-axis" x="{x(s):.1f}" y="{H - bottom + 16}" text-anchor="middle">{s:g}</text>'
+             for s in (every_x * k for k in range(int(xs[-1] // every_x) + 1))]
+    colors = way_colors()
+    for w, curve in curves.items():
+        dash = ' stroke-dasharray="6 3"' if "compile" in w else ""
+        points = " ".join(f"{x(s):.1f},{y(v):.1f}" for s, v in curve)
+        body.append(f'<polyline fill="none" stroke="{colors.get(w, "#888")}" stroke-width="1.5"{dash} points="{points}">'
+                    f"<title>{way_name(w)}: {curve[0][1]:.3f} at step 0, {curve[-1][1]:.3f} at step {curve[-1][0]}"
+                    "</title></polyline>")
+    svg = svg_root("fm-training", W, H, f"The loss of each way by step: {run.get('model')}", body)
+    keys = " ".join(swatch(colors.get(w, "#888"), training_records().WAYS.get(w, w)) for w in ways)
+    return figure(svg, f"The cross-entropy of each way, logged every {run['every']} steps (compiled ways dashed). "
+                       + keys)
+
+
+def training_table(run: dict, ways: list[str]) -> str:
+    """tokens/s after the warm-up, against PyTorch eager's; the warm-up's seconds; the last loss and the
+    largest gap to PyTorch eager's loss at a logged step."""
+    R = training_records()
+    base = run["ways"].get(R.BASELINE)
+    rows = ["| way | tokens/s | × PyTorch eager | warm-up s | last loss | largest gap to PyTorch eager's loss |",
+            "|---|--:|--:|--:|--:|--:|"]
+    for w in ways:
+        r = run["ways"][w]
+        speed = times(r["tokens_per_s"] / base["tokens_per_s"] if base and w != R.BASELINE else None)
+        gap = (max(abs(a - b) for a, b in zip(r["losses"], base["losses"])) if base and w != R.BASELINE else None)
+        rows.append(f"| {way_name(w)} | {r['tokens_per_s']:,.0f} | {speed} | {num(r.get('warmup_s'), '.1f')} "
+                    f"| {r['losses'][-1]:.3f} | {num(gap, '.3f')} |")
+    return '<div class="fm-results" markdown>\n\n' + "\n".join(rows) + "\n\n</div>"
 
 
 # ---------------------------------------------------------------- `python -m grader ops` (docs/pytorch.md)
