@@ -6,7 +6,8 @@ the compiles run side by side (stage 12's 16 variants: 11.8 s one after the othe
 on a 2-core CPU, on 2026-11-27), and make the same cubins as one after the other. The cubins land in the
 compile cache (stages/common/compiler.py), where the caller's own compile_cubin calls then find them. A job that fails is reported, not raised: the caller's own call raises it, in its words.
 
-Each cubin's SASS instruction mix (grader/sass.py), which every grade reports, is made here too: nvdisasm
+Each cubin's SASS instruction mix (grader/sass.py), which every grade reports, and the digest of its
+machine code, which a record's runs digest is made of, are made here too: nvdisasm
 takes 0.4-0.7 s a cubin on an H100 machine's host (the GPU tests' durations, 2026-11-27), and the GPU tests
 grade about 240 cubins, one after the other: counted, about 100 s of their time, here a few seconds on
 every core.
@@ -32,7 +33,8 @@ def _compile(job: tuple) -> tuple[str, float, str | None]:
     except Exception as failure:  # the caller's own compile reports it
         return name, time.perf_counter() - start, f"{type(failure).__name__}: {failure}"
     try:
-        sass.instruction_mix(cubin.path)  # kept beside the cubin, where the grade's own call finds it
+        sass.instruction_mix(cubin.path)  # both kept beside the cubin, where the grade's own calls find them
+        sass.code_digest(cubin)
     except (OSError, RuntimeError, subprocess.CalledProcessError):
         pass  # no nvdisasm here, or it failed: the grade's own call says so, in its words
     return name, time.perf_counter() - start, None

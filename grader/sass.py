@@ -5,19 +5,21 @@ nvidia-cuda-nvdisasm wheel) lists the SASS of a cubin.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
 import subprocess
 from collections import Counter
-from functools import cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 # The instructions a lesson is about, in the order the report lists them.
 KEY_OPCODES = ("HGMMA", "HMMA", "FFMA", "MUFU", "LDSM", "LDGSTS", "UTMALDG", "LDG", "STG", "LDS", "STS",
                "SHFL", "BAR", "LDL", "STL")
 MIX_FORMAT = 1  # the version of parse_listing's output: change it when the parser changes
+CODE_FORMAT = 1  # the version of kernel_code's output: change it when it changes
 
 
 def resources(ptxas_log: str) -> dict[str, dict]:
@@ -50,6 +52,7 @@ def _nvdisasm() -> str:
     return path
 
 
+@lru_cache(maxsize=16)  # a cubin's path names what it holds: its mix and its digest read one listing
 def disassemble(cubin: Path) -> str:
     return subprocess.run([_nvdisasm(), "-c", str(cubin)], check=True, capture_output=True, text=True).stdout
 
@@ -58,14 +61,32 @@ def instruction_mix(cubin: Path) -> dict[str, Counter]:
     """{kernel: Counter of opcodes without modifiers, e.g. "HMMA", "LDGSTS"} of a cubin, kept beside it
     (<key>.sass<N>.json): nvdisasm takes about half a second a cubin, and a cubin's name is the hash of
     all that made it. N, MIX_FORMAT, changes with the parser, so that an older parser's counts are not read."""
-    cached = Path(cubin).with_suffix(f".sass{MIX_FORMAT}.json")
-    if cached.exists():
-        return {kernel: Counter(counts) for kernel, counts in json.loads(cached.read_text()).items()}
-    mix = parse_listing(disassemble(cubin))
-    tmp = cached.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(mix))
-    tmp.replace(cached)  # atomic: a parallel run reads the whole file or none
-    return mix
+    mix = kept_beside(Path(cubin), f".sass{MIX_FORMAT}.json", lambda: parse_listing(disassemble(cubin)))
+    return {kernel: Counter(counts) for kernel, counts in mix.items()}
+
+
+def code_digest(cubin) -> str:
+    """The sha256 of a Cubin's machine code: each kernel's SASS (kernel_code) and ptxas's resources for it.
+    Two cubins with one digest run the same instructions with the same registers and shared memory,
+    whatever the comments and the layout of the sources they came from. Kept beside the cubin
+    (<key>.code<N>.json), as its instruction mix is; N, CODE_FORMAT, changes with kernel_code."""
+    def digest():
+        code = {"sass": kernel_code(disassemble(cubin.path)), "resources": resources(cubin.ptxas_log)}
+        return hashlib.sha256(json.dumps(code, sort_keys=True).encode()).hexdigest()
+
+    return kept_beside(cubin.path, f".code{CODE_FORMAT}.json", digest)
+
+
+def kept_beside(cubin: Path, suffix: str, make):
+    """make()'s value (JSON), kept in the file beside the cubin with this suffix: read back if it is there."""
+    kept = cubin.with_suffix(suffix)
+    if kept.exists():
+        return json.loads(kept.read_text())
+    value = make()
+    tmp = kept.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(value))
+    tmp.replace(kept)  # atomic: a parallel run reads the whole file or none
+    return value
 
 
 def parse_listing(listing: str) -> dict[str, Counter]:
@@ -81,3 +102,27 @@ def parse_listing(listing: str) -> dict[str, Counter]:
 
 def key_counts(mix: Counter) -> dict[str, int]:
     return {op: mix[op] for op in KEY_OPCODES if mix.get(op)}
+
+
+def kernel_code(listing: str) -> dict[str, str]:
+    """{kernel: its SASS} of an nvdisasm listing, without instruction addresses, each kernel's labels and
+    internal functions numbered in its own order (renumbered): a kernel added to the cubin leaves the
+    others' as they were."""
+    kernels, current = {}, None
+    for line in listing.splitlines():
+        if m := re.match(r"\s*\.text\.(\w+):", line):
+            current = kernels.setdefault(m.group(1), [])
+        elif line.startswith("//----"):
+            current = None
+        elif current is not None:
+            current.append(re.sub(r"/\*[0-9a-f]{4,}\*/", "", line).strip())
+    return {kernel: renumbered("\n".join(lines)) for kernel, lines in kernels.items()}
+
+
+def renumbered(listing: str) -> str:
+    """A kernel's SASS with its labels (.L_x_N) and internal functions ($__internal_N_$) numbered from 0 in
+    their order of appearance in it, not across the cubin."""
+    for pattern, name in ((r"\.L_x_(\d+)\b", ".L_x_{}"), (r"\$__internal_(\d+)_\$", "$__internal_{}_$")):
+        numbers: dict = {}
+        listing = re.sub(pattern, lambda m: name.format(numbers.setdefault(m.group(1), len(numbers))), listing)
+    return listing

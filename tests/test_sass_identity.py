@@ -25,7 +25,6 @@ import difflib
 import io
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -114,25 +113,7 @@ def compile_in(tree: Path, source: Path, arch: str, defines: dict) -> compiler.C
 
 def machine_code(cubin: compiler.Cubin) -> dict:
     """{"sass": {kernel: its SASS without instruction addresses}, "resources": ptxas's, per kernel}."""
-    listing, kernels, current = sass.disassemble(cubin.path), {}, None
-    for line in listing.splitlines():
-        if m := re.match(r"\s*\.text\.(\w+):", line):
-            current = kernels.setdefault(m.group(1), [])
-        elif line.startswith("//----"):
-            current = None
-        elif current is not None:
-            current.append(re.sub(r"/\*[0-9a-f]{4,}\*/", "", line).strip())
-    return {"sass": {kernel: renumbered("\n".join(lines)) for kernel, lines in kernels.items()},
-            "resources": sass.resources(cubin.ptxas_log)}
-
-
-def renumbered(listing: str) -> str:
-    """A kernel's SASS with its labels (.L_x_N) and internal functions ($__internal_N_$) numbered from 0 in
-    their order of appearance in it, not across the cubin."""
-    for pattern, name in ((r"\.L_x_(\d+)\b", ".L_x_{}"), (r"\$__internal_(\d+)_\$", "$__internal_{}_$")):
-        numbers: dict = {}
-        listing = re.sub(pattern, lambda m: name.format(numbers.setdefault(m.group(1), len(numbers))), listing)
-    return listing
+    return {"sass": sass.kernel_code(sass.disassemble(cubin.path)), "resources": sass.resources(cubin.ptxas_log)}
 
 
 def of_base_kernels(current: dict, base: dict) -> dict:
