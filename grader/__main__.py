@@ -1,4 +1,4 @@
-"""python -m grader <stage>... | all | list | init <stage>...   (python -m grader --help)"""
+"""python -m grader <stage>... | all | list | init <stage>... | ops | rekey <results file>...   (python -m grader --help)"""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +13,8 @@ USAGE = """python -m grader STAGE [STAGE ...] [options]   grade stages in turn (
        python -m grader list                the stages, the architectures each needs, their last recorded grade
        python -m grader init STAGE [STAGE ...]  write exercise copies to workspace/ (graded from then on)
        python -m grader ops [--json FILE]   the ops (stages/ops.py) as a model calls them, beside PyTorch's
-       python -m grader STAGE --profile [SHAPE]  Nsight Compute, beside the reference, on one benchmark shape"""
+       python -m grader STAGE --profile [SHAPE]  Nsight Compute, beside the reference, on one benchmark shape
+       python -m grader rekey FILE [FILE ...]   give a results file's current entries their runs digest (no GPU)"""
 
 ARCH = re.compile(r"sm_(\d+)(a?)")  # sm_80, sm_90a: a GPU generation, "a" for its arch-specific features
 LOWEST_ARCH = 80                    # the course's kernels use cp.async, ldmatrix and bf16 mma.sync
@@ -25,8 +26,9 @@ GPU_ONLY = ("cases", "first_failure", "shapes", "no_bench", "json", "seed", "tri
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m grader", usage=USAGE,
                                 description="Compile, check, time and grade the course's CUDA kernels.")
-    p.add_argument("command", nargs="?", help="a stage, all, list, init or ops (none: this usage and the stages)")
-    p.add_argument("stages", nargs="*", metavar="STAGE", help="more stages to grade; after init, the stages to copy")
+    p.add_argument("command", nargs="?", help="a stage, all, list, init, ops or rekey (none: this usage and the stages)")
+    p.add_argument("stages", nargs="*", metavar="STAGE", help="more stages to grade; after init, the stages to copy; "
+                   "after rekey, the results files")
     p.add_argument("--kernel", type=Path, help="grade this .cu file instead of the stage's own or your workspace copy")
     p.add_argument("--solution", action="store_true", help="grade the course's kernel even if you have a workspace copy")
     p.add_argument("--arch", help="compile only, for this architecture (e.g. sm_90a); needs no GPU")
@@ -130,6 +132,7 @@ def say_compile_only(args, no_gpu_why: str) -> None:
 def cmd_list() -> int:
     from grader import results
     from grader.report import console, show
+    from grader.runs_digest import is_current
     from stages.common.compiler import nvrtc_version
 
     recorded = results.load_all()
@@ -138,7 +141,7 @@ def cmd_list() -> int:
         grades = []
         for data in recorded.values():
             entry = data["stages"].get(stage.key)
-            fresh = entry and entry.get("source_sha256") == results.source_digest(stage)
+            fresh = entry and is_current(entry, stage)
             grades.append("—" if not entry else f"{entry.get('grade', '?')}" + ("" if fresh else " (stale: kernel changed)"))
         rows.append([stage.key, stage.title, ", ".join(stage.archs), *grades])
     show("Stages", ["stage", "title", "architectures", *[f"grade on {gpu}" for gpu in recorded]], rows)
@@ -289,6 +292,7 @@ def grade_one(stage, args, gpu) -> tuple[dict | None, int]:
     from grader import profile, report
     from grader.profile import ProfileError
     from grader.run import GraderError, grade_stage, profile_stage
+    from grader.runs_digest import runs_digest
     from stages.common.compiler import CompileError, nvrtc_version
 
     console = report.console
@@ -324,6 +328,8 @@ def grade_one(stage, args, gpu) -> tuple[dict | None, int]:
         console.print(error.log, markup=False, soft_wrap=True)  # the log's lines as NVRTC wrote them
         return None, 1
     result["nvrtc"] = nvrtc_version()  # what made the registers and SASS the report shows
+    if args.json and gpu is not None and not profiling:  # a record: keyed on what runs too
+        result["runs_digest"] = {nvrtc_version(): runs_digest(stage, arch, kernel_path)}
     report.print_stage(result, gpu.name if gpu else None)
     if profiling:
         profile.print_profile(result["profile"], stage.key, gpu.name)
@@ -349,6 +355,23 @@ def cmd_ops(json_path: Path | None) -> int:
     return 0
 
 
+def cmd_rekey(files: list[str]) -> int:
+    """python -m grader rekey FILE...: runs_digest.rekey on each file, what it did said per entry."""
+    from grader.report import console
+    from grader.runs_digest import rekey
+    from stages.common.compiler import nvrtc_version
+
+    if not files:
+        return fail("rekey needs a results file, e.g. python -m grader rekey results/h100-sxm.json")
+    if missing := [name for name in files if not Path(name).is_file()]:
+        return fail(f"no such results file: {', '.join(missing)}")
+    for name in files:
+        console.print(f"{name} (NVRTC {nvrtc_version()} here):", soft_wrap=True)
+        for key, done in rekey(Path(name)).items():
+            console.print(f"  {key}: {done}", markup=False, soft_wrap=True)
+    return 0
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.command is None:
@@ -364,6 +387,8 @@ def main(argv=None) -> int:
         return cmd_init(args.stages, args.force)
     if args.command == "ops":
         return cmd_ops(args.json)
+    if args.command == "rekey":
+        return cmd_rekey(args.stages)
     if args.command == "all":
         return grade(None, args)
     return grade([args.command, *args.stages], args)

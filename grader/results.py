@@ -2,8 +2,9 @@
 
 A stage's entry records `source_sha256`, the digest of everything that decides what its kernel
 does and how fast (the .cu file, the local headers it includes, the stage's launch code and the
-shared launch code it imports from stages.common); a test
-fails when the committed results no longer match the sources, so a changed kernel is measured again.
+shared launch code it imports from stages.common), and `runs_digest`, the digest of what of it runs
+(grader/runs_digest.py); a test fails when a committed entry matches the tree by neither, so a
+changed kernel is measured again.
 """
 from __future__ import annotations
 
@@ -64,6 +65,15 @@ def source_digest(stage, kernel_path: Path | None = None) -> str:
     return digest.hexdigest()
 
 
+def same_kernel(recorded: dict, entry: dict) -> bool:
+    """Whether two entries of a stage measured the same kernel: the same sources, or the same runs
+    digest (grader/runs_digest.py) from one NVRTC version."""
+    if recorded.get("source_sha256") == entry.get("source_sha256"):
+        return True
+    runs = recorded.get("runs_digest", {})
+    return any(runs.get(version) == digest for version, digest in entry.get("runs_digest", {}).items())
+
+
 def provenance(gpu) -> dict:
     def version(package):
         try:
@@ -120,9 +130,9 @@ def write(path: Path, gpu_name: str, prov: dict, stage_results: dict) -> None:
         old = json.loads(path.read_text())
         if old.get("gpu") == gpu_name:  # the stages' entries and the rest ("ops") are kept
             data = {**old, "provenance": prov, "stages": old.get("stages", {})}
-    for key, entry in stage_results.items():  # a profile of the same source stays valid: kept
+    for key, entry in stage_results.items():  # a profile of the same kernel stays valid: kept
         old_entry = data["stages"].get(key) or {}
-        if "profile" not in entry and "profile" in old_entry and old_entry.get("source_sha256") == entry.get("source_sha256"):
+        if "profile" not in entry and "profile" in old_entry and same_kernel(old_entry, entry):
             entry["profile"] = old_entry["profile"]
     data["stages"].update(stage_results)
     if not_measured := {k: why for k, why in data.get("not_measured", {}).items() if k not in data["stages"]}:
@@ -130,8 +140,7 @@ def write(path: Path, gpu_name: str, prov: dict, stage_results: dict) -> None:
     else:
         data.pop("not_measured", None)
     data["stages"] = dict(sorted(data["stages"].items(), key=lambda kv: int(re.match(r"stage(\d+)", kv[0]).group(1))))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1, default=float) + "\n")
+    save(path, data)
 
 
 def recorded_entries(path: Path, gpu_name: str) -> dict:
@@ -151,7 +160,7 @@ def add_profile(path: Path, gpu_name: str, stage_key: str, profile: dict) -> Non
         raise ValueError(f"{path} has no results for {stage_key} on {gpu_name}, to put its profile in: grade it "
                          f"first (python -m grader {stage_key} --json {path})")
     entry["profile"] = profile
-    path.write_text(json.dumps(data, indent=1, default=float) + "\n")
+    save(path, data)
 
 
 def add_ops(path: Path, gpu_name: str, prov: dict, measured: dict) -> None:
@@ -162,5 +171,10 @@ def add_ops(path: Path, gpu_name: str, prov: dict, measured: dict) -> None:
     if data.get("gpu") != gpu_name:
         raise ValueError(f"{path} holds results of {data.get('gpu')}, not of this {gpu_name}")
     data["ops"] = {"provenance": prov, **measured}
+    save(path, data)
+
+
+def save(path: Path, data: dict) -> None:
+    """Write a results file, as every writer here does (one line per value: diffs show what changed)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, default=float) + "\n")

@@ -15,7 +15,7 @@ from grader.exercise import shown
 from grader.gpus import spec_for
 from grader.isolation import run_items
 from grader.parallel_compile import compile_all
-from grader.results import source_digest
+from grader.results import same_kernel, source_digest
 from grader.protocol import PREVIOUS
 
 
@@ -212,8 +212,9 @@ def benchmark_shapes(stage, only: str | None = None) -> list[dict]:
 
 def merge_benchmarks(stage, recorded: dict | None, result: dict) -> dict:
     """`result` of a run timed at some shapes (--shapes), with the other shapes of the `recorded` entry
-    where that was measured for the same source, in the stage's order of shapes, graded over all of them."""
-    if not recorded or recorded.get("source_sha256") != result["source_sha256"] or not result.get("benchmarks"):
+    where that measured the same kernel (results.same_kernel), in the stage's order of shapes, graded over
+    all of them."""
+    if not recorded or not same_kernel(recorded, result) or not result.get("benchmarks"):
         return result
     new = {b["label"]: b for b in result["benchmarks"]}
     rows = {b["label"]: b for b in recorded.get("benchmarks", [])} | new

@@ -37,6 +37,12 @@ def test_missing_kernel_file():
     assert r.returncode == 2 and "error: stage0_naive: no such kernel file: nowhere.cu" in r.stdout
 
 
+@pytest.mark.parametrize("args,said", [(("rekey",), "rekey needs a results file"),
+                                       (("rekey", "nowhere.json"), "no such results file: nowhere.json")])
+def test_rekey_without_a_results_file_is_one_line(args, said):
+    assert_one_line_error(grader(*args), said)
+
+
 def test_no_gpu_compiles_only_and_says_so(tmp_path):
     out = tmp_path / "r.json"
     r = grader("stage0", "--json", str(out))
