@@ -5,6 +5,8 @@ import pytest
 
 import stages
 from grader import results
+from grader.runs_digest import is_current
+from stages.common.compiler import nvrtc_version
 
 RECORDED = results.load_all()
 # Problems with no plain-PyTorch ("naive") baseline: block-sparse attention's plain form is a Python walk
@@ -18,14 +20,24 @@ def test_there_are_recorded_results():
 
 @pytest.mark.parametrize("gpu", sorted(RECORDED))
 def test_results_match_the_current_sources(gpu):
+    """Each entry's sources are the tree's, or else what runs is the same (grader/runs_digest.py)."""
     data = RECORDED[gpu]
     for name, entry in data["stages"].items():
         stage = stages.load(name)
         if entry.get("stale"):  # measured on older sources and said so: not shown as the kernel's figures
             continue
-        assert entry["source_sha256"] == results.source_digest(stage), (
-            f"{name} changed since it was measured on {data['gpu']}: measure it again "
+        assert is_current(entry, stage), (
+            f"{name} changed since it was measured on {data['gpu']} (its sources, and what runs: its machine "
+            f"code or launch by NVRTC {nvrtc_version()}, where it has their digest): measure it again "
             f"(python -m grader {name} --json results/{gpu}.json)")
+
+
+@pytest.mark.parametrize("gpu", sorted(RECORDED))
+def test_current_results_are_keyed_on_what_runs_too(gpu):
+    """A current entry carries its runs digest (the grader writes it; python -m grader rekey adds it)."""
+    unkeyed = [name for name, entry in RECORDED[gpu]["stages"].items()
+               if not entry.get("stale") and not entry.get("runs_digest")]
+    assert not unkeyed, f"no runs digest: {unkeyed} (python -m grader rekey results/{gpu}.json)"
 
 
 @pytest.mark.parametrize("gpu", sorted(RECORDED))
