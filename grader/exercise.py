@@ -62,6 +62,28 @@ def count_exercises(source: str) -> int:
     return sum(1 for line in source.splitlines() if BEGIN.match(line))
 
 
+# A line of the solution that is not logic of its own: blank, a comment, a preprocessor line (`#pragma
+# unroll`), or braces and parentheses alone.
+NOT_LOGIC = re.compile(r"^\s*(//.*|#.*|[{}();\s]*)$")
+
+
+def removed_lines(source: str) -> int:
+    """The lines of the solution's code that the exercise copy leaves out: between each block's markers,
+    after its hint and stubs, the lines that are not blank, a comment, a preprocessor line or braces alone."""
+    removed, block, in_hint = 0, False, False
+    for line in source.splitlines():
+        if not block:
+            block = in_hint = bool(BEGIN.match(line))
+        elif END.match(line):
+            block = False
+        elif STUB.match(line):
+            in_hint = False
+        elif not (in_hint and HINT.match(line)):
+            in_hint = False
+            removed += not NOT_LOGIC.match(line)
+    return removed
+
+
 def shown(path: Path) -> str:
     """A path as the report and the messages show it: relative to the repository where it is inside it."""
     path = Path(path).resolve()

@@ -25,6 +25,12 @@ def test_markers_remove_the_solution_and_keep_hint_and_stub():
     assert out.startswith("int a;") and out.rstrip().endswith("int c = b;")
 
 
+def test_removed_lines_count_the_solutions_logic_only():
+    assert exercise.removed_lines(SOURCE) == 2  # not the hint, the stub, the markers or the code around them
+    padded = SOURCE.replace("    b *= 2;\n", "    b *= 2;\n#pragma unroll\n    // why\n    {\n    }\n\n")
+    assert exercise.removed_lines(padded) == 2
+
+
 @pytest.mark.parametrize("bad", [SOURCE.replace("// END EXERCISE", ""), SOURCE + "// END EXERCISE\n",
                                  SOURCE.replace("int b = a + 1;", "// EXERCISE: nested")])
 def test_broken_markers_are_errors(bad):
@@ -42,6 +48,23 @@ def test_every_stage_has_an_exercise_that_compiles(name, tmp_path):
     path = tmp_path / stage.source
     path.write_text(made)
     compile_stage(stage, path, stage.archs[-1])
+
+
+# The least each exercise removes, in lines of the solution's logic (exercise.removed_lines): what each
+# removes today, so that none shrinks unnoticed; 8 for the stages whose exercise is a kernel's whole idea
+# (stage 10's fused add and RMSNorm, stage 14's SwiGLU backward per element), and for a stage not listed.
+MIN_REMOVED = {"stage0_naive": 3, "stage1_tiled": 8, "stage2_warp": 7, "stage3_pipeline": 5, "stage4_hopper": 7,
+               "stage5_moe_routing": 24, "stage6_grouped_gemm": 2, "stage7_moe_layer": 11, "stage8_backward": 4,
+               "stage9_hopper_backward": 4, "stage10_model": 8, "stage11_expert_parallel": 13,
+               "stage12_block_sparse": 9, "stage13_block_sparse_backward": 4, "stage14_moe_backward": 8}
+NEW_STAGE_MIN_REMOVED = 8
+
+
+@pytest.mark.parametrize("name", stages.stage_names())
+def test_every_exercise_removes_enough_of_the_solution(name):
+    removed = exercise.removed_lines(stages.load(name).source_path.read_text())
+    least = MIN_REMOVED.get(name, NEW_STAGE_MIN_REMOVED)
+    assert removed >= least, f"{name}'s exercise leaves out {removed} lines of the solution's logic, fewer than {least}"
 
 
 def test_init_writes_the_workspace_copy_once(tmp_path, monkeypatch):

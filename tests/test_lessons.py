@@ -227,6 +227,78 @@ def test_the_exercise_names_the_copys_markers(stage_dir):
         f"{lesson(stage_dir).relative_to(ROOT)}: the learner's copy has no `EXERCISE` marker, it has `{marker}`")
 
 
+def done_when(section: str) -> list[str] | None:
+    """The items of the "Done when:" list that closes an exercise section, each item's lines joined; None
+    where the section does not end with one (a blank line inside the list ends it too)."""
+    _, found, rest = section.rstrip().rpartition("\nDone when:\n")
+    if not found:
+        return None
+    items: list[str] = []
+    for line in rest.strip("\n").splitlines():
+        if line.startswith("- "):
+            items.append(line[2:])
+        elif line.startswith("  ") and items:
+            items[-1] += " " + line.strip()
+        else:
+            return None
+    return items or None
+
+
+GRADE_TO_REACH = re.compile(r"\bthe grade is ([A-D])\b( or better)?: above (\d+) % of the goal\b")
+
+
+@pytest.mark.parametrize("stage_dir", STAGE_DIRS, ids=lambda d: d.name)
+def test_the_exercise_ends_with_what_done_means(stage_dir):
+    """A learner knows when the exercise is done: its section ends with a "Done when:" list of the cases
+    to pass, what the compile report must show, and the grade to reach, a band of the stage's goal."""
+    page = lesson(stage_dir).relative_to(ROOT)
+    items = done_when(h2_sections(lesson(stage_dir).read_text())["The exercise"])
+    assert items, f'{page}: the exercise section does not end with a "Done when:" list'
+    assert any(f"`python -m grader stage{number(stage_dir)}` passes every case" in item for item in items), (
+        f"{page}: no item says `python -m grader stage{number(stage_dir)}` passes every case")
+    assert any("compile report" in item for item in items), f"{page}: no item says what the compile report shows"
+    grades = [item for item in items if GRADE_TO_REACH.search(item)]
+    assert len(grades) == 1, f"{page}: one item gives the grade to reach: 'the grade is B or better: above 70 % of the goal'"
+
+
+def recorded_grades(stage_dir: Path) -> dict[str, str]:
+    """{results file: the grade the course's kernel got there} for the stage (rungs aside)."""
+    import json
+    found = {}
+    for path in sorted((ROOT / "results").glob("*.json")):
+        grade = (json.loads(path.read_text()).get("stages") or {}).get(stage_dir.name, {}).get("grade")
+        if grade:
+            found[path.name] = grade
+    return found
+
+
+@pytest.mark.parametrize("stage_dir", STAGE_DIRS, ids=lambda d: d.name)
+def test_the_grade_to_reach_is_one_the_course_reaches(stage_dir):
+    """The grade a "Done when:" list asks for is at most the lowest the course's kernel got in results/
+    (a learner is not sent after a speed the course does not reach), with its band's floor as
+    grader/grading.py has it, and "or better" below an A."""
+    from grader.grading import BANDS
+    page = lesson(stage_dir).relative_to(ROOT)
+    items = done_when(h2_sections(lesson(stage_dir).read_text())["The exercise"]) or []
+    m = next((GRADE_TO_REACH.search(item) for item in items if GRADE_TO_REACH.search(item)), None)
+    if m is None:
+        pytest.skip(f"{page} gives no grade to reach (test_the_exercise_ends_with_what_done_means says so)")
+    letter, or_better, percent = m[1], bool(m[2]), int(m[3])
+    assert percent == round(100 * dict(BANDS)[letter]), f"{page}: grade {letter} is above {dict(BANDS)[letter]:.0%}"
+    assert or_better == (letter != "A"), f"{page}: 'or better' goes with a grade below A, and only there"
+    order = [band for band, _ in BANDS] + ["F"]
+    above = {name: grade for name, grade in recorded_grades(stage_dir).items() if order.index(grade) > order.index(letter)}
+    assert not above, f"{page} asks for {letter}; the course's kernel got {above}"
+
+
+def test_the_done_when_list_is_read_as_written():
+    section = "Text.\n\nDone when:\n\n- `python -m grader stage3` passes every case;\n- the compile report shows\n  `LDGSTS`;\n"
+    assert done_when(section) == ["`python -m grader stage3` passes every case;", "the compile report shows `LDGSTS`;"]
+    assert done_when(section + "\nA paragraph after it.\n") is None
+    assert done_when("Text without a list.\n") is None
+    assert GRADE_TO_REACH.search("the grade is C or better: above 60 % of the goal, half naive PyTorch's speed")[1] == "C"
+
+
 SNIPPET = re.compile(r'^(?P<indent>[ \t]*)--8<-- "(?P<spec>[^"]+)"', re.M)
 
 

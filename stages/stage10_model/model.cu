@@ -51,6 +51,15 @@ add_rmsnorm(elem_t* h, const elem_t* delta, const elem_t* weight, elem_t* normed
     const int i = threadIdx.x * VECTOR;  // this thread's first element of the row
     const bool mine = i < hidden;        // (the last warp may reach past the row)
     const long long at = (long long)blockIdx.x * hidden + i;
+    // EXERCISE: the fused add and the row's inverse RMS, in one pass over this thread's VECTOR elements of
+    // the row (16 bytes at h + at; none where !mine). Load them as one Vector; where delta is not null, add
+    // delta's, each sum rounded to elem_t (from_float) as PyTorch's add rounds it, and store the sums to h.
+    // Keep the row in registers for the scaling below: float x[VECTOR], h's values through to_float; add
+    // up their squares. Then inv_rms = 1/sqrt(mean(h²) + eps): every thread's sum of squares added over
+    // the block (block_sum, which every thread of the block calls and gets the total from, `mine` or not),
+    // over hidden, plus eps, through rsqrtf.
+    // STUB: float x[VECTOR] = {};  // nothing loaded, nothing added: normed comes out 0
+    // STUB: const float inv_rms = 1.0f;
     float x[VECTOR];
     float squares = 0.0f;
     if (mine) {
@@ -67,9 +76,6 @@ add_rmsnorm(elem_t* h, const elem_t* delta, const elem_t* weight, elem_t* normed
             squares += x[j] * x[j];
         }
     }
-    // EXERCISE: the row's inverse RMS, 1/sqrt(mean(h²) + eps): add up every thread's `squares` over the
-    // block (block_sum), divide by hidden, add eps (rsqrtf gives the inverse square root).
-    // STUB: const float inv_rms = 1.0f;
     const float inv_rms = rsqrtf(block_sum(squares) / hidden + eps);
     // END EXERCISE
     if (mine) {

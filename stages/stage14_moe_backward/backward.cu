@@ -201,21 +201,25 @@ __device__ __forceinline__ void swiglu_grad_tile(const float (&acc)[ACC_FRAGS][4
                 float dg[2], du[2], hw[2];
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
+                    // EXERCISE: SwiGLU's backward for element c of the pair. Its gate and up: the low 16 bits
+                    // of gate_bits and up_bits for c = 0, the high for c = 1 (bits_to_float<elem_t>); its dA:
+                    // acc[j][2·half + c], without the top-k weight w[half]. With s = sigmoid(gate) (the function above),
+                    // silu(gate) = gate·s and h = silu(gate)·up: add dA·h to g[half] (the top-k weight's
+                    // gradient, unweighted: dY·y = dA·h); then dh = w·dA, dg[c] = dh·up·silu'(gate) with
+                    // silu'(x) = s + silu(x)·(1 − s), du[c] = dh·silu(gate), and hw[c] = w·h. Left as they
+                    // are, dG, dU, w·h and g are all zero.
+                    // STUB: (void)gate_bits; (void)up_bits; (void)j;
+                    // STUB: dg[c] = du[c] = hw[c] = 0.0f;
                     const float gate = bits_to_float<elem_t>(c ? gate_bits >> 16 : gate_bits & 0xffffu);
                     const float up = bits_to_float<elem_t>(c ? up_bits >> 16 : up_bits & 0xffffu);
                     const float da = acc[j][2 * half + c];
                     const float s = sigmoid(gate), silu_gate = gate * s, h = silu_gate * up;
                     g[half] += da * h;  // the top-k weight's gradient, unweighted: dY·y = dA·h
-                    // EXERCISE: SwiGLU's backward for one element: dh = w·dA (da, the accumulator, is dA
-                    // without the top-k weight); dg = dh·up·silu'(gate) with silu'(x) = s + silu(x)·(1 − s)
-                    // and s = sigmoid(gate); du = dh·silu(gate). Left as they are, both gradients are zero.
-                    // STUB: dg[c] = 0.0f;
-                    // STUB: du[c] = 0.0f;
                     const float dh = w[half] * da;
                     dg[c] = dh * up * (s + silu_gate * (1.0f - s));
                     du[c] = dh * silu_gate;
-                    // END EXERCISE
                     hw[c] = w[half] * h;
+                    // END EXERCISE
                 }
                 *reinterpret_cast<unsigned*>(at) = padding ? 0u : pack_pair<elem_t>(dg[0], dg[1]);
                 *reinterpret_cast<unsigned*>(at + GU_BOX_BYTES) = padding ? 0u : pack_pair<elem_t>(du[0], du[1]);
