@@ -11,13 +11,14 @@
 //
 // wgmma reads shared memory as TMA writes it: 128-byte rows swizzled (16-byte chunk c of row r at
 // position c ^ (r % 8), stage 3's swizzle on 128-byte lines), a D = 128 row split into two 64-column
-// blocks one tile apart. So the copies write that layout themselves (tile_offset), and then make their
-// writes visible to wgmma, which reads through the "async proxy" of the memory system, with a fence.
+// blocks, the second ROWS·128 bytes after the first. So the copies write that layout themselves
+// (tile_offset), and then make their writes visible to wgmma, which reads through the "async proxy" of
+// the memory system, with a fence.
 //
 // 256 threads, one block per SM: S, P and O take some 180 registers per thread at D = 64, and ptxas
-// gives the kernel 216 (221 at D = 128: the copies' addresses stay live), no spills. Shared memory:
-// Q 128·D·2 + 2 buffers × (K + V) BLOCK_N·D·2 bytes (+ 1 KB to align): D = 64: 16 + 96 KB; D = 128:
-// 32 + 128 KB.
+// gives the kernel 216 (221 at D = 128; the TMA rung, with no copies to address, 167 and 160), no
+// spills. Shared memory: Q 128·D·2 + 2 buffers × (K + V) BLOCK_N·D·2 bytes (+ 1 KB to align):
+// D = 64: 16 + 96 KB; D = 128: 32 + 128 KB.
 #include "cp_async.cuh"
 #include "swizzle.cuh"
 #include "forward.cuh"
