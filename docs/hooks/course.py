@@ -1071,13 +1071,22 @@ def logged_steps(run: dict) -> list[int]:
 
 
 def loss_chart(run: dict, ways: list[str]) -> str:
-    """Each way's cross-entropy by step, a line each, the compiled ways' dashed."""
+    """Each way's cross-entropy by step, a line each, the compiled ways' dashed: drawn wide and narrow."""
+    if not any(run["ways"][w]["losses"] for w in ways):
+        return ""
+    colors = way_colors()
+    keys = " ".join(swatch(colors.get(w, "#888"), training_records().WAYS.get(w, w)) for w in ways)
+    return figure(loss_drawing(run, ways, WIDE),
+                  f"The cross-entropy of each way, logged every {run['every']} steps (compiled ways dashed). " + keys,
+                  narrow=loss_drawing(run, ways, NARROW, " fm-narrow"))
+
+
+def loss_drawing(run: dict, ways: list[str], W: int, narrow: str = "") -> str:
+    """loss_chart's drawing, W wide."""
     xs = logged_steps(run)
     curves = {w: list(zip(xs, run["ways"][w]["losses"])) for w in ways}
     values = [loss for curve in curves.values() for _, loss in curve]
-    if not values:
-        return ""
-    W, H, left, right, top, bottom = 760, 260, 58, 12, 12, 40
+    H, left, right, top, bottom = 260, 58, 12, 12, 40
     step = nice_step(max(max(values) - min(values), 1e-3) / 4)
     lo, hi = step * math.floor(min(values) / step), step * math.ceil(max(values) / step)
     x = lambda s: left + s / max(xs[-1], 1) * (W - left - right)  # noqa: E731
@@ -1090,7 +1099,7 @@ def loss_chart(run: dict, ways: list[str]) -> str:
         t = lo + k * step
         body.append(f'<line class="fm-grid" x1="{left}" x2="{W - right}" y1="{y(t):.1f}" y2="{y(t):.1f}"/>'
                     f'<text class="fm-axis" x="{left - 6}" y="{y(t) + 4:.1f}" text-anchor="end">{t:g}</text>')
-    every_x = nice_step(max(xs[-1], 1) / 5)
+    every_x = nice_step(max(xs[-1], 1) / (5 if W == WIDE else 2))
     body += [f'<text class="fm-axis" x="{x(s):.1f}" y="{H - bottom + 16}" text-anchor="middle">{s:g}</text>'
              for s in (every_x * k for k in range(int(xs[-1] // every_x) + 1))]
     colors = way_colors()
@@ -1100,10 +1109,7 @@ def loss_chart(run: dict, ways: list[str]) -> str:
         body.append(f'<polyline fill="none" stroke="{colors.get(w, "#888")}" stroke-width="1.5"{dash} points="{points}">'
                     f"<title>{way_name(w)}: {curve[0][1]:.3f} at step 0, {curve[-1][1]:.3f} at step {curve[-1][0]}"
                     "</title></polyline>")
-    svg = svg_root("fm-training", W, H, f"The loss of each way by step: {run.get('model')}", body)
-    keys = " ".join(swatch(colors.get(w, "#888"), training_records().WAYS.get(w, w)) for w in ways)
-    return figure(svg, f"The cross-entropy of each way, logged every {run['every']} steps (compiled ways dashed). "
-                       + keys)
+    return svg_root("fm-training" + narrow, W, H, f"The loss of each way by step: {run.get('model')}", body)
 
 
 def training_table(run: dict, ways: list[str]) -> str:
