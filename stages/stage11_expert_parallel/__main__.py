@@ -70,7 +70,8 @@ DEVICE = "cuda"  # where this rank's tensors live: the GPU torch.cuda.set_device
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m stages.stage11_expert_parallel",
                                 description="Stage 11 (expert parallelism) across the GPUs of one machine.")
-    p.add_argument("--config", choices=[*BAR_CONFIGS, "all"], default="all", help="the layer (default: both)")
+    p.add_argument("--config", choices=[*BAR_CONFIGS, "all"], default="all", help="the layer's configuration: "
+                   f"{', '.join(BAR_CONFIGS)}, or all (the default: each of them in turn)")
     p.add_argument("--tokens-per-rank", type=int, default=TOKENS_PER_RANK, help=f"default {TOKENS_PER_RANK}")
     p.add_argument("--reps", type=int, default=20, help="timed runs of each candidate (default 20)")
     p.add_argument("--seed", type=int, default=0)
