@@ -16,6 +16,11 @@ USAGE = """python -m grader STAGE [STAGE ...] [options]   grade stages in turn (
        python -m grader STAGE --profile [SHAPE]  Nsight Compute, beside the reference, on one benchmark shape
        python -m grader rekey FILE [FILE ...]   give a results file's current entries their runs digest (no GPU)"""
 
+ENVIRONMENT = """environment:
+  FLASHMOE_WORKSPACE   where init writes exercise copies and grading finds them (default: workspace/)
+  FLASHMOE_CACHE       where compiled kernels are kept (default: ~/.cache/flashmoe-course)
+  FLASHMOE_NO_GPU=1    compile only, as on a machine without a GPU"""
+
 ARCH = re.compile(r"sm_(\d+)(a?)")  # sm_80, sm_90a: a GPU generation, "a" for its arch-specific features
 LOWEST_ARCH = 80                    # the course's kernels use cp.async, ldmatrix and bf16 mma.sync
 # options that only a GPU run uses
@@ -23,9 +28,16 @@ GPU_ONLY = ("cases", "first_failure", "shapes", "no_bench", "json", "seed", "tri
             "beside")
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """argparse's own prints the whole usage before the error; here one line, as every other error."""
+        sys.exit(fail(f"{message} (python -m grader --help lists the options)"))
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m grader", usage=USAGE,
-                                description="Compile, check, time and grade the course's CUDA kernels.")
+    p = Parser(prog="python -m grader", usage=USAGE, epilog=ENVIRONMENT,
+               formatter_class=argparse.RawDescriptionHelpFormatter,
+               description="Compile, check, time and grade the course's CUDA kernels.")
     p.add_argument("command", nargs="?", help="a stage, all, list, init, ops or rekey (none: this usage and the stages)")
     p.add_argument("stages", nargs="*", metavar="STAGE", help="more stages to grade; after init, the stages to copy; "
                    "after rekey, the results files")
@@ -64,9 +76,8 @@ def fail(message: str) -> int:
 def option_problem(args) -> str | None:
     """What is wrong with the options whatever the stage, said in one line before any work; None if nothing."""
     for variable in ("FLASHMOE_WORKSPACE", "FLASHMOE_CACHE"):  # folders the grader writes into
-        folder = os.environ.get(variable)
-        if folder and Path(folder).exists() and not Path(folder).is_dir():
-            return f"{variable}={folder}: not a folder (it names where the grader keeps its files)"
+        if problem := folder_problem(variable):
+            return problem
     if args.json is not None and not args.json.parent.is_dir():
         return f"--json {args.json}: no folder {args.json.parent} to write it in"
     if args.arch:
@@ -92,6 +103,22 @@ def option_problem(args) -> str | None:
             re.compile(value)
         except re.error as error:
             return f"{option} {value!r} is not a regular expression: {error}"
+    return None
+
+
+def folder_problem(variable: str) -> str | None:
+    """Why the folder an environment variable names cannot be written into, or None: a file there or on
+    the way there, or a folder that is not writable. The folder itself may not exist yet: it is made."""
+    folder = os.environ.get(variable)
+    if not folder:
+        return None
+    path = Path(folder).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())  # the root, at least
+    if not existing.is_dir():
+        where = "" if existing == path else f": {existing} is a file"
+        return f"{variable}={folder}: not a folder{where} (it names where the grader keeps its files)"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{variable}={folder}: {existing} is not writable (it names where the grader keeps its files)"
     return None
 
 
@@ -170,6 +197,9 @@ def cmd_init(names: list[str], force: bool) -> int:
             continue
         except (FileExistsError, exercise.MarkerError) as error:
             status = fail(str(error))
+            continue
+        except OSError as error:  # the workspace cannot be written
+            status = fail(f"{stage.key}: cannot write the exercise copy ({error})")
             continue
         console.print(f"Wrote {exercise.shown(path)}: fill in the TODO(exercise) blocks, then run "
                       f"[bold]{interpreter()} -m grader {stage.name.split('_')[0]}[/bold] (it grades your copy; "
@@ -321,7 +351,7 @@ def grade_one(stage, args, gpu) -> tuple[dict | None, int]:
                                      timeout_s=args.timeout, budget_s=args.budget, bench=not args.no_bench,
                                      only=args.cases, shapes=args.shapes, first_failure=args.first_failure,
                                      progress=progress)
-    except (GraderError, ProfileError, FileNotFoundError, ValueError) as error:
+    except (GraderError, ProfileError, OSError, ValueError) as error:  # OSError: a file or folder not found or not writable
         return None, fail(f"{stage.key}: {error}")
     except CompileError as error:
         console.print(f"[red]{stage.key}: compile error for {error.arch}[/red]")

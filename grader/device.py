@@ -29,8 +29,9 @@ class GpuInfo:
 
 
 def probe() -> tuple[GpuInfo | None, str]:
-    """(the first GPU, "") or (None, why there is none). FLASHMOE_NO_GPU=1 pretends there is none."""
-    if os.environ.get("FLASHMOE_NO_GPU"):
+    """(the first GPU, "") or (None, why there is none). FLASHMOE_NO_GPU=1 pretends there is none (0 or
+    empty does not)."""
+    if os.environ.get("FLASHMOE_NO_GPU", "") not in ("", "0"):
         return None, "FLASHMOE_NO_GPU is set"
     try:
         from cuda.bindings import driver

@@ -314,12 +314,44 @@ def test_compile_only_shows_the_dynamic_shared_memory_of_the_launch():
 
 
 @pytest.mark.parametrize("variable", ["FLASHMOE_WORKSPACE", "FLASHMOE_CACHE"])
-def test_a_folder_variable_naming_a_file_is_one_line(variable, tmp_path):
-    """FLASHMOE_WORKSPACE or FLASHMOE_CACHE pointing at a file: one line, before any work (it was a traceback)."""
+@pytest.mark.parametrize("under", [False, True], ids=["a-file", "under-a-file"])
+def test_a_folder_variable_naming_a_file_is_one_line(variable, under, tmp_path):
+    """FLASHMOE_WORKSPACE or FLASHMOE_CACHE pointing at a file, or at a folder below one: one line, before any
+    work (both were tracebacks)."""
     a_file = tmp_path / "not_a_folder"
     a_file.write_text("")
-    r = grader("init", "stage1", env_extra={variable: str(a_file)})
-    assert_one_line_error(r, variable, "not a folder")
+    r = grader("init", "stage1", env_extra={variable: str(a_file / "sub" if under else a_file)})
+    assert_one_line_error(r, variable, "not a folder", *([f"{a_file} is a file"] if under else []))
+
+
+def test_an_empty_cache_variable_is_the_default_folder():
+    """FLASHMOE_CACHE set but empty keeps the cubins in the default folder (it made a cubin/ in the current one)."""
+    code = "from stages.common import compiler; print(compiler.CACHE_DIR)"
+    shown = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, FLASHMOE_CACHE=""),
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert Path(shown).is_absolute() and shown.endswith(str(Path(".cache", "flashmoe-course", "cubin")))
+
+
+@pytest.mark.parametrize("value,pretends", [("1", True), ("0", False), ("", False)])
+def test_no_gpu_variable_at_0_or_empty_pretends_nothing(value, pretends, monkeypatch):
+    from grader import device
+
+    monkeypatch.setenv("FLASHMOE_NO_GPU", value)
+    assert (device.probe()[1] == "FLASHMOE_NO_GPU is set") == pretends
+
+
+@pytest.mark.parametrize("args,fragment", [(("stage0", "--budget", "abc"), "argument --budget: invalid float value"),
+                                           (("stage0", "--bogus"), "unrecognized arguments: --bogus")])
+def test_a_mistyped_option_is_one_line(args, fragment):
+    """argparse's own errors printed the six lines of the usage first."""
+    assert_one_line_error(grader(*args), fragment, "python -m grader --help")
+
+
+def test_help_names_the_environment_variables():
+    r = grader("--help")
+    assert r.returncode == 0 and r.stdout.startswith("usage: python -m grader STAGE"), r.stdout + r.stderr
+    for variable in ("FLASHMOE_WORKSPACE", "FLASHMOE_CACHE", "FLASHMOE_NO_GPU"):
+        assert variable in r.stdout
 
 
 def test_a_kernel_option_naming_a_folder_says_which_file_to_give():
