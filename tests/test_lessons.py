@@ -365,3 +365,25 @@ def test_the_setup_page_shows_the_readmes_cpu_install():
     assert readme, "README.md has no <!-- ci: cpu-install --> block"
     assert setup, "docs/setup.md has no <!-- ci: cpu-install --> block"
     assert setup[1] == readme[1], f"docs/setup.md's CPU install differs from README.md's:\n{setup[1]}\n---\n{readme[1]}"
+
+
+def bash_lines(markdown: str) -> set[str]:
+    """The command lines of a page's bash blocks, without their comments."""
+    blocks = re.findall(r"^```bash\n(.*?)^```$", markdown, re.S | re.M)
+    return {line.split("  #")[0].strip() for block in blocks for line in block.splitlines() if line.strip()}
+
+
+def test_the_setup_page_and_the_readme_say_the_same_things():
+    """Where the README and the setup page both say how to start, they say the same: the same commands to
+    install (the models extra too), to test and to serve the site, the same download sizes, the same driver."""
+    readme, setup = (ROOT / "README.md").read_text(), (ROOT / "docs" / "setup.md").read_text()
+    home = (ROOT / "docs" / "index.md").read_text()
+    readme_commands = {line for line in bash_lines(readme) if re.search(r"pip install|pytest|mkdocs serve", line)}
+    assert len(readme_commands) >= 6, readme_commands  # venv + the two installs, models, test, serve
+    assert readme_commands <= bash_lines(setup), readme_commands - bash_lines(setup)
+    tests = [line for line in readme_commands if "pytest" in line]
+    assert len(tests) == 1 and tests[0] in bash_lines(home), tests  # one test command, the home page's too
+    sizes = lambda text: set(re.findall(r"\d+(?:\.\d+)? GB", text))  # noqa: E731
+    assert sizes(readme) == sizes(setup) != set()
+    for page in (readme, setup):
+        assert "supports CUDA 13" in page and '".[dev,models]"' in page
