@@ -324,14 +324,6 @@ def test_a_folder_variable_naming_a_file_is_one_line(variable, under, tmp_path):
     assert_one_line_error(r, variable, "not a folder", *([f"{a_file} is a file"] if under else []))
 
 
-def test_an_empty_cache_variable_is_the_default_folder():
-    """FLASHMOE_CACHE set but empty keeps the cubins in the default folder (it made a cubin/ in the current one)."""
-    code = "from stages.common import compiler; print(compiler.CACHE_DIR)"
-    shown = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, FLASHMOE_CACHE=""),
-                           capture_output=True, text=True, check=True).stdout.strip()
-    assert Path(shown).is_absolute() and shown.endswith(str(Path(".cache", "flashmoe-course", "cubin")))
-
-
 @pytest.mark.parametrize("value,pretends", [("1", True), ("0", False), ("", False)])
 def test_no_gpu_variable_at_0_or_empty_pretends_nothing(value, pretends, monkeypatch):
     from grader import device

@@ -23,7 +23,7 @@ REPO = STAGES_DIR.parent
 # Where `#include "..."` looks after the kernel's own folder: the shared headers, then the stages
 # folder, so that a stage can build on another's kernels (#include "stage6_grouped_gemm/experts.cu").
 SEARCH_DIRS = (STAGES_DIR / "common", STAGES_DIR)
-CACHE_DIR = Path(os.environ.get("FLASHMOE_CACHE") or Path.home() / ".cache" / "flashmoe-course") / "cubin"  # set but empty: the default
+CACHE_DIR = Path(os.environ.get("FLASHMOE_CACHE", Path.home() / ".cache" / "flashmoe-course")) / "cubin"
 
 
 class CompileError(Exception):
