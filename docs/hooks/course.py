@@ -700,20 +700,29 @@ def ladder_narrow(metric: str, stages: list[tuple[str, dict]], shapes: list[str]
     return svg_root("fm-ladder fm-narrow", NARROW, y + 28, f"{unit} of each stage at each shape", body)
 
 
+def bar_tip(name: str, bench: dict, shape: str, metric: str) -> str:
+    """A ladder bar's tooltip: its value and the reference's at the same shape."""
+    unit, ref = METRICS[metric], bench.get("reference") or {}
+    return (f"{name}, {shape}: {sig3(bench[metric])} {unit}; "
+            f"the reference ({ref.get('name', '—')}): {num(at_time(bench, metric, ref.get('ms')), '.1f')} {unit}")
+
+
+def reference_ticks(bench: dict, metric: str) -> list[tuple[float | None, str]]:
+    """(value, CSS class) of a ladder bar's ticks: the reference's and FlashAttention's, None where absent."""
+    return [(at_time(bench, metric, (bench.get("reference") or {}).get("ms")), "fm-ref"),
+            (at_time(bench, metric, (bench.get("baselines") or {}).get("flash")), "fm-flash")]
+
+
 def ladder_row(name: str, bench: dict | None, shape: str, metric: str, color: str, x, left: float, y: float, height: float) -> list[str]:
     """One bar of the narrow ladder, across, with its reference ticks and its value, or a marked gap."""
-    unit = METRICS[metric]
     if not bench or not bench.get(metric):
         return [f'<text class="fm-axis" x="{left + 2:g}" y="{y + height - 1:.1f}">'
                 f'×<title>{html.escape(name)}: not measured at {html.escape(shape)}</title></text>']
-    ref = bench.get("reference") or {}
-    tip = (f"{name}, {shape}: {sig3(bench[metric])} {unit}; "
-           f"the reference ({ref.get('name', '—')}): {num(at_time(bench, metric, ref.get('ms')), '.1f')} {unit}")
+    tip = bar_tip(name, bench, shape, metric)
     end = x(bench[metric])
     out = [f'<rect x="{left:g}" y="{y:.1f}" width="{max(end - left, 1):.1f}" height="{height:g}" fill="{color}">'
            f'<title>{html.escape(tip)}</title></rect>']
-    for value, cls in ((at_time(bench, metric, ref.get("ms")), "fm-ref"),
-                       (at_time(bench, metric, (bench.get("baselines") or {}).get("flash")), "fm-flash")):
+    for value, cls in reference_ticks(bench, metric):
         if value:
             out.append(f'<line class="{cls}" x1="{x(value):.1f}" x2="{x(value):.1f}" y1="{y - 1:.1f}" y2="{y + height + 1:.1f}"/>')
             end = max(end, x(value))
@@ -732,17 +741,13 @@ def kernel_note(key: str, stages: list[tuple[str, dict]]) -> str:
 
 def ladder_bar(name: str, bench: dict | None, shape: str, metric: str, color: str, x: float, width: float, y, base: float) -> list[str]:
     """One bar and its reference ticks, or a marked gap where the stage has no time at this shape."""
-    unit = METRICS[metric]
     if not bench or not bench.get(metric):
         return [f'<text class="fm-axis" x="{x + width / 2 - 1:.1f}" y="{base - 3}" text-anchor="middle">'
                 f'×<title>{html.escape(name)}: not measured at {html.escape(shape)}</title></text>']
-    ref = bench.get("reference") or {}
-    tip = (f"{name}, {shape}: {sig3(bench[metric])} {unit}; "
-           f"the reference ({ref.get('name', '—')}): {num(at_time(bench, metric, ref.get('ms')), '.1f')} {unit}")
+    tip = bar_tip(name, bench, shape, metric)
     out = [f'<rect x="{x:.1f}" y="{y(bench[metric]):.1f}" width="{width - 2:.1f}" height="{base - y(bench[metric]):.1f}" '
            f'fill="{color}"><title>{html.escape(tip)}</title></rect>']
-    for value, cls in ((at_time(bench, metric, ref.get("ms")), "fm-ref"),
-                       (at_time(bench, metric, (bench.get("baselines") or {}).get("flash")), "fm-flash")):
+    for value, cls in reference_ticks(bench, metric):
         if value:
             out.append(f'<line class="{cls}" x1="{x - 1:.1f}" x2="{x + width - 1:.1f}" y1="{y(value):.1f}" y2="{y(value):.1f}"/>')
     return out
