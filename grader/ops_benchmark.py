@@ -16,7 +16,8 @@ checks, descriptors, launches) and the layouts it hands over. This measures that
   synchronized calls of ops.block_sparse_attention's forward from Python, and calls per second of 100
   calls ended by one synchronization, beside compiled FlexAttention with the same BlockMask;
 - models: a transformers Llama (forward + backward) with the course's attention registered, beside the
-  same model on SDPA and on eager attention; a Mixtral MoE block's forward on ops.moe_layer beside the
+  same model on SDPA and on eager attention, and the same model compiled (torch.compile, fullgraph) with
+  the course's attention beside SDPA; a Mixtral MoE block's forward on ops.moe_layer beside the
   block's own (needs transformers: `pip install -e ".[models]"`, skipped with the reason where absent).
 
 Timings are medians over rounds that alternate the contenders (side by side); "ms" is wall time per call
@@ -433,6 +434,7 @@ def measure_models(ops) -> list:
             return run
 
         ms = side_by_side({name: step(name) for name in (COURSE, "sdpa", "eager")}, calls=5)
+        compiled = measure_compiled_model(model, ids)
         model.zero_grad(set_to_none=True)
         shape = (batch, LLAMA["num_attention_heads"], LLAMA["num_key_value_heads"], seq,
                  LLAMA["hidden_size"] // LLAMA["num_attention_heads"])
@@ -443,10 +445,32 @@ def measure_models(ops) -> list:
                      "loss": {name: losses[name] for name in (COURSE, "sdpa", "eager")},
                      "attention_course_ms": attention["course_forward_backward"],
                      "attention_sdpa_ms": attention["sdpa_forward_backward"]})
+        rows.append(dict(compiled, model=rows[-1]["model"], batch=batch, seq=seq))
         torch.cuda.empty_cache()
     del model
     rows.append(measure_mixtral_block(ops))
     return rows
+
+
+def measure_compiled_model(model, ids) -> dict:
+    """The model's forward + backward under torch.compile (default mode, fullgraph: a graph break is an
+    error), the course's attention against SDPA, side by side: {"compiled": True, "course_ms", "sdpa_ms",
+    "speedup"}, or {"compiled": True, "failed": the error in one line} where compiling fails."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+
+    def step(implementation):
+        def run():
+            model.set_attn_implementation(implementation)  # a guard of the graph: one graph each
+            compiled(input_ids=ids, labels=ids).loss.backward()
+        return run
+    try:
+        ms = side_by_side({name: step(name) for name in (COURSE, "sdpa")}, calls=5)
+    except Exception as error:  # noqa: BLE001  (reported in the record: the eager figures stand)
+        return {"compiled": True, "failed": f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"}
+    finally:
+        torch._dynamo.reset()
+    return {"compiled": True, "course_ms": ms[COURSE], "sdpa_ms": ms["sdpa"], "speedup": ms["sdpa"] / ms[COURSE]}
 
 
 def measure_mixtral_block(ops, tokens: int = 4096) -> dict:

@@ -438,6 +438,10 @@ FAKE_OPS = {
                    "host_us": 87.4, "ms": {"course": 1.0095, "grouped_mm": 1.2775}}],
     "models": [{"model": "LlamaForCausalLM hidden_size 2048", "batch": 2, "seq": 2048, "course_ms": 25.0,
                 "sdpa_ms": 27.5, "eager_ms": 56.66, "speedup": 1.1},
+               {"model": "LlamaForCausalLM hidden_size 2048", "batch": 2, "seq": 2048, "compiled": True,
+                "course_ms": 20.0, "sdpa_ms": 23.0, "speedup": 1.15},
+               {"model": "LlamaForCausalLM hidden_size 2048", "batch": 8, "seq": 512, "compiled": True,
+                "failed": "BackendCompilerFailed: boom"},
                {"model": "MixtralSparseMoeBlock (forward) {'hidden': 4096}", "tokens": 4096, "course_ms": 4.4718,
                 "eager_ms": 8.7284, "speedup": 1.95}],
 }
@@ -466,7 +470,9 @@ def test_ops_figures_from_a_fixture(tmp_path, monkeypatch):
                 "| B1 H1 S128 D64 fp16 | 0.0123 | 0.0235 | 1.90× |",                       # (c) tiny shapes
                 "| 128 | 87 | 1.01 | 1.28 | 1.27× |",                                     # (d) ops.moe_layer
                 "| 2 × 2048 | 25.0 | 27.5 | 56.7 | 1.10× | 2.27× |",                       # (e) models
-                "| 4096 | 4.47 | — | 8.73 | — | 1.95× |"):
+                "| 4096 | 4.47 | — | 8.73 | — | 1.95× |",
+                "LlamaForCausalLM forward + backward, compiled</span> | 2 × 2048 | 20.0 | 23.0 | — | 1.15× | — |",
+                "Whole models, compiled, 8 × 512: failed (BackendCompilerFailed: boom)."):
         assert row in text, row
     assert "(hidden 4096, inter 14336, 8 experts, top-2, bf16)" in text
     assert "by piece" in text and "at B2 H32/8 S2048 D64" in text

@@ -1264,20 +1264,24 @@ def ops_models_table(rows: list[dict]) -> list[str]:
     timed_models = [row for row in rows if row.get("course_ms")]
     skipped = [row["skipped"] for row in rows if row.get("skipped")]
     out = [f"\nWhole models: not measured ({html.escape(str(why))})." for why in skipped]
+    out += [f"\nWhole models, compiled, {row['batch']} × {row['seq']}: failed ({html.escape(str(row['failed']))})."
+            for row in rows if row.get("failed")]
     if not timed_models:
         return out
     out += ["\nWhole transformers models, with the course's ops in them (ms per step):\n",
             "| model | tokens | course ms | SDPA ms | eager ms | × SDPA | × eager |", "|---|--:|--:|--:|--:|--:|--:|"]
     for row in timed_models:
         name = str(row.get("model", "?"))
-        what = name.split(" ")[0] + (" forward" if "(forward)" in name else " forward + backward")
+        what = name.split(" ")[0] + (" forward" if "(forward)" in name else " forward + backward") + \
+            (", compiled" if row.get("compiled") else "")
         tokens = f"{row['batch']} × {row['seq']}" if row.get("batch") else str(row.get("tokens", "—"))
         course, sdpa_ms, eager = row.get("course_ms"), row.get("sdpa_ms"), row.get("eager_ms")
         out.append(f'| <span title="{html.escape(name)}">{html.escape(what, quote=False)}</span> | {tokens} | {ms3(course)} '
                    f"| {ms3(sdpa_ms)} | {ms3(eager)} | {times(sdpa_ms / course if sdpa_ms else None)} "
                    f"| {times(eager / course if eager else None)} |")
     out.append("\n<small>Hover a model for its configuration. For a MoE block, \"eager\" is the block's own "
-               "forward.</small>")
+               "forward. Compiled: `torch.compile(model, fullgraph=True)` in its default mode, the course's "
+               "attention against SDPA, each compiled once.</small>")
     return out
 
 
