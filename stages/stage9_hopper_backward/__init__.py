@@ -14,7 +14,7 @@ Q, K, V, O, dO and dQ, dK, dV may have any strides with D contiguous (a model's 
 tensor maps and the kernels' row addresses carry them, so nothing is copied.
 """
 from stages import Goal, Stage
-from stages.common.attention import by_head_dim, kv_group
+from stages.common.attention import SHORT_PROMPTS, by_head_dim, kv_group
 from stages.common.attention_backward import backward_workspace, blocks, convert_dq, head_strides, preprocess
 from stages.common.hopper import sm_count, tensor_map
 
@@ -84,5 +84,5 @@ STAGE = Stage(
     geometry=by_head_dim(GEOMETRY),
     goal=Goal("cudnn", 0.9),
     extra_benchmarks=tuple(dict(B=8, H=16, Sq=4096, Skv=4096, D=128, causal=causal, dtype="float16")
-                           for causal in (False, True)),
+                           for causal in (False, True)) + SHORT_PROMPTS,
 )
