@@ -54,11 +54,18 @@ def pytest_xdist_auto_num_workers(config):
 def pytest_configure(config):
     """In a worker of `-n`, each compile's pool of threads (grader/parallel_compile.py) shares the CPU cores with
     the other workers': two threads each, or the cores' share where that is more, rather than a thread per core
-    each."""
+    each; and PyTorch's CPU ops, in the worker and in the processes its tests start, its share of the cores:
+    PyTorch's threads wait for each other spinning, and more of them than cores slow them all (two processes of
+    two threads on a 2-core CPU: twice as long as two of one)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
+        import torch
+
         from grader import parallel_compile
-        parallel_compile.THREADS = max(2, (os.cpu_count() or 1) // workers)
+        share = max(1, (os.cpu_count() or 1) // workers)
+        parallel_compile.THREADS = max(2, share)
+        os.environ["OMP_NUM_THREADS"] = str(share)  # the processes the tests start (gloo ranks, the grader)
+        torch.set_num_threads(share)
 
 
 def pytest_collection_modifyitems(config, items):
