@@ -16,8 +16,8 @@ def gpu():
 
 
 # With -n, the tests of each of these modules run in one worker, so that their module-scoped fixtures (the site's
-# builds, the gloo process groups) are made once, not in every worker.
-ONE_WORKER = ("tests/test_docs.py", "tests/test_expert_parallel.py")
+# builds, the gloo process groups, a record's runs digest) are made once, not in every worker.
+ONE_WORKER = ("tests/test_docs.py", "tests/test_expert_parallel.py", "tests/test_runs_digest.py")
 
 
 @pytest.hookimpl(optionalhook=True)
