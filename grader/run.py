@@ -14,7 +14,7 @@ from grader import grading, sass
 from grader.exercise import shown
 from grader.gpus import spec_for
 from grader.isolation import run_items
-from grader.parallel_compile import compile_all
+from grader.parallel_compile import compile_each
 from grader.results import same_kernel, source_digest
 from grader.protocol import PREVIOUS
 
@@ -47,23 +47,23 @@ def stage_builds(stage) -> list[tuple[dict, str]]:
             for defines in map(stage.defines, stage.variants(problem))]
 
 
-CACHED_S = 0.2  # seconds: a compile_cubin call that took longer compiled (the cache's answer takes ms)
-
-
-def compile_stage(stage, kernel_path: Path, arch: str) -> dict:
+def compile_stage(stage, kernel_path: Path, arch: str, with_sass: bool = True) -> dict:
     """{variant key: Cubin} for every dtype × specialization; GraderError for a signature or geometry problem.
-    Where the first variant was not in the compile cache, the others are compiled on every CPU core first
-    (grader/parallel_compile.py), then each is found in the cache in turn (its errors said here)."""
-    builds, cubins = stage_builds(stage), {}
-    for index, (defines, checks) in enumerate(builds):
-        start = time.perf_counter()
+    Every variant compiled at once on every CPU core (grader/parallel_compile.py; a cached one is found at
+    once), the first failure in the variants' order said here, as soon as it is known. With with_sass (a grade's
+    report, a record's runs digest), each cubin's SASS mix and machine-code digest are made there too: a caller
+    that reads neither (a test that a kernel compiles) saves nvdisasm's half a second a cubin."""
+    jobs = [(kernel_path, arch, defines, checks) for defines, checks in stage_builds(stage)]
+    cubins = {}
+    found = compile_each(jobs, stop_at_failure=True, with_sass=with_sass)
+    for (_, _, defines, checks), (compiled, _) in zip(jobs, found):
         try:
-            cubins[variant_key(defines)] = compile_cubin(kernel_path, arch, defines, checks)
+            if isinstance(compiled, Exception):
+                raise compiled
+            cubins[variant_key(defines)] = compiled or compile_cubin(kernel_path, arch, defines, checks)
         except CompileError as error:
             raise (_explain_signature_error(error, stage, kernel_path)
                    or _explain_geometry_error(error, checks, stage.geometry(defines), defines, kernel_path) or error)
-        if index == 0 and len(builds) > 2 and time.perf_counter() - start > CACHED_S:
-            compile_all([(kernel_path, arch, defines, checks) for defines, checks in builds[1:]])
     return cubins
 
 

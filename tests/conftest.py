@@ -1,4 +1,5 @@
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -12,6 +13,59 @@ sys.path.insert(0, str(REPO))
 def gpu():
     from grader import device
     return device.probe()
+
+
+# With -n, the tests of each of these modules run in one worker, so that their module-scoped fixtures (the site's
+# builds, the gloo process groups, a record's runs digest) are made once, not in every worker.
+ONE_WORKER = ("tests/test_docs.py", "tests/test_expert_parallel.py", "tests/test_runs_digest.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """-n's scheduling: pytest-xdist's "load" (each test sent to the next free worker), but the tests of a module
+    in ONE_WORKER sent together. (Its "loadgroup" does that by xdist_group marks, but on pytest 9.2, whose node
+    ids it can no longer rename, it loses the groups.)"""
+    if config.getvalue("dist") != "load":
+        return None  # another --dist, asked for by name
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(nodeid)
+
+    return Scheduling(config, log)
+
+
+def scope_of(nodeid: str) -> str:
+    """What -n sends to a worker with the test `nodeid`: its module where that is in ONE_WORKER, else itself."""
+    module = nodeid.split("::", 1)[0]
+    return module if module in ONE_WORKER else nodeid
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (the README's test command): one worker per CPU core, as pytest-xdist's own rule, where there
+    is no GPU; none where there is one: the GPU tests time kernels on it and keep spare child processes on it
+    (compiled_up_front below), so the tests run in one process, one after the other, as without -n."""
+    found, _ = gpu()
+    return 0 if found is not None else None  # None: pytest-xdist's own count
+
+
+def pytest_configure(config):
+    """In a worker of `-n`, each compile's pool of threads (grader/parallel_compile.py) shares the CPU cores with
+    the other workers': two threads each, or the cores' share where that is more, rather than a thread per core
+    each; and PyTorch's CPU ops, in the worker and in the processes its tests start, its share of the cores:
+    PyTorch's threads wait for each other spinning, and more of them than cores slow them all (two processes of
+    two threads on a 2-core CPU: twice as long as two of one)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        from grader import parallel_compile
+        share = max(1, (os.cpu_count() or 1) // workers)
+        parallel_compile.THREADS = max(2, share)
+        os.environ["OMP_NUM_THREADS"] = str(share)  # the processes the tests start (gloo ranks, the grader)
+        torch.set_num_threads(share)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -238,9 +238,20 @@ def test_ci_tests_exactly_as_the_readme_tells_and_that_installs_nothing(tmp_path
     """The README's test command runs in the environment as it is: on a GPU machine, a test command that
     installed the CPU build of torch would replace the CUDA build."""
     tests = readme_block("test")
-    assert tests == ".venv/bin/python -m pytest\n"
+    assert tests == ".venv/bin/python -m pytest -n auto\n"
     assert ci_prints("--print-test", tmp_path) == tests
     assert "pytest" not in (REPO / ".ci/run").read_text().replace("tests/test_cli.py", "")  # only the README's
+
+
+def test_with_n_the_modules_whose_fixtures_are_costly_run_in_one_worker():
+    """The README's `-n auto`: each test goes to the next free worker, but those of a module in ONE_WORKER go
+    together (its module fixtures built once); a module renamed without ONE_WORKER would lose that silently."""
+    from conftest import ONE_WORKER, scope_of
+
+    assert all((REPO / module).is_file() for module in ONE_WORKER)
+    assert scope_of("tests/test_docs.py::test_site_builds_strictly") == "tests/test_docs.py"
+    assert scope_of("tests/test_expert_parallel.py::test_x[2 ranks-counts]") == "tests/test_expert_parallel.py"
+    assert scope_of("tests/test_cli.py::test_unknown_stage") == "tests/test_cli.py::test_unknown_stage"
 
 
 def test_list_shows_the_ladders_rungs_with_their_archs():

@@ -37,6 +37,7 @@ def test_the_warm_up_lists_every_compile_of_the_grader_on_an_h100_and_no_other(t
         asked.add((str(Path(path).resolve()), arch, tuple(sorted(defines.items())), extra_source))
         return None
     monkeypatch.setattr(run, "compile_cubin", recorded)
+    monkeypatch.setattr(run, "compile_each", lambda jobs, **_: [(None, 0.0)] * len(jobs))  # each call recorded
     for stage, path in graded_by_the_gpu_tests(tmp_path):
         run.compile_stage(stage, path, stages.arch_for(H100, stage.archs))
     listed = {(str(Path(p).resolve()), arch, tuple(sorted(d.items())), extra)
@@ -73,23 +74,69 @@ def test_after_the_warm_up_the_gpu_tests_compiles_all_find_the_cache(tmp_path, m
     assert all(run.resources({c.path.name: c}) for c in cubins)
 
 
-def test_a_stage_compiled_cold_compiles_its_other_variants_over_a_pool(monkeypatch):
-    """compile_stage: where its first variant had to be compiled, the others go to the thread pool before
-    the loop finds them in the cache; where it was cached, no pool is started."""
+def test_a_stage_compiles_all_its_variants_at_once(monkeypatch):
+    """compile_stage: every variant goes to the thread pool at once, stopping at the first failure (a cached
+    variant is found there at once)."""
     from stages.common.compiler import Cubin
 
     stage = stages.load("stage12")
     builds = run.stage_builds(stage)
-    pooled, seconds = [], {"first": 1.0}
+    pooled = []
 
-    def compile_cubin(path, arch, defines, checks):
-        time.sleep(seconds.pop("first", 0.0))  # the first call: a real compile's time
-        return Cubin(Path(path), arch, tuple(sorted(defines.items())), "")
+    def compile_each(jobs, stop_at_failure=False, with_sass=False):
+        pooled.append(([defines for _, _, defines, _ in jobs], stop_at_failure, with_sass))
+        return [(Cubin(Path(path), arch, tuple(sorted(d.items())), ""), 1.0) for path, arch, d, _ in jobs]
 
-    monkeypatch.setattr(run, "compile_cubin", compile_cubin)
-    monkeypatch.setattr(run, "compile_all", lambda jobs: pooled.append(jobs))
+    monkeypatch.setattr(run, "compile_each", compile_each)
+    monkeypatch.setattr(run, "compile_cubin", lambda *job: pytest.fail("compiled outside the pool"))
     assert len(run.compile_stage(stage, stage.source_path, "sm_90a")) == len(builds) > 2
-    assert [[defines for _, _, defines, _ in jobs] for jobs in pooled] == [[d for d, _ in builds[1:]]]
-    pooled.clear()
-    run.compile_stage(stage, stage.source_path, "sm_90a")  # cached: the first call returns at once
-    assert pooled == []
+    assert len(run.compile_stage(stage, stage.source_path, "sm_90a", with_sass=False)) == len(builds)
+    assert pooled == [([d for d, _ in builds], True, True), ([d for d, _ in builds], True, False)]
+
+
+def test_a_compile_error_is_the_first_variants(tmp_path):
+    """Every variant compiled at once: the error said is still the first variant's, in NVRTC's words."""
+    from stages.common.compiler import CompileError
+
+    stage = stages.load("stage0")
+    mine = tmp_path / "attention.cu"
+    mine.write_text(stage.source_path.read_text().replace("float row_sum = 0.0f;", "float row_sum = 0.0f +;"))
+    with pytest.raises(CompileError) as error:
+        run.compile_stage(stage, mine, "sm_80")
+    assert "attention.cu(" in error.value.log and error.value.arch == "sm_80"
+
+
+def test_compile_each_leaves_out_the_jobs_not_begun_at_the_first_failure(tmp_path):
+    from grader.parallel_compile import compile_each
+    from stages.common.compiler import CompileError
+
+    bad = tmp_path / "bad.cu"
+    bad.write_text('extern "C" __global__ void k() { this is not C; }')
+    good = tmp_path / "good.cu"
+    good.write_text('extern "C" __global__ void k(float* x) { x[0] = 1.0f; }')
+    found = compile_each([(bad, "sm_80", {"N": "0"}, "")] + [(good, "sm_80", {"N": str(n)}, "") for n in range(4)],
+                         threads=1, stop_at_failure=True)
+    assert isinstance(found[0][0], CompileError) and [f for f, _ in found[1:]] == [None] * 4
+
+
+def test_one_kernel_compiled_twice_at_once_is_compiled_once(tmp_path, monkeypatch):
+    """Processes sharing the compile cache (the tests, run on every core), or threads: the second compile of a
+    job waits for the first's cubin instead of compiling it again."""
+    import cuda.core
+
+    from grader.parallel_compile import compile_each
+    from stages.common import compiler
+
+    monkeypatch.setattr(compiler, "CACHE_DIR", tmp_path / "cache" / "cubin")
+    real, made = cuda.core.Program, []
+
+    def counted(*args, **kwargs):
+        made.append(args)
+        time.sleep(0.5)  # long enough for the other call to arrive while this one compiles
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cuda.core, "Program", counted)
+    kernel = tmp_path / "k.cu"
+    kernel.write_text('extern "C" __global__ void k(float* x) { x[0] = 1.0f; }')
+    found = compile_each([(kernel, "sm_80", {"N": "1"}, "")] * 2, threads=2)
+    assert len(made) == 1 and found[0][0].path == found[1][0].path and found[0][0].path.is_file()

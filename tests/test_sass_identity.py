@@ -11,6 +11,9 @@ NVRTC is not deterministic across processes: its optimizer sometimes takes anoth
 mismatch is not the verdict: both sides are then compiled again, each in fresh processes, and the
 machine code counts as unchanged when some compile of the current source equals some compile of the base.
 
+Where the kernel and every header it includes are at the base what they are now, byte for byte, NVRTC is
+given the same input: nothing is compiled. Elsewhere the base's variants are compiled at once, on every core.
+
 The base's kernels are compared: a kernel added since (stage 6's saving up GEMM, in every cubin that
 includes experts.cu) has no base, as a stage written later has none. Its labels and internal functions
 are numbered across the cubin, so it shifts the numbers of the kernels after it: each kernel's are
@@ -21,6 +24,7 @@ commit that did, or drop it.
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import io
 import json
@@ -36,6 +40,7 @@ import pytest
 import reference
 import stages
 from grader import sass
+from grader.parallel_compile import compile_each
 from grader.run import compile_stage
 from stages import variant_key
 from stages.common import compiler
@@ -98,17 +103,43 @@ SOURCES = sources()
 
 # ---------------------------------------------------------------- compiling and reading machine code
 
-def compile_in(tree: Path, source: Path, arch: str, defines: dict) -> compiler.Cubin:
-    """compile_cubin for `source` (relative to the repository) of the checkout at `tree`: its
-    #includes resolve in that tree's stages/."""
+@contextlib.contextmanager
+def headers_of(tree: Path):
+    """The compiler resolving #includes in `tree`'s stages/ (a checkout of another commit)."""
     search = (tree / "stages" / "common", tree / "stages")
     toolkit = tuple(d for d in compiler.include_dirs() if not d.startswith(str(REPO / "stages")))
     saved = compiler.SEARCH_DIRS, compiler.include_dirs
     compiler.SEARCH_DIRS, compiler.include_dirs = search, lambda: (*map(str, search), *toolkit)
     try:
-        return compiler.compile_cubin(tree / source, arch, defines)
+        yield
     finally:
         compiler.SEARCH_DIRS, compiler.include_dirs = saved
+
+
+def compile_in(tree: Path, source: Path, arch: str, defines: dict) -> compiler.Cubin:
+    """compile_cubin for `source` (relative to the repository) of the checkout at `tree`: its
+    #includes resolve in that tree's stages/."""
+    with headers_of(tree):
+        return compiler.compile_cubin(tree / source, arch, defines)
+
+
+def compile_each_in(tree: Path, source: Path, arch: str, variants: list[dict]) -> list[compiler.Cubin]:
+    """compile_in for every variant at once, on every CPU core (grader/parallel_compile.py)."""
+    with headers_of(tree):
+        found = [cubin for cubin, _ in compile_each([(tree / source, arch, defines, "") for defines in variants])]
+    for failure in (f for f in found if isinstance(f, Exception)):
+        raise failure
+    return found
+
+
+def same_sources(tree: Path, source: Path) -> bool:
+    """Whether `source` (relative to the repository) and every file it includes are in `tree` what they are
+    in the repository, byte for byte: then NVRTC is given the same input, and the machine code is the same
+    by construction (its differences from draw to draw aside): nothing to compile."""
+    with headers_of(tree):
+        theirs = [p.relative_to(tree) for p in (tree / source, *compiler.included_files(tree / source))]
+    ours = [p.relative_to(REPO) for p in (REPO / source, *compiler.included_files(REPO / source))]
+    return theirs == ours and all((tree / p).read_bytes() == (REPO / p).read_bytes() for p in ours)
 
 
 def machine_code(cubin: compiler.Cubin) -> dict:
@@ -171,11 +202,10 @@ def base_tree(commit: str) -> Path:
 
 
 def current_cubins(stage, source: str, arch: str) -> dict:
-    """{variant key: Cubin} of the current source: a stage's own kernel as the grader compiles it (its
-    signature and geometry checks are static_asserts: no code), a ladder rung as it is."""
-    if source == stage.source:
-        return compile_stage(stage, stage.source_path, arch)
-    return {variant_key(d): compiler.compile_cubin(stage.folder / source, arch, d) for d in variants(stage)}
+    """{variant key: Cubin} of the current source as the grader compiles it (its signature and geometry checks
+    are static_asserts: no code), a ladder rung as its rung: the cubins tests/test_compile.py made."""
+    graded = next(s for s in stages.with_rungs(stage.name) if s.source_path == stage.folder / source)
+    return compile_stage(graded, graded.source_path, arch, with_sass=False)
 
 
 def variants(stage) -> list[dict]:
@@ -187,9 +217,12 @@ def test_machine_code_is_unchanged(name, source, arch, tmp_path):
     stage = stages.load(name)
     relative = stage.folder.relative_to(REPO) / source
     base = base_tree(BASES[name])
+    if same_sources(base, relative):
+        return  # the same source and headers: the same machine code
     current = current_cubins(stage, source, arch)
-    for defines in variants(stage):
-        befores = [machine_code(compile_in(base, relative, arch, defines))]
+    based = compile_each_in(base, relative, arch, variants(stage))
+    for defines, base_cubin in zip(variants(stage), based):
+        befores = [machine_code(base_cubin)]
         afters = [machine_code(current[variant_key(defines)])]
         for draw in range(FRESH_COMPILES):
             if any(unchanged(a, b) for a in afters for b in befores):
