@@ -33,7 +33,7 @@ def source_files(stage, kernel_path: Path | None = None) -> list[Path]:
         files += [path for path in [Path(inspect.getfile(stage.launch))] if path not in files]
     python = files[1:]
     while python:  # the launch code, and the stage modules it imports, recursively
-        for path in _imported_stage_modules(python.pop()):
+        for path in imported_stage_modules(python.pop()):
             if path not in files:
                 files.append(path)
                 python.append(path)
@@ -43,7 +43,7 @@ def source_files(stage, kernel_path: Path | None = None) -> list[Path]:
     return files
 
 
-def _imported_stage_modules(path: Path) -> list[Path]:
+def imported_stage_modules(path: Path) -> list[Path]:
     """The modules of stages/ a launch file imports, at its top or inside a function: shared launch
     code (stages.common.hopper), another stage's (stages.stage6_grouped_gemm) or the ops (`from stages
     import ops`), whose changes change what the stage runs too."""
@@ -51,6 +51,12 @@ def _imported_stage_modules(path: Path) -> list[Path]:
     names = re.findall(r"^\s*from stages\.([\w.]+) import", text, re.MULTILINE)
     for listed in re.findall(r"^\s*from stages import ([\w, ]+)", text, re.MULTILINE):
         names += [name.strip() for name in listed.split(",")]
+    return modules + module_paths(names)
+
+
+def module_paths(names: list[str]) -> list[Path]:
+    """The files of the modules of stages/ named ("common.hopper", "stage6_grouped_gemm", "ops") that exist."""
+    modules = []
     for name in names:
         module = STAGES_DIR / name.replace(".", "/")
         if module.is_dir() or module.with_suffix(".py").is_file():

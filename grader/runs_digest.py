@@ -6,8 +6,10 @@ Its `runs_digest` holds, per NVRTC version, what of them runs:
     "runs_digest": {"13.0": {"launch": digest, "machine_code": {stage key: {variant: digest}}}}
 
 "launch": the launch modules (results.source_files' Python files) as Python runs them, their syntax
-trees without docstrings (comments are not in them), and each variant's -D macros and geometry, of the
-stage and of the stages it launches (its `uses`); "machine_code": each variant's cubin, as the grade
+trees without docstrings (comments are not in them) and without the shapes a stage is timed at (a Stage's
+extra_benchmarks, and the names only they use: a shape added there changes no launch, and
+tests/test_results.py wants each current entry timed at every shape), and each variant's -D macros and
+geometry, of the stage and of the stages it launches (its `uses`); "machine_code": each variant's cubin, as the grade
 compiles it for the entry's arch (the stages it launches: for the arch they take on that GPU), by
 grader/sass.py's code_digest (the SASS, addresses aside, labels renumbered; ptxas's resources).
 
@@ -102,24 +104,67 @@ def gpu_of(arch: str) -> SimpleNamespace:
 
 
 def launch_digest(stage, arch: str, kernel_path: Path | None = None) -> str:
-    """The digest of the launch: its modules as Python runs them, each variant's -D macros and geometry."""
-    modules = [launch_code(path) for path in results.source_files(stage, kernel_path) if path.suffix == ".py"]
+    """The digest of the launch: its modules as Python runs them (a module that the others import only for
+    the shapes they are timed at left out), each variant's -D macros and geometry."""
+    files = [path for path in results.source_files(stage, kernel_path) if path.suffix == ".py"]
+    trees = {path: launch_tree(path) for path in files}
+    imported_in_text = {module for path in files for module in results.imported_stage_modules(path)}
+    imported = {module for tree in trees.values() for module in imported_modules(tree)}
+    modules = [json.dumps(syntax(tree)) for path, tree in trees.items() if path in imported or path not in imported_in_text]
     geometry = {part.key: {variant_key(defines): part.geometry(defines) for defines, _ in stage_builds(part)}
                 for part, _, _ in launched(stage, arch, kernel_path)}
     text = json.dumps({"modules": modules, "geometry": geometry}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def launch_code(path: Path) -> str:
-    """A Python module as it runs: its syntax tree without docstrings (comments are not in it), written
-    out without the fields that are None or empty, so that Python versions that differ only in such
-    fields (3.12's type_params) write it alike, as ast.dump does not."""
+def launch_tree(path: Path) -> ast.Module:
+    """A Python module as it runs: its syntax tree without docstrings (comments are not in it) and without
+    the shapes it is timed at (without_timed_shapes). `syntax` writes it out."""
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) \
                 and ast.get_docstring(node, clean=False) is not None:
             node.body = node.body[1:] or [ast.Pass()]
-    return json.dumps(syntax(tree))
+    return without_timed_shapes(tree)
+
+
+def imported_modules(tree: ast.Module) -> list[Path]:
+    """The files of the modules of stages/ that `tree` imports (as results.imported_stage_modules reads them)."""
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "stages":
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("stages."):
+            names.append(node.module.removeprefix("stages."))
+    return results.module_paths(names)
+
+
+TIMED_SHAPES = "extra_benchmarks"  # the Stage field of the shapes it is timed at beside its problem's
+
+
+def without_timed_shapes(tree: ast.Module) -> ast.Module:
+    """`tree` without the TIMED_SHAPES keyword of its Stage(...) calls, and without the module-level
+    imports and assignments of names that only that keyword used."""
+    shape_names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Stage":
+            for keyword in node.keywords:
+                if keyword.arg == TIMED_SHAPES:
+                    shape_names |= {n.id for n in ast.walk(keyword.value) if isinstance(n, ast.Name)}
+            node.keywords = [keyword for keyword in node.keywords if keyword.arg != TIMED_SHAPES]
+    unused = shape_names - {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    body = []
+    for statement in tree.body:
+        if isinstance(statement, ast.ImportFrom):
+            statement.names = [alias for alias in statement.names if (alias.asname or alias.name) not in unused]
+            if not statement.names:
+                continue
+        elif isinstance(statement, ast.Assign) and all(isinstance(t, ast.Name) and t.id in unused
+                                                       for t in statement.targets):
+            continue
+        body.append(statement)
+    tree.body = body
+    return tree
 
 
 def syntax(node) -> object:

@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+import reference
 import stages
 from grader import results
 from grader.runs_digest import is_current
@@ -71,6 +72,23 @@ def test_results_have_the_fields_other_tools_read(gpu):
             assert {"name", "ms", "tflops"} <= set(bench["reference"])
             assert "naive" in bench["baselines"] or entry["problem"] in WITHOUT_NAIVE, name
         assert entry["measured"]["gpu"] == data["gpu"]
+
+
+@pytest.mark.parametrize("gpu", sorted(RECORDED))
+def test_current_results_are_timed_at_every_shape_of_their_stage(gpu):
+    """A shape added to a stage's (extra_benchmarks) leaves its record current (grader/runs_digest.py): the
+    record must then be timed at it (python -m grader STAGE --shapes LABEL merges it in), or name it
+    under "untimed_shapes" with the reason."""
+    from grader.run import benchmark_shapes
+
+    for name, entry in RECORDED[gpu]["stages"].items():
+        if entry.get("stale"):
+            continue
+        stage = stages.load(name)
+        problem = reference.load(stage.problem)
+        wanted = {problem.shape_label(shape) for shape in benchmark_shapes(stage)}
+        timed = {bench["label"] for bench in entry["benchmarks"]} | set(entry.get("untimed_shapes", {}))
+        assert wanted <= timed, f"{name} on {RECORDED[gpu]['gpu']} is not timed at {sorted(wanted - timed)}"
 
 
 def test_a_stage_recorded_is_no_longer_named_not_measured(tmp_path):

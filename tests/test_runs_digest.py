@@ -76,6 +76,20 @@ def test_a_docstring_or_comment_in_the_launch_leaves_its_record_current(record, 
     assert runs_digest.is_current(record, STAGE)
 
 
+def test_a_shape_to_time_at_leaves_its_record_current(record, tmp_path, monkeypatch):
+    """Shapes added to the Stage's extra_benchmarks (a name imported and one assigned for them) change
+    where it is timed, not what runs."""
+    launch = edited(LAUNCH, tmp_path, "STAGE = Stage(",
+                    "from stages.common.prompts import SHORT_PROMPTS\nMORE = (dict(B=1),)\n"
+                    "STAGE = Stage(\n    extra_benchmarks=MORE + SHORT_PROMPTS,")
+    with monkeypatch.context() as patch:
+        with_launch(patch, launch)
+        assert runs_digest.is_current(record, STAGE)
+    (tmp_path / "used").mkdir()
+    with_launch(monkeypatch, edited(launch, tmp_path / "used", "\nSTAGE = Stage(", "\nprint(MORE)\nSTAGE = Stage("))
+    assert not runs_digest.is_current(record, STAGE)  # MORE is used by the launch too: that is code
+
+
 @pytest.mark.parametrize("old,new", [('"MAX_TOP_K": MAX_TOP_K}', '"MAX_TOP_K": MAX_TOP_K - 1}'),
                                      ("SCATTER_THREADS = 256", "SCATTER_THREADS = 128"),
                                      ("min(128, 32 * ", "min(256, 32 * ")],

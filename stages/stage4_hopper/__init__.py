@@ -10,8 +10,9 @@ their own strides, so that a model's [B, S, H, D] views are read where they lie,
 the kernel as `const __grid_constant__` parameters.
 """
 from stages import Goal, Stage
-from stages.common.attention import SHORT_PROMPTS, by_head_dim, kv_group
+from stages.common.attention import by_head_dim, kv_group
 from stages.common.hopper import sm_count, tensor_map
+from stages.common.prompts import SHORT_PROMPTS
 
 # What the launch uses, per head dimension, as attention.cu computes it (the grader checks each value
 # against the kernel): query rows per tile (2 consumer warpgroups × 64), keys per K/V tile, threads

@@ -14,9 +14,10 @@ Q, K, V, O, dO and dQ, dK, dV may have any strides with D contiguous (a model's 
 tensor maps and the kernels' row addresses carry them, so nothing is copied.
 """
 from stages import Goal, Stage
-from stages.common.attention import SHORT_PROMPTS, by_head_dim, kv_group
+from stages.common.attention import by_head_dim, kv_group
 from stages.common.attention_backward import backward_workspace, blocks, convert_dq, head_strides, preprocess
 from stages.common.hopper import sm_count, tensor_map
+from stages.common.prompts import SHORT_PROMPTS
 
 # What the launch uses, per head dimension, as wgmma_attention_backward.cuh computes it (the grader checks each value
 # against the kernel): keys per block (2 consumer warpgroups × 64), query rows per tile, threads (a
