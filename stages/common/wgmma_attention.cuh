@@ -1,7 +1,6 @@
 // The consumer side of a Hopper attention forward (stage 4's pieces, as templates): the two wgmma
 // products of a K/V tile, the online softmax split around the P·V product still in flight, and an
-// epilogue for rows that may see no key. Stage 12 includes it; stage 4 keeps its own copies (its
-// source, and so its recorded results, stay as they were measured).
+// epilogue for rows that may see no key. Stage 4, its ladder's rungs and stage 12 include it.
 //
 // Tiles are laid out as tma.cuh's load_tile leaves them: column block b (64 elements, 128 bytes
 // swizzled) of a ROWS-row tile at tile + b·ROWS·128.
@@ -9,8 +8,11 @@
 #include "mma.cuh"
 #include "wgmma.cuh"
 
+// --8<-- [start:wgmma]
 // S[64 × BLOCK_N] = Q[64 × D] · Kᵀ for the 64 rows of consumer warpgroup `consumer` of a BLOCK_M-row
-// Q tile: D/16 wgmmas, both operands K-major, step kk 32 bytes further into the swizzled row.
+// Q tile: D/16 wgmmas, both operands K-major. Step kk covers d = 16kk .. 16kk+15: column block kk / 4,
+// 32 bytes further into the 128-byte swizzled row per step inside it (the hardware applies the XOR on
+// the address).
 template <int BLOCK_M, int BLOCK_N, int DIM>
 __device__ __forceinline__ void wgmma_scores(float (&s)[BLOCK_N / 8][4], unsigned q_tile, unsigned k_tile,
                                              int consumer) {
@@ -23,7 +25,9 @@ __device__ __forceinline__ void wgmma_scores(float (&s)[BLOCK_N / 8][4], unsigne
     }
 }
 
-// O[64 × D] += P[64 × BLOCK_N] · V[BLOCK_N × D], P from registers, V MN-major.
+// O[64 × D] += P[64 × BLOCK_N] · V[BLOCK_N × D], P from registers, V MN-major (d contiguous in a row
+// of keys): step ks covers keys 16ks .. 16ks+15 = two 8-row groups (SBO = 1024 bytes apart) starting
+// 16·128 bytes further down; the 64-column blocks of d are LBO = BLOCK_N·128 bytes apart.
 template <int BLOCK_N, int DIM>
 __device__ __forceinline__ void wgmma_pv(float (&o)[DIM / 8][4], const unsigned (&p)[BLOCK_N / 16][4],
                                          unsigned v_tile) {
@@ -33,10 +37,16 @@ __device__ __forceinline__ void wgmma_pv(float (&o)[DIM / 8][4], const unsigned 
         wgmma_rs<elem_t, DIM, MN_MAJOR>(o, p[ks], b, 1);
     }
 }
+// --8<-- [end:wgmma]
 
-// The scores into P, returning in `correction` the factor O must be rescaled by once the P·V product
-// still accumulating into it has completed (rescale_accumulator). The row max and sum run in 4
-// independent chains (stage 4's row_chains: only two consumer warpgroups hide each chain's latency).
+// The online softmax of mma.cuh, split in two: this half turns the scores into P and returns in
+// `correction` the factor O must be rescaled by once the P·V product still accumulating into it
+// (intra-warpgroup overlap) has completed (rescale_accumulator).
+// The row max and the row sum run in CHAINS independent chains, combined at the end. mma.cuh's
+// tile_row_max is one running max: a chain of 2·N_FRAGS dependent FMNMX, each waiting ~4 cycles for
+// the one before. Where many warps share a scheduler (stages 2 and 3) others fill those cycles, and
+// one chain saves the registers (stage 3 at D = 64 spills with 4 on sm_80-89); here only the two
+// consumer warpgroups do, and 4 chains cut the chain to a quarter.
 template <int N_FRAGS>
 __device__ __forceinline__ void softmax_to_p(float (&s)[N_FRAGS][4], float (&row_max)[2], float (&row_sum)[2],
                                              float (&correction)[2], float scale_log2) {

@@ -92,7 +92,7 @@ __device__ __forceinline__ void init_barriers(const SharedMemory& shared) {
 
 // acc[64 keys × BLOCK_M queries] = rows · queryᵀ: Sᵀ = K Qᵀ (rows = the consumer's 64 keys of K) or
 // dPᵀ = V dOᵀ. Both operands K-major (d contiguous): step kk covers d = 16kk .. 16kk+15, column block
-// kk / 4, 32 bytes further into the swizzled row per step inside it (stage 4's issue_scores).
+// kk / 4, 32 bytes further into the swizzled row per step inside it (stage 4's wgmma_scores).
 __device__ __forceinline__ void issue_rows_times_queries(float (&acc)[M_FRAGS][4], unsigned rows, unsigned queries) {
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
@@ -106,7 +106,7 @@ __device__ __forceinline__ void issue_rows_times_queries(float (&acc)[M_FRAGS][4
 // acc[64 keys × D] += x · (a query tile of Q or dO): dV += Pᵀ dO, dK += dSᵀ Q. x from registers (the A
 // fragments of M_STEPS k-steps of 16 queries); the query tile is [query][d] = [k][n], MN-major: step
 // ks covers queries 16ks .. 16ks+15, 16·128 bytes further down; the 64-column blocks of d are LBO =
-// BLOCK_M·128 bytes apart (stage 4's issue_pv).
+// BLOCK_M·128 bytes apart (stage 4's wgmma_pv).
 __device__ __forceinline__ void issue_accumulate(float (&acc)[D_FRAGS][4], const unsigned (&x)[M_STEPS][4],
                                                  unsigned queries) {
 #pragma unroll

@@ -36,7 +36,7 @@
 // D = 64 is the hard case: per tile, the exponentials (one MUFU.EX2 per score, 16 lanes per SM
 //   per cycle) take as long as both GEMMs on the tensor cores, and each consumer warp's softmax is
 //   a chain of dependent steps that only the one other consumer can hide. Hence the row max and sum
-//   in independent chains (row_chains below), and 192-key tiles at D = 64 (FlashAttention-3's
+//   in independent chains (softmax_to_p, wgmma_attention.cuh), and 192-key tiles at D = 64 (FlashAttention-3's
 //   choice): a third fewer tile transitions -- barrier waits, turns, wgmma issue and wait -- per key,
 //   for some waste on a partial last tile.
 // Persistent: a block has a fixed cost per query tile -- launch, barrier setup, the cold Q and K_0
@@ -55,6 +55,7 @@
 #include "mma.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
+#include "wgmma_attention.cuh"  // the products, the online softmax split around P·V
 
 constexpr int BLOCK_M = 128;                          // query rows per query tile
 constexpr int BLOCK_N = HEAD_DIM == 64 ? 192 : 128;   // keys per K/V tile (192 at D = 64: see above)
@@ -82,102 +83,6 @@ static_assert(SHARED_BYTES <= 227 * 1024, "an H100 block has at most 227 KB of s
 static_assert(sizeof(elem_t) == 2, "16-bit elements");
 static_assert(HEAD_DIM % ATOM_COLS == 0, "D is a whole number of 128-byte swizzle rows");
 
-
-// --8<-- [start:wgmma]
-// S[64 × BLOCK_N] = Q[64 × D] · Kᵀ for consumer `consumer`'s 64 rows of the Q tile: D/16 wgmmas,
-// both operands K-major. Step kk covers d = 16kk .. 16kk+15: column block kk / 4, 32 bytes further
-// into the 128-byte swizzled row per step inside it (the hardware applies the XOR on the address).
-__device__ __forceinline__ void issue_scores(float (&s)[S_FRAGS][4], unsigned q_tile, unsigned k_tile, int consumer) {
-#pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-        const unsigned column = (kk / 4) , offset = (kk % 4) * 32;
-        const u64 a = make_smem_desc(q_tile + column * BLOCK_M * 128 + consumer * 64 * 128 + offset, 16, 1024);
-        const u64 b = make_smem_desc(k_tile + column * BLOCK_N * 128 + offset, 16, 1024);
-        wgmma_ss<elem_t, BLOCK_N, K_MAJOR>(s, a, b, kk > 0);
-    }
-}
-
-// O[64 × D] += P[64 × BLOCK_N] · V[BLOCK_N × D], P from registers, V MN-major (d contiguous in a
-// row of keys): step ks covers keys 16ks .. 16ks+15 = two 8-row groups (SBO = 1024 bytes apart)
-// starting 16·128 bytes further down; the 64-column blocks of d are LBO = BLOCK_N·128 bytes apart.
-__device__ __forceinline__ void issue_pv(float (&o)[O_FRAGS][4], const unsigned (&p)[P_STEPS][4], unsigned v_tile) {
-#pragma unroll
-    for (int ks = 0; ks < P_STEPS; ++ks) {
-        const u64 b = make_smem_desc(v_tile + ks * 16 * 128, BLOCK_N * 128, 1024);
-        wgmma_rs<elem_t, HEAD_DIM, MN_MAJOR>(o, p[ks], b, 1);
-    }
-}
-// --8<-- [end:wgmma]
-
-// --8<-- [start:row_chains]
-// The row max and the row sum in CHAINS independent chains, combined at the end. mma.cuh's
-// tile_row_max is one running max: a chain of 2·S_FRAGS dependent FMNMX, each waiting ~4 cycles for
-// the one before. Where many warps share a scheduler (stages 2 and 3) others fill those cycles, and
-// one chain saves the registers (stage 3 at D = 64 spills with 4 on sm_80-89); here only the two
-// consumer warpgroups do, and 4 chains cut the chain to a quarter.
-constexpr int CHAINS = 4;
-
-__device__ __forceinline__ float tile_row_max_in_chains(const float (&s)[S_FRAGS][4], int r) {
-    float m[CHAINS];
-#pragma unroll
-    for (int i = 0; i < CHAINS; ++i) m[i] = -INFINITY;
-#pragma unroll
-    for (int n = 0; n < S_FRAGS; ++n) m[n % CHAINS] = fmaxf(m[n % CHAINS], fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-#pragma unroll
-    for (int i = 1; i < CHAINS; ++i) m[0] = fmaxf(m[0], m[i]);
-    return quad_max(m[0]);
-}
-
-// mma.cuh's exponentiate_row, its sum in CHAINS independent running sums.
-__device__ __forceinline__ float exponentiate_row_in_chains(float (&s)[S_FRAGS][4], int r, float scale_log2,
-                                                            float max_scaled) {
-    float sum[CHAINS];
-#pragma unroll
-    for (int i = 0; i < CHAINS; ++i) sum[i] = 0.0f;
-#pragma unroll
-    for (int n = 0; n < S_FRAGS; ++n) {
-#pragma unroll
-        for (int c = 2 * r; c < 2 * r + 2; ++c) {
-            s[n][c] = fast_exp2(s[n][c] * scale_log2 - max_scaled);
-            sum[n % CHAINS] += s[n][c];
-        }
-    }
-#pragma unroll
-    for (int i = 1; i < CHAINS; ++i) sum[0] += sum[i];
-    return sum[0];
-}
-// --8<-- [end:row_chains]
-
-// The online softmax of mma.cuh, split in two: this half turns the scores into P and returns the
-// factor by which O must be rescaled; rescale_output() applies it once the P·V product that is
-// still accumulating into O (intra-warpgroup overlap) has completed.
-__device__ __forceinline__ void softmax_update(float (&s)[S_FRAGS][4], float (&row_max)[2], float (&row_sum)[2],
-                                               float (&correction)[2], float scale_log2) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {  // r = 0: row g (c[0], c[1]); r = 1: row g+8 (c[2], c[3])
-        const float new_max = fmaxf(row_max[r], tile_row_max_in_chains(s, r));
-        const float max_scaled = scaled_max(new_max, scale_log2);
-        correction[r] = fast_exp2(row_max[r] * scale_log2 - max_scaled);  // 0 on the first tile
-        row_max[r] = new_max;
-        row_sum[r] = row_sum[r] * correction[r] + exponentiate_row_in_chains(s, r, scale_log2, max_scaled);
-    }
-}
-
-__device__ __forceinline__ void rescale_output(float (&o)[O_FRAGS][4], const float (&correction)[2]) {
-#pragma unroll
-    for (int d = 0; d < O_FRAGS; ++d) {
-        o[d][0] *= correction[0];
-        o[d][1] *= correction[0];
-        o[d][2] *= correction[1];
-        o[d][3] *= correction[1];
-    }
-}
-
-// P (fp32 in the registers of S) -> the 16-bit A operands of the P_STEPS wgmmas of P·V.
-__device__ __forceinline__ void convert_p(const float (&s)[S_FRAGS][4], unsigned (&p)[P_STEPS][4]) {
-#pragma unroll
-    for (int ks = 0; ks < P_STEPS; ++ks) p_as_a_operand(s, ks, p[ks]);
-}
 
 // The query tiles a block computes. A "unit" is one query tile (m_block, head) -- or, when the
 // launch is persistent and causal, the pair of query tiles i and M-1-i of a head, which together see
@@ -328,7 +233,7 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const Schedu
             mbarrier_wait(shared.barrier(K_FULL + ring % KV_STAGES), (ring / KV_STAGES) & 1);
             named_barrier_sync(my_turn, CONSUMER_THREADS);
             wgmma_fence();
-            issue_scores(s, shared.q_tile(), shared.k_slot(ring % KV_STAGES), consumer);
+            wgmma_scores<BLOCK_M, BLOCK_N, HEAD_DIM>(s, shared.q_tile(), shared.k_slot(ring % KV_STAGES), consumer);
             wgmma_commit();
             named_barrier_arrive(other_turn, CONSUMER_THREADS);
             wgmma_wait<0>();
@@ -336,8 +241,8 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const Schedu
             mbarrier_arrive(shared.barrier(K_EMPTY + ring % KV_STAGES));
             if (num_tiles == 1) mbarrier_arrive(shared.barrier(Q_EMPTY));  // the producer may load the next Q
             if (BLOCK_N > seq_kv || (causal && BLOCK_N - 1 > warp_m0)) apply_mask(s, 0, warp_m0 + lane / 4, seq_kv, causal, lane);
-            softmax_update(s, row_max, row_sum, correction, scale_log2);  // O is still 0: no rescale
-            convert_p(s, p);
+            softmax_to_p(s, row_max, row_sum, correction, scale_log2);  // O is still 0: no rescale
+            p_operands(s, p);
 
             // Rounds 1 .. num_tiles - 1: S_j and P_{j-1}·V_{j-1} together, softmax of S_j meanwhile.
             for (int tile = 1; tile < num_tiles; ++tile) {
@@ -347,9 +252,9 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const Schedu
                 mbarrier_wait(shared.barrier(V_FULL + prev), ((k - 1) / KV_STAGES) & 1);
                 named_barrier_sync(my_turn, CONSUMER_THREADS);
                 wgmma_fence();
-                issue_scores(s, shared.q_tile(), shared.k_slot(stage), consumer);
+                wgmma_scores<BLOCK_M, BLOCK_N, HEAD_DIM>(s, shared.q_tile(), shared.k_slot(stage), consumer);
                 wgmma_commit();
-                issue_pv(o_acc, p, shared.v_slot(prev));
+                wgmma_pv<BLOCK_N, HEAD_DIM>(o_acc, p, shared.v_slot(prev));
                 wgmma_commit();
                 named_barrier_arrive(other_turn, CONSUMER_THREADS);
 
@@ -360,14 +265,14 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const Schedu
                 const int n0 = tile * BLOCK_N;
                 if (n0 + BLOCK_N > seq_kv || (causal && n0 + BLOCK_N - 1 > warp_m0))
                     apply_mask(s, n0, warp_m0 + lane / 4, seq_kv, causal, lane);
-                softmax_update(s, row_max, row_sum, correction, scale_log2);
+                softmax_to_p(s, row_max, row_sum, correction, scale_log2);
 
                 wgmma_wait<0>();  // P_{j-1}·V_{j-1} is done: O may be rescaled, P overwritten
                 fence_registers(o_acc);
                 fence_registers(p);
                 mbarrier_arrive(shared.barrier(V_EMPTY + prev));
-                rescale_output(o_acc, correction);
-                convert_p(s, p);
+                rescale_accumulator(o_acc, correction);
+                p_operands(s, p);
             }
 
             // Last round: P·V of the last tile.
@@ -375,7 +280,7 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const Schedu
             mbarrier_wait(shared.barrier(V_FULL + last), (k / KV_STAGES) & 1);
             named_barrier_sync(my_turn, CONSUMER_THREADS);
             wgmma_fence();
-            issue_pv(o_acc, p, shared.v_slot(last));
+            wgmma_pv<BLOCK_N, HEAD_DIM>(o_acc, p, shared.v_slot(last));
             wgmma_commit();
             // After the block's last turn of consumer 1, consumer 0 will not sync again: 1 does not arrive.
             if (consumer == 0 || !block_done) named_barrier_arrive(other_turn, CONSUMER_THREADS);
