@@ -47,8 +47,8 @@ needs. An ops.moe_layer call of at most MOE_GRAPH_TOKENS tokens without gradient
 its launches from the second call of the same shape and weights on (not while the caller captures a graph
 itself). (docs/pytorch.md measures each piece of a call.)
 
-Each problem runs the fastest course stage this GPU runs (`stages.fastest_stage`): the highest-numbered stage
-solving it, or the highest rung of that stage's ladder, that compiles for the GPU. The forward
+Each problem runs the first stage (or rung) stages.OPS_STAGES lists for it, the fastest first, that compiles
+for this GPU (`stages.ops_stage`); a stage that is not listed never serves an op. The forward
 attention: stage 4 on sm_90a (an H100 or H200), stage 3 elsewhere; its backward: stage 9 on sm_90a,
 stage 8 elsewhere; the MoE layer: stage 7 on sm_90a, stage 7's mma_sync rung elsewhere; its backward: stage 14,
 on sm_90a alone (elsewhere a backward through ops.moe_layer raises one ValueError); block-sparse
@@ -894,7 +894,7 @@ def launch_fastest(problem, inputs: dict, outputs: dict, saving: bool = False):
 
 
 def fastest_stage_on(problem: str, device_index: int) -> tuple[stages.Stage, str]:
-    return stages.fastest_stage(problem, torch.cuda.get_device_properties(device_index))
+    return stages.ops_stage(problem, torch.cuda.get_device_properties(device_index))
 
 
 def _load(key: tuple, problem, device_index: int, variant: dict) -> tuple:

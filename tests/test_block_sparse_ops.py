@@ -214,7 +214,7 @@ def test_a_gpu_no_stage_runs_it_on_is_refused_in_one_line(monkeypatch):
 
 
 def test_stages_12_and_13_run_on_sm_90a():
-    assert [(s.name, arch) for s, arch in (stages.fastest_stage(p, H100) for p in (FORWARD.name, BACKWARD.name))] \
+    assert [(s.name, arch) for s, arch in (stages.ops_stage(p, H100) for p in (FORWARD.name, BACKWARD.name))] \
         == [("stage12_block_sparse", "sm_90a"), ("stage13_block_sparse_backward", "sm_90a")]
 
 
@@ -222,7 +222,7 @@ def test_stages_12_and_13_run_on_sm_90a():
 @pytest.mark.parametrize("problem", [FORWARD.name, BACKWARD.name])
 def test_no_stage_solves_block_sparse_attention_elsewhere(gpu, problem):
     with pytest.raises(RuntimeError, match=rf"^no course stage solves {problem} on this GPU \({gpu.name}"):
-        stages.fastest_stage(problem, gpu)
+        stages.ops_stage(problem, gpu)
 
 
 def test_the_ops_check_their_inputs_when_called_directly(monkeypatch):

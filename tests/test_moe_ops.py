@@ -321,7 +321,7 @@ def test_a_backward_off_sm_90a_is_refused_in_one_line(path, who, monkeypatch):
         math_launches(problem, inputs, outputs)
     monkeypatch.setattr(ops, "launch_fastest", forward_only)
     monkeypatch.setattr(ops, "device_problem", lambda tensors: None)
-    monkeypatch.setattr(ops, "fastest_stage_on", lambda problem, device_index: stages.fastest_stage(problem, A100))
+    monkeypatch.setattr(ops, "fastest_stage_on", lambda problem, device_index: stages.ops_stage(problem, A100))
     monkeypatch.setattr(ops, "moe_backward_gpu_problem", functools.cache(ops.moe_backward_gpu_problem.__wrapped__))
     layer, dy = small_layer(requires_grad=True)
     out, _ = LAYERS[path](*(layer[n] for n in LAYER_INPUTS), 2)
@@ -331,10 +331,10 @@ def test_a_backward_off_sm_90a_is_refused_in_one_line(path, who, monkeypatch):
 
 
 def test_stage_14_alone_runs_the_backward_and_on_sm_90a_only(monkeypatch):
-    chosen, arch = stages.fastest_stage("moe_layer_backward", H100)
+    chosen, arch = stages.ops_stage("moe_layer_backward", H100)
     assert (chosen.name, arch) == ("stage14_moe_backward", "sm_90a")
     for gpu, problem in ((H100, None), (A100, REFUSAL)):
-        monkeypatch.setattr(ops, "fastest_stage_on", lambda name, device_index: stages.fastest_stage(name, gpu))
+        monkeypatch.setattr(ops, "fastest_stage_on", lambda name, device_index: stages.ops_stage(name, gpu))
         assert ops.moe_backward_gpu_problem.__wrapped__(0) == problem
 
 

@@ -8,6 +8,7 @@ the gradients pass the course's tolerance rule against float64, with PyTorch's S
 torch.library.opcheck passes; torch.compile(fullgraph=True) runs the attention forward and backward; a
 tiny transformer trains as well on the course's attention as on PyTorch's; the MoE layer passes its
 problem's rule."""
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -69,14 +70,26 @@ def test_inputs_the_kernels_do_not_take_are_refused_in_one_line(what, monkeypatc
 @pytest.mark.parametrize("gpu,stage,arch", [(H100, "stage4_hopper", "sm_90a"), (A100, "stage3_pipeline", "sm_80"),
                                             (L4, "stage3_pipeline", "sm_89")])
 def test_the_forward_is_the_fastest_stage_the_gpu_runs(gpu, stage, arch):
-    chosen, chosen_arch = stages.fastest_stage("attention", gpu)
+    chosen, chosen_arch = stages.ops_stage("attention", gpu)
     assert (chosen.name, chosen_arch) == (stage, arch)
+
+
+def test_a_later_stage_of_the_problem_serves_the_op_only_once_listed(monkeypatch):
+    """stages.ops_stage picks from stages.OPS_STAGES alone: a stage 15 solving attention on every GPU (a decode
+    attention, say) does not take ops.attention over by its number; listed first, it does."""
+    decode = dataclasses.replace(stages.load("stage3_pipeline"), name="stage15_decode")
+    load, names = stages.load, stages.stage_names()
+    monkeypatch.setattr(stages, "stage_names", lambda: [*names, decode.name])
+    monkeypatch.setattr(stages, "load", lambda name: decode if name == decode.name else load(name))
+    assert [stages.ops_stage("attention", gpu)[0].name for gpu in (H100, A100)] == ["stage4_hopper", "stage3_pipeline"]
+    monkeypatch.setitem(stages.OPS_STAGES, "attention", (decode.name, *stages.OPS_STAGES["attention"]))
+    assert [stages.ops_stage("attention", gpu)[0] for gpu in (H100, A100)] == [decode, decode]
 
 
 def test_a_problem_no_stage_runs_here_is_a_one_line_error():
     turing = SimpleNamespace(name="Tesla T4", major=7, minor=5)
     with pytest.raises(RuntimeError, match=r"^no course stage solves attention on this GPU \(Tesla T4, sm_75\)$"):
-        stages.fastest_stage("attention", turing)
+        stages.ops_stage("attention", turing)
 
 
 # ---------------------------------------------------------------- the autograd plumbing, without a GPU
@@ -268,14 +281,14 @@ def test_the_ops_check_their_inputs_when_called_directly(monkeypatch):
                                           (A100, "stage7_moe_layer:mma_sync", "sm_80"),
                                           (L4, "stage7_moe_layer:mma_sync", "sm_89")])
 def test_the_moe_layer_is_stage_7_or_its_rung_where_wgmma_is_missing(gpu, key, arch):
-    chosen, chosen_arch = stages.fastest_stage("moe_layer", gpu)
+    chosen, chosen_arch = stages.ops_stage("moe_layer", gpu)
     assert (chosen.key, chosen_arch) == (key, arch)
 
 
 @pytest.mark.parametrize("gpu,stage,arch", [(H100, "stage9_hopper_backward", "sm_90a"),
                                             (A100, "stage8_backward", "sm_80")])
 def test_the_backward_is_stage_9_on_hopper_and_stage_8_elsewhere(gpu, stage, arch):
-    chosen, chosen_arch = stages.fastest_stage("attention_backward", gpu)
+    chosen, chosen_arch = stages.ops_stage("attention_backward", gpu)
     assert (chosen.name, chosen_arch) == (stage, arch)
 
 
