@@ -12,7 +12,7 @@ USAGE = """python -m grader STAGE [STAGE ...] [options]   grade stages in turn (
        python -m grader all [options]       grade every stage and rung this GPU runs (instructors: --json results/<gpu>.json)
        python -m grader list                the stages, the architectures each needs, their last recorded grade
        python -m grader init STAGE [STAGE ...]  write exercise copies to workspace/ (graded from then on)
-       python -m grader ops [--json FILE]   the ops (stages/ops.py) as a model calls them, beside PyTorch's
+       python -m grader ops [--json FILE]   the ops (stages/ops/) as a model calls them, beside PyTorch's
        python -m grader STAGE --profile [SHAPE]  Nsight Compute, beside the reference, on one benchmark shape
        python -m grader rekey FILE [FILE ...]   give a results file's current entries their runs digest (no GPU)"""
 

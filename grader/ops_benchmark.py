@@ -174,12 +174,13 @@ def host_breakdown(ops, shape=ATTENTION_SHAPES[0]) -> dict:
     grad = sets[0][1]
     for _ in range(3):  # compiled, loaded, descriptors encoded
         ops.attention(*views(), causal=True).backward(grad)
-    launches = {"op": [(ops, "forward_launch"), (ops, "backward_launch")], "stage": [(ops, "launch_fastest")],
-                "maps": _tensor_map_owners(), "kernels": [(launcher.KernelSet, "_launch")]}
+    launches = {"op": [(ops.dense, "forward_launch"), (ops.dense, "backward_launch")],
+                "stage": [(ops.shared, "launch_fastest")], "maps": _tensor_map_owners(),
+                "kernels": [(launcher.KernelSet, "_launch")]}
     forward = nested_host_us(lambda qkv: ops.attention(*qkv, causal=True), views,
-                             {"checks": [(ops, "attention_input_problem")], **launches})
+                             {"checks": [(ops.dense, "attention_input_problem")], **launches})
     backward = nested_host_us(lambda o: o.backward(grad), lambda: ops.attention(*views(), causal=True),
-                              {"function": [(ops._Attention, "backward")], **launches})
+                              {"function": [(ops.dense._Attention, "backward")], **launches})
     return {"forward": {"whole": forward["whole"], "checks": forward["checks"], **_launch_pieces(forward),
                         "ops, rest (autograd, dispatch)": forward["whole"] - forward["checks"] - forward["op"]},
             "backward": {"whole": backward["whole"], **_launch_pieces(backward),
@@ -217,7 +218,7 @@ def moe_host_breakdown(ops, layer: dict, top_k: int) -> dict:
     whole = host_us(lambda _: ops.moe_layer(x, wr, w1, w2, top_k), before=idle)
     checks = host_us(lambda _: ops.moe_layer_input_problem(x, wr, None, w1, w2, top_k), before=idle)
     path = nested_host_us(lambda _: ops.moe_launch(x, wr, None, w1, w2, top_k), idle,
-                          {"stage": [(ops, "launch_fastest")], "kernels": [(launcher.KernelSet, "_launch")]})
+                          {"stage": [(ops.shared, "launch_fastest")], "kernels": [(launcher.KernelSet, "_launch")]})
     return {"whole": whole, "checks": checks, "launch path": path["whole"], "kernel launches": path["kernels"],
             "stage launch, rest (allocations, routing sizes, tensor maps)": path["stage"] - path["kernels"],
             "launch path, rest (outputs)": path["whole"] - path["stage"]}

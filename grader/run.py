@@ -167,12 +167,12 @@ def previous_stage_job(stage, gpu) -> dict | None:
 
 
 def forward_stage(problem, gpu):
-    """The course's kernel for the forward of `problem` (its `forward`) on this GPU, as stages.fastest_stage
-    picks it (the one PyTorch ops use too); None where the problem has no forward, or none runs here."""
+    """The course's kernel for the forward of `problem` (its `forward`) on this GPU, the one the PyTorch ops
+    run (stages.ops_stage); None where the problem has no forward, or none runs here."""
     if problem.forward is None:
         return None
     try:
-        return stages.fastest_stage(problem.forward, gpu)[0]
+        return stages.ops_stage(problem.forward, gpu)[0]
     except RuntimeError:
         return None
 

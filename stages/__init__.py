@@ -10,7 +10,8 @@ file, its home; the launch declares the values it launches with, per variant, in
 grader checks them against the kernel's constants each time it compiles it (grader/run.py), so that
 a kernel and its launch cannot disagree. A stage's launch code never imports grader/.
 
-`stages.ops` runs the fastest stages this GPU runs as PyTorch functions, on a learner's own tensors.
+`stages.ops` runs the stages OPS_STAGES lists, the fastest this GPU runs, as PyTorch functions, on a learner's
+own tensors.
 """
 from __future__ import annotations
 
@@ -171,26 +172,28 @@ def with_rungs(name: str) -> list[Stage]:
     return [load(name), *rungs(load(name).name)]
 
 
-def declared_problem(name: str) -> str | None:
-    """The problem a stage's folder declares as a literal (`problem="attention"` in its __init__.py), read
-    without importing it; None where it is set elsewhere (stages 1-3: fused_stage)."""
-    found = set(re.findall(r'\bproblem="(\w+)"', (STAGES_DIR / name / "__init__.py").read_text()))
-    return found.pop() if len(found) == 1 else None
+# The stages stages.ops runs for each problem an op serves, the fastest first: a stage's folder, or
+# "folder:rung" for a rung of its ladder (stage 7's mma_sync rung runs where wgmma is missing).
+OPS_STAGES = {
+    "attention": ("stage4_hopper", "stage3_pipeline"),
+    "attention_backward": ("stage9_hopper_backward", "stage8_backward"),
+    "moe_layer": ("stage7_moe_layer", "stage7_moe_layer:mma_sync"),
+    "moe_layer_backward": ("stage14_moe_backward",),
+    "block_sparse_attention": ("stage12_block_sparse",),
+    "block_sparse_attention_backward": ("stage13_block_sparse_backward",),
+}
 
 
-def fastest_stage(problem: str, gpu) -> tuple[Stage, str]:
-    """(the fastest stage or rung solving `problem` that `gpu` runs, the arch to compile it for): the
-    highest-numbered stage first, each stage's own kernel before the rungs of its ladder, top down (a
-    rung is the stage with an earlier stage's technique: it runs where the stage's own kernel may not).
-    gpu is anything with a name, major and minor (torch.cuda.get_device_properties()). Stages that
-    declare another problem are not imported (stage 11 would bring torch.distributed along)."""
-    for name in reversed(stage_names()):
-        if declared_problem(name) not in (None, problem):
-            continue
-        for stage in with_rungs(name):
-            if stage.problem == problem:
-                try:
-                    return stage, arch_for(gpu, stage.archs)
-                except ValueError:
-                    continue  # needs another GPU: try the rung or stage below
+def ops_stage(problem: str, gpu) -> tuple[Stage, str]:
+    """(the stage stages.ops runs for `problem` on `gpu`, the arch to compile it for): the first stage of
+    OPS_STAGES[problem] that compiles for the GPU (arch_for). Only a listed stage serves an op, whatever its
+    number: a later stage of the same problem (a decode attention, say) serves none until it is listed,
+    where it should be preferred. gpu is anything with a name, major and minor
+    (torch.cuda.get_device_properties()). Only the listed stages are imported."""
+    for key in OPS_STAGES[problem]:
+        stage = load(key)
+        try:
+            return stage, arch_for(gpu, stage.archs)
+        except ValueError:
+            continue  # needs another GPU: try the next one listed
     raise RuntimeError(f"no course stage solves {problem} on this GPU ({gpu.name}, sm_{gpu.major}{gpu.minor})")

@@ -20,11 +20,6 @@ from grader import exercise
 from grader.run import stage_builds
 from mutations import MUTATIONS, mutate
 
-# What stages.ops runs (stage 10 through it).
-OPS_PROBLEMS = ("attention", "attention_backward", "moe_layer", "moe_layer_backward", "block_sparse_attention",
-                "block_sparse_attention_backward")
-
-
 def copies(folder: Path) -> tuple[dict, dict]:
     """({stage name: its untouched exercise}, {mutation: (its stage, its kernel)}), written under `folder` as
     the GPU tests write them: each exercise by `init` into the workspace `folder`/workspace, each mutation
@@ -58,8 +53,9 @@ def runnable_arch(gpu, stage) -> str | None:
 def builds(gpu, exercises: dict, mutations: dict, names=None) -> list[tuple]:
     """(path, arch, defines, extra source) of each compile_cubin call the GPU tests make on `gpu`, once each:
     every stage's solution and untouched exercise and every mutation as the grader compiles them (all
-    variants, its checks appended); the fastest stages as stages.ops compiles them (every variant, no
-    checks); stage 11 as its runner loads it (bf16, no checks). `names`: only these stages' (all by default)."""
+    variants, its checks appended); the stages stages.ops runs (stage 10 through it) as it compiles them (every
+    variant, no checks); stage 11 as its runner loads it (bf16, no checks). `names`: only these stages' (all by
+    default)."""
     names = set(stages.stage_names() if names is None else names)
     jobs = []
 
@@ -73,9 +69,9 @@ def builds(gpu, exercises: dict, mutations: dict, names=None) -> list[tuple]:
             graded(stages.load(name), exercises[name])
     for stage, path in mutations.values():
         graded(stage, path)
-    for problem in OPS_PROBLEMS:
+    for problem in stages.OPS_STAGES:
         try:
-            stage, arch = stages.fastest_stage(problem, gpu)
+            stage, arch = stages.ops_stage(problem, gpu)
         except RuntimeError:
             continue
         if stage.name in names:

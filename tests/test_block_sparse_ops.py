@@ -1,4 +1,4 @@
-"""ops.block_sparse_attention (stages/ops.py): stages 12 and 13 called as FlexAttention is, on a BlockMask.
+"""ops.block_sparse_attention (stages/ops/block_sparse.py): stages 12 and 13 called as FlexAttention is, on a BlockMask.
 
 Without a GPU: a BlockMask made by create_block_mask (or BlockMask.from_kv_blocks) reaches the problem's
 run_stage as the problem's own layout for the same mask; every input the kernels do not take is refused in
@@ -56,9 +56,9 @@ def gpu_checks_off(monkeypatch):
 
 def without_gpu_checks(monkeypatch):
     """The device and stage checks off, so that the rest runs on CPU tensors (no layout remembered as fit)."""
-    monkeypatch.setattr(ops, "device_problem", lambda tensors: None)
-    monkeypatch.setattr(ops, "stage_problem", lambda problem, tensor: None)
-    monkeypatch.setattr(ops, "_FIT_LAYOUTS", set())
+    monkeypatch.setattr(ops.shared, "device_problem", lambda tensors: None)
+    monkeypatch.setattr(ops.shared, "stage_problem", lambda problem, tensor: None)
+    monkeypatch.setattr(ops.dense, "_FIT_LAYOUTS", set())
 
 
 def recorded_launches(monkeypatch) -> list:
@@ -69,7 +69,7 @@ def recorded_launches(monkeypatch) -> list:
         calls.append((problem.name, dict(inputs)))
         for t in outputs.values():
             t.zero_()
-    monkeypatch.setattr(ops, "launch_fastest", record)
+    monkeypatch.setattr(ops.shared, "launch_fastest", record)
     return calls
 
 
@@ -177,7 +177,7 @@ REFUSED = {
 @pytest.mark.parametrize("what", REFUSED)
 def test_inputs_the_kernels_do_not_take_are_refused_in_one_line(what, gpu_checks_off, monkeypatch):
     make, says = REFUSED[what]
-    monkeypatch.setattr(ops, "launch_fastest", lambda *a: pytest.fail("launched on inputs it should refuse"))
+    monkeypatch.setattr(ops.shared, "launch_fastest", lambda *a: pytest.fail("launched on inputs it should refuse"))
     arguments = make()
     with pytest.raises(ValueError) as error:
         ops.block_sparse_attention(**arguments)
@@ -195,18 +195,18 @@ def test_the_checks_pass_what_the_problem_takes(gpu_checks_off, monkeypatch):
 
 
 def test_cpu_tensors_are_refused(monkeypatch):
-    monkeypatch.setattr(ops, "launch_fastest", lambda *a: pytest.fail("launched on inputs it should refuse"))
+    monkeypatch.setattr(ops.shared, "launch_fastest", lambda *a: pytest.fail("launched on inputs it should refuse"))
     with pytest.raises(ValueError, match=r"^ops.block_sparse_attention: q, k, v must be on one CUDA GPU; got q on cpu"):
         ops.block_sparse_attention(**with_changes()())
 
 
 def test_a_gpu_no_stage_runs_it_on_is_refused_in_one_line(monkeypatch):
     """Stages 12 and 13 are sm_90a's alone: on an A100 the call is refused before anything is compiled."""
-    monkeypatch.setattr(ops, "device_problem", lambda tensors: None)
-    monkeypatch.setattr(ops, "_FIT_LAYOUTS", set())
-    monkeypatch.setattr(ops, "_RUNS_HERE", {})
+    monkeypatch.setattr(ops.shared, "device_problem", lambda tensors: None)
+    monkeypatch.setattr(ops.dense, "_FIT_LAYOUTS", set())
+    monkeypatch.setattr(ops.shared, "_RUNS_HERE", {})
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: A100)
-    monkeypatch.setattr(ops, "launch_fastest", lambda *a: pytest.fail("launched where no stage runs"))
+    monkeypatch.setattr(ops.shared, "launch_fastest", lambda *a: pytest.fail("launched where no stage runs"))
     with pytest.raises(ValueError) as error:
         ops.block_sparse_attention(**with_changes()())
     assert str(error.value) == ("ops.block_sparse_attention: no course stage solves block_sparse_attention on this "
@@ -214,7 +214,7 @@ def test_a_gpu_no_stage_runs_it_on_is_refused_in_one_line(monkeypatch):
 
 
 def test_stages_12_and_13_run_on_sm_90a():
-    assert [(s.name, arch) for s, arch in (stages.fastest_stage(p, H100) for p in (FORWARD.name, BACKWARD.name))] \
+    assert [(s.name, arch) for s, arch in (stages.ops_stage(p, H100) for p in (FORWARD.name, BACKWARD.name))] \
         == [("stage12_block_sparse", "sm_90a"), ("stage13_block_sparse_backward", "sm_90a")]
 
 
@@ -222,11 +222,11 @@ def test_stages_12_and_13_run_on_sm_90a():
 @pytest.mark.parametrize("problem", [FORWARD.name, BACKWARD.name])
 def test_no_stage_solves_block_sparse_attention_elsewhere(gpu, problem):
     with pytest.raises(RuntimeError, match=rf"^no course stage solves {problem} on this GPU \({gpu.name}"):
-        stages.fastest_stage(problem, gpu)
+        stages.ops_stage(problem, gpu)
 
 
 def test_the_ops_check_their_inputs_when_called_directly(monkeypatch):
-    monkeypatch.setattr(ops, "launch_fastest", lambda *a: pytest.fail("launched on inputs it should refuse"))
+    monkeypatch.setattr(ops.shared, "launch_fastest", lambda *a: pytest.fail("launched on inputs it should refuse"))
     inputs = case_inputs(CAUSAL_ODD, backward=True)
     mask = (*(inputs[n] for n in LAYOUT), None, "causal", 0)
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
@@ -280,8 +280,8 @@ def gradients(attention, inputs: dict):
 def test_backward_gets_what_forward_saved_and_returns_the_exact_gradients(index, monkeypatch):
     """Through the eager path (the autograd.Function) and the custom ops alike: the output and gradients are the
     problem's exact ones (float64, the math standing in for the kernels), GQA's summed over each group."""
-    monkeypatch.setattr(ops, "launch_fastest", math_launches)
-    monkeypatch.setattr(ops, "refuse", lambda who, problem: None)  # float64 on the CPU: the kernels' math in it
+    monkeypatch.setattr(ops.shared, "launch_fastest", math_launches)
+    monkeypatch.setattr(ops.shared, "refuse", lambda who, problem: None)  # float64 on the CPU: the kernels' math in it
     inputs = float64_case(index)
     block_mask, arguments = problem_block_mask(inputs), ops_mask_arguments(inputs)
     exact = [blockwise_attention(inputs)["o"], *exact_gradients(inputs).values()]
@@ -295,10 +295,10 @@ def test_backward_gets_what_forward_saved_and_returns_the_exact_gradients(index,
 
 
 def test_eager_calls_skip_the_custom_ops(monkeypatch):
-    monkeypatch.setattr(ops, "launch_fastest", math_launches)
-    monkeypatch.setattr(ops, "refuse", lambda who, problem: None)
+    monkeypatch.setattr(ops.shared, "launch_fastest", math_launches)
+    monkeypatch.setattr(ops.shared, "refuse", lambda who, problem: None)
     for name in ("block_sparse_attention_forward", "block_sparse_attention_backward"):
-        monkeypatch.setattr(ops, name, lambda *a: pytest.fail("an eager call went through the custom op"))
+        monkeypatch.setattr(ops.block_sparse, name, lambda *a: pytest.fail("an eager call went through the custom op"))
     inputs = float64_case(WINDOW)
     block_mask = flex_block_mask(inputs)
     o, *grads = gradients(lambda q, k, v: ops.block_sparse_attention(q, k, v, block_mask, element_mask="sliding_window",
@@ -322,7 +322,7 @@ def test_the_ops_are_registered_and_neither_mutate_nor_alias(name):
 def test_make_fx_traces_the_forward_and_backward_with_fake_tensors(gpu_checks_off, monkeypatch):
     """Differentiating through ops.block_sparse_attention on fake tensors puts both ops in the graph, with the
     fake implementations' shapes (no launch)."""
-    monkeypatch.setattr(ops, "launch_fastest", lambda *a: pytest.fail("a fake tensor reached a launch"))
+    monkeypatch.setattr(ops.shared, "launch_fastest", lambda *a: pytest.fail("a fake tensor reached a launch"))
     inputs = case_inputs(DOCUMENTS)
     lists = [inputs[n] for n in LAYOUT]
 
@@ -346,7 +346,7 @@ def test_torch_compile_fullgraph_traces_the_checks_and_the_ops(gpu_checks_off, m
     """torch.compile(fullgraph=True) traces the BlockMask's conversion, the checks and the ops without a graph
     break, forward and backward (aot_eager, on CPU tensors, the math standing in for the kernels), and
     computes what eager mode does."""
-    monkeypatch.setattr(ops, "launch_fastest", math_launches)
+    monkeypatch.setattr(ops.shared, "launch_fastest", math_launches)
     inputs = case_inputs(WINDOW_MQA, backward=True)
     block_mask = flex_block_mask(inputs)
 
@@ -380,7 +380,7 @@ GPU_CASES = [CAUSAL_ODD, CAUSAL_EMPTY, WINDOW_MQA, DOCUMENTS, DOCUMENTS_EMPTY, G
 def needs_stages_12_and_13():
     for problem in (FORWARD.name, BACKWARD.name):
         try:
-            ops.fastest_stage_on(problem, torch.cuda.current_device())
+            ops.ops_stage_on(problem, torch.cuda.current_device())
         except RuntimeError as error:
             pytest.skip(f"nothing to test: {error}")
 

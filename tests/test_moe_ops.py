@@ -1,4 +1,4 @@
-"""ops.moe_layer's gradients (stages/ops.py): stage 14's backward, on what stage 7's forward saved, behind the
+"""ops.moe_layer's gradients (stages/ops/moe.py): stage 14's backward, on what stage 7's forward saved, behind the
 eager torch.autograd.Function and behind the custom ops flashmoe::moe_layer_saving and
 flashmoe::moe_layer_backward (torch.library.register_autograd).
 
@@ -12,6 +12,8 @@ torch.library.opcheck, and the refusals in one line (a backward off sm_90a among
 the same checks on stage 7's and stage 14's kernels, opcheck and torch.compile(fullgraph=True) of a forward
 and backward."""
 import functools
+from collections import OrderedDict
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -125,9 +127,9 @@ def cpu_launches(problem, inputs, outputs, saving=False):
 @pytest.fixture
 def on_the_cpu(monkeypatch):
     """CPU tensors taken (every check but the device's runs), PyTorch math as the kernels."""
-    monkeypatch.setattr(ops, "launch_fastest", cpu_launches)
-    monkeypatch.setattr(ops, "device_problem", lambda tensors: None)
-    monkeypatch.setattr(ops, "moe_backward_gpu_problem", lambda device_index: None)
+    monkeypatch.setattr(ops.shared, "launch_fastest", cpu_launches)
+    monkeypatch.setattr(ops.shared, "device_problem", lambda tensors: None)
+    monkeypatch.setattr(ops.moe, "moe_backward_gpu_problem", lambda device_index: None)
 
 
 # Cases of many tokens (test_moe_backward_stage says why): fp16 top-4, skewed bf16, experts no token picks.
@@ -159,7 +161,7 @@ def test_a_wrong_routing_fails_the_check(on_the_cpu, monkeypatch):
         if problem.name == BACKWARD.name:
             inputs = dict(inputs, topk_ids=(inputs["topk_ids"] + 1) % inputs["wr"].shape[1])
         return cpu_launches(problem, inputs, outputs, saving)
-    monkeypatch.setattr(ops, "launch_fastest", shifted)
+    monkeypatch.setattr(ops.shared, "launch_fastest", shifted)
     inputs = problem_inputs(case_named(CPU_CASES[0]), device="cpu")
     assert failures(inputs, layer_gradients(LAYERS["ops.moe_layer"], inputs))
 
@@ -271,7 +273,7 @@ def test_make_fx_traces_the_moe_backward(monkeypatch):
     """Differentiating through ops.moe_layer puts the saving forward and flashmoe::moe_layer_backward in the
     graph, and not the inference op (fake CPU tensors, the device check off, as test_ops's attention backward)."""
     no_launch(monkeypatch)
-    monkeypatch.setattr(ops, "device_problem", lambda tensors: None)
+    monkeypatch.setattr(ops.shared, "device_problem", lambda tensors: None)
     with FakeTensorMode():
         shapes = dict(x=(37, 64), wr=(64, 8), bias=(8,), w1=(8, 64, 144), w2=(8, 72, 64))
         layer = {n: torch.empty(shape, dtype=torch.float32 if n == "bias" else torch.bfloat16).requires_grad_()
@@ -291,7 +293,7 @@ def test_make_fx_traces_the_moe_backward(monkeypatch):
 
 def test_without_gradients_the_traced_layer_is_the_inference_op(monkeypatch):
     no_launch(monkeypatch)
-    monkeypatch.setattr(ops, "device_problem", lambda tensors: None)
+    monkeypatch.setattr(ops.shared, "device_problem", lambda tensors: None)
     with FakeTensorMode():
         shapes = dict(x=(37, 64), wr=(64, 8), w1=(8, 64, 144), w2=(8, 72, 64))
         layer = {n: torch.empty(shape, dtype=torch.bfloat16).requires_grad_() for n, shape in shapes.items()}
@@ -319,10 +321,11 @@ def test_a_backward_off_sm_90a_is_refused_in_one_line(path, who, monkeypatch):
     def forward_only(problem, inputs, outputs):
         assert problem.name != BACKWARD.name, "the backward launched off sm_90a"
         math_launches(problem, inputs, outputs)
-    monkeypatch.setattr(ops, "launch_fastest", forward_only)
-    monkeypatch.setattr(ops, "device_problem", lambda tensors: None)
-    monkeypatch.setattr(ops, "fastest_stage_on", lambda problem, device_index: stages.fastest_stage(problem, A100))
-    monkeypatch.setattr(ops, "moe_backward_gpu_problem", functools.cache(ops.moe_backward_gpu_problem.__wrapped__))
+    monkeypatch.setattr(ops.shared, "launch_fastest", forward_only)
+    monkeypatch.setattr(ops.shared, "device_problem", lambda tensors: None)
+    monkeypatch.setattr(ops.shared, "ops_stage_on", lambda problem, device_index: stages.ops_stage(problem, A100))
+    monkeypatch.setattr(ops.moe, "moe_backward_gpu_problem",
+                        functools.cache(ops.moe.moe_backward_gpu_problem.__wrapped__))
     layer, dy = small_layer(requires_grad=True)
     out, _ = LAYERS[path](*(layer[n] for n in LAYER_INPUTS), 2)
     with pytest.raises(ValueError) as error:
@@ -331,11 +334,11 @@ def test_a_backward_off_sm_90a_is_refused_in_one_line(path, who, monkeypatch):
 
 
 def test_stage_14_alone_runs_the_backward_and_on_sm_90a_only(monkeypatch):
-    chosen, arch = stages.fastest_stage("moe_layer_backward", H100)
+    chosen, arch = stages.ops_stage("moe_layer_backward", H100)
     assert (chosen.name, arch) == ("stage14_moe_backward", "sm_90a")
     for gpu, problem in ((H100, None), (A100, REFUSAL)):
-        monkeypatch.setattr(ops, "fastest_stage_on", lambda name, device_index: stages.fastest_stage(name, gpu))
-        assert ops.moe_backward_gpu_problem.__wrapped__(0) == problem
+        monkeypatch.setattr(ops.shared, "ops_stage_on", lambda name, device_index: stages.ops_stage(name, gpu))
+        assert ops.moe.moe_backward_gpu_problem.__wrapped__(0) == problem
 
 
 def backward_args(**changes) -> dict:
@@ -370,7 +373,7 @@ BAD_BACKWARD_INPUTS = {
 @pytest.mark.parametrize("what", BAD_BACKWARD_INPUTS)
 def test_the_backward_op_refuses_inputs_in_one_line(what, monkeypatch):
     changes, says = BAD_BACKWARD_INPUTS[what]
-    monkeypatch.setattr(ops, "launch_fastest", lambda *a: pytest.fail("launched on inputs it should refuse"))
+    monkeypatch.setattr(ops.shared, "launch_fastest", lambda *a: pytest.fail("launched on inputs it should refuse"))
     with pytest.raises(ValueError) as error:
         torch.ops.flashmoe.moe_layer_backward(**backward_args(**changes))
     assert str(error.value).startswith("flashmoe::moe_layer_backward: ") and says in str(error.value)
@@ -381,7 +384,7 @@ def test_the_backward_op_refuses_inputs_in_one_line(what, monkeypatch):
 
 def needs_the_backward():
     try:
-        ops.fastest_stage_on(BACKWARD.name, torch.cuda.current_device())
+        ops.ops_stage_on(BACKWARD.name, torch.cuda.current_device())
     except RuntimeError as error:
         pytest.skip(f"no MoE backward on this GPU: {error}")
 
@@ -458,7 +461,7 @@ def test_torch_compile_fullgraph_runs_the_moe_forward_and_backward_as_eager():
 # ---------------------------------------------------------------- small calls without gradients: CUDA graphs
 
 class FakeGraph:
-    """Stands in for ops.MoeGraph: counts its captures and replays, computes as the launch does."""
+    """Stands in for ops.moe.MoeGraph: counts its captures and replays, computes as the launch does."""
     captured = []
 
     def __init__(self, *layer):
@@ -474,10 +477,10 @@ class FakeGraph:
 @pytest.fixture
 def graphs(monkeypatch, on_the_cpu):
     """CPU tensors taken for small GPU calls outside a capture; empty caches; FakeGraph for the graphs."""
-    monkeypatch.setattr(ops, "graphs_apply", lambda x: True)
-    monkeypatch.setattr(ops, "MoeGraph", FakeGraph)
-    monkeypatch.setattr(ops, "_MOE_GRAPHS", ops.OrderedDict())
-    monkeypatch.setattr(ops, "_MOE_SEEN", ops.OrderedDict())
+    monkeypatch.setattr(ops.moe, "graphs_apply", lambda x: True)
+    monkeypatch.setattr(ops.moe, "MoeGraph", FakeGraph)
+    monkeypatch.setattr(ops.moe, "_MOE_GRAPHS", OrderedDict())
+    monkeypatch.setattr(ops.moe, "_MOE_SEEN", OrderedDict())
     FakeGraph.captured = []
     return FakeGraph.captured
 
@@ -505,26 +508,26 @@ def test_other_weights_or_another_shape_are_another_graph(graphs):
     for _ in range(2):
         call(layer), call(other), call(layer, layer["x"][:5])
     assert len(graphs) == 3
-    assert len({id(g) for g in ops._MOE_GRAPHS.values()}) == 3
+    assert len({id(g) for g in ops.moe._MOE_GRAPHS.values()}) == 3
 
 
 def test_the_least_recently_replayed_graph_goes_first(graphs, monkeypatch):
-    monkeypatch.setattr(ops, "MOE_GRAPHS", 2)
+    monkeypatch.setattr(ops.moe, "MOE_GRAPHS", 2)
     layer = {**small_layer()[0], "top_k": 2}
     shapes = [layer["x"][:n] for n in (3, 4, 5)]
     for x in shapes + shapes[:2] + shapes[:1]:
         call(layer, x)
-    assert [key[0][0] for key in ops._MOE_GRAPHS] == [4, 3]  # 5's graph dropped when 4's was replayed
+    assert [key[0][0] for key in ops.moe._MOE_GRAPHS] == [4, 3]  # 5's graph dropped when 4's was replayed
 
 
 def test_graphs_only_for_small_gpu_calls_outside_a_capture(monkeypatch):
     mode = FakeTensorMode()
     small, large = fake_cuda(mode, ops.MOE_GRAPH_TOKENS, 64), fake_cuda(mode, ops.MOE_GRAPH_TOKENS + 1, 64)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert ops.graphs_apply(small) and not ops.graphs_apply(large)
-    assert not ops.graphs_apply(torch.empty(5, 64))
+    assert ops.moe.graphs_apply(small) and not ops.moe.graphs_apply(large)
+    assert not ops.moe.graphs_apply(torch.empty(5, 64))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert not ops.graphs_apply(small)
+    assert not ops.moe.graphs_apply(small)
 
 
 @pytest.mark.gpu

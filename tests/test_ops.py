@@ -1,13 +1,14 @@
-"""stages/ops.py: the course's kernels as PyTorch custom ops (torch.library, namespace "flashmoe").
+"""stages/ops/: the course's kernels as PyTorch custom ops (torch.library, namespace "flashmoe").
 
 Without a GPU: inputs the kernels do not take are refused in one line before anything is launched,
-each GPU gets the fastest stage (or rung) it runs, the ops are registered with fake implementations
-that FakeTensorMode and make_fx trace, and the autograd plumbing (what forward saves, what backward
-is given and returns) is right, with PyTorch math standing in for the kernels. On a GPU: the output and
-the gradients pass the course's tolerance rule against float64, with PyTorch's SDPA as the yardstick;
-torch.library.opcheck passes; torch.compile(fullgraph=True) runs the attention forward and backward; a
-tiny transformer trains as well on the course's attention as on PyTorch's; the MoE layer passes its
-problem's rule."""
+each GPU gets the first stage (or rung) stages.OPS_STAGES lists that it runs, and no stage that is not
+listed, the ops are registered with fake implementations that FakeTensorMode and make_fx trace, and the
+autograd plumbing (what forward saves, what backward is given and returns) is right, with PyTorch math
+standing in for the kernels. On a GPU: the output and the gradients pass the course's tolerance rule
+against float64, with PyTorch's SDPA as the yardstick; torch.library.opcheck passes;
+torch.compile(fullgraph=True) runs the attention forward and backward; a tiny transformer trains as well on
+the course's attention as on PyTorch's; the MoE layer passes its problem's rule."""
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -59,7 +60,7 @@ BAD_INPUTS = {
 @pytest.mark.parametrize("what", BAD_INPUTS)
 def test_inputs_the_kernels_do_not_take_are_refused_in_one_line(what, monkeypatch):
     make, says = BAD_INPUTS[what]
-    monkeypatch.setattr(ops, "launch_fastest", lambda *a: pytest.fail("launched on inputs it should refuse"))
+    monkeypatch.setattr(ops.shared, "launch_fastest", lambda *a: pytest.fail("launched on inputs it should refuse"))
     with pytest.raises(ValueError) as error:
         ops.attention(*make())
     assert str(error.value).startswith("ops.attention: ") and says in str(error.value)
@@ -69,14 +70,26 @@ def test_inputs_the_kernels_do_not_take_are_refused_in_one_line(what, monkeypatc
 @pytest.mark.parametrize("gpu,stage,arch", [(H100, "stage4_hopper", "sm_90a"), (A100, "stage3_pipeline", "sm_80"),
                                             (L4, "stage3_pipeline", "sm_89")])
 def test_the_forward_is_the_fastest_stage_the_gpu_runs(gpu, stage, arch):
-    chosen, chosen_arch = stages.fastest_stage("attention", gpu)
+    chosen, chosen_arch = stages.ops_stage("attention", gpu)
     assert (chosen.name, chosen_arch) == (stage, arch)
+
+
+def test_a_later_stage_of_the_problem_serves_the_op_only_once_listed(monkeypatch):
+    """stages.ops_stage picks from stages.OPS_STAGES alone: a stage 15 solving attention on every GPU (a decode
+    attention, say) does not take ops.attention over by its number; listed first, it does."""
+    decode = dataclasses.replace(stages.load("stage3_pipeline"), name="stage15_decode")
+    load, names = stages.load, stages.stage_names()
+    monkeypatch.setattr(stages, "stage_names", lambda: [*names, decode.name])
+    monkeypatch.setattr(stages, "load", lambda name: decode if name == decode.name else load(name))
+    assert [stages.ops_stage("attention", gpu)[0].name for gpu in (H100, A100)] == ["stage4_hopper", "stage3_pipeline"]
+    monkeypatch.setitem(stages.OPS_STAGES, "attention", (decode.name, *stages.OPS_STAGES["attention"]))
+    assert [stages.ops_stage("attention", gpu)[0] for gpu in (H100, A100)] == [decode, decode]
 
 
 def test_a_problem_no_stage_runs_here_is_a_one_line_error():
     turing = SimpleNamespace(name="Tesla T4", major=7, minor=5)
     with pytest.raises(RuntimeError, match=r"^no course stage solves attention on this GPU \(Tesla T4, sm_75\)$"):
-        stages.fastest_stage("attention", turing)
+        stages.ops_stage("attention", turing)
 
 
 # ---------------------------------------------------------------- the autograd plumbing, without a GPU
@@ -148,8 +161,8 @@ def saved_in_torch(layer: dict, topk_ids: torch.Tensor) -> Saved:
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_backward_gets_what_forward_saved_and_returns_the_gradients_in_order(causal, monkeypatch):
-    monkeypatch.setattr(ops, "launch_fastest", math_launches)
-    monkeypatch.setattr(ops, "refuse", lambda who, problem: None)  # float64 on the CPU: the kernels' math in it
+    monkeypatch.setattr(ops.shared, "launch_fastest", math_launches)
+    monkeypatch.setattr(ops.shared, "refuse", lambda who, problem: None)  # float64 on the CPU: the kernels' math in it
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, seq, 64, generator=gen, dtype=torch.float64) for seq in (13, 21, 21))
     grad_o = torch.randn(2, 13, 3, 64, generator=gen, dtype=torch.float64).transpose(1, 2)  # strided
@@ -183,15 +196,15 @@ def test_the_layouts_models_hand_over_are_accepted(layout):
 def test_eager_calls_skip_the_custom_ops_and_agree_with_them(layout, causal, monkeypatch):
     """ops.attention on plain tensors in eager mode runs the launches through a torch.autograd.Function, not
     the custom ops (whose dispatch costs tens of µs a call); its output and gradients are the custom ops'."""
-    monkeypatch.setattr(ops, "launch_fastest", math_launches)
-    monkeypatch.setattr(ops, "refuse", lambda who, problem: None)
+    monkeypatch.setattr(ops.shared, "launch_fastest", math_launches)
+    monkeypatch.setattr(ops.shared, "refuse", lambda who, problem: None)
     gen = torch.Generator().manual_seed(1)
     q, k, v = model_views_of(2, 4, 4, 21, 64, layout, gen=gen)  # no GQA: math_launches has none
     grad_o = torch.randn(2, 21, 4, 64, generator=gen, dtype=torch.float64).transpose(1, 2)
     through_ops = gradients(lambda q, k, v: torch.ops.flashmoe.attention_forward(q, k, v, causal, 0.3)[0],
                             q, k, v, grad_o)
-    monkeypatch.setattr(ops, "attention_forward", lambda *a: pytest.fail("eager call went through the custom op"))
-    monkeypatch.setattr(ops, "attention_backward", lambda *a: pytest.fail("eager call went through the custom op"))
+    for name in ("attention_forward", "attention_backward"):
+        monkeypatch.setattr(ops.dense, name, lambda *a: pytest.fail("eager call went through the custom op"))
     eager = gradients(lambda q, k, v: ops.attention(q, k, v, causal=causal, scale=0.3), q, k, v, grad_o)
     for name, mine, expected in zip(("dq", "dk", "dv"), eager, through_ops):
         torch.testing.assert_close(mine, expected, rtol=0, atol=0, msg=name)
@@ -235,7 +248,7 @@ BAD_MOE_INPUTS = {
 @pytest.mark.parametrize("what", BAD_MOE_INPUTS)
 def test_moe_inputs_the_kernels_do_not_take_are_refused_in_one_line(what, monkeypatch):
     make, says = BAD_MOE_INPUTS[what]
-    monkeypatch.setattr(ops, "launch_fastest", lambda *a: pytest.fail("launched on inputs it should refuse"))
+    monkeypatch.setattr(ops.shared, "launch_fastest", lambda *a: pytest.fail("launched on inputs it should refuse"))
     inputs = make()
     with pytest.raises(ValueError) as error:
         ops.moe_layer(inputs["x"], inputs["router_weight"], inputs["w1"], inputs["w2"], 2,
@@ -246,14 +259,14 @@ def test_moe_inputs_the_kernels_do_not_take_are_refused_in_one_line(what, monkey
 
 @pytest.mark.parametrize("top_k", [0, 5, 9, 2.0, True])
 def test_a_top_k_the_kernels_do_not_take_is_refused(top_k, monkeypatch):
-    monkeypatch.setattr(ops, "launch_fastest", lambda *a: pytest.fail("launched on inputs it should refuse"))
+    monkeypatch.setattr(ops.shared, "launch_fastest", lambda *a: pytest.fail("launched on inputs it should refuse"))
     i = moe_inputs(E=4)
     with pytest.raises(ValueError, match=r"^ops.moe_layer: top_k must be an int from 1 to min\(E, 8\) = 4; got "):
         ops.moe_layer(i["x"], i["router_weight"], i["w1"], i["w2"], top_k)
 
 
 def test_the_ops_check_their_inputs_when_called_directly(monkeypatch):
-    monkeypatch.setattr(ops, "launch_fastest", lambda *a: pytest.fail("launched on inputs it should refuse"))
+    monkeypatch.setattr(ops.shared, "launch_fastest", lambda *a: pytest.fail("launched on inputs it should refuse"))
     q = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"^flashmoe::attention_forward: q, k, v must be on one CUDA GPU"):
         torch.ops.flashmoe.attention_forward(q, q, q, False, 0.125)
@@ -268,14 +281,14 @@ def test_the_ops_check_their_inputs_when_called_directly(monkeypatch):
                                           (A100, "stage7_moe_layer:mma_sync", "sm_80"),
                                           (L4, "stage7_moe_layer:mma_sync", "sm_89")])
 def test_the_moe_layer_is_stage_7_or_its_rung_where_wgmma_is_missing(gpu, key, arch):
-    chosen, chosen_arch = stages.fastest_stage("moe_layer", gpu)
+    chosen, chosen_arch = stages.ops_stage("moe_layer", gpu)
     assert (chosen.key, chosen_arch) == (key, arch)
 
 
 @pytest.mark.parametrize("gpu,stage,arch", [(H100, "stage9_hopper_backward", "sm_90a"),
                                             (A100, "stage8_backward", "sm_80")])
 def test_the_backward_is_stage_9_on_hopper_and_stage_8_elsewhere(gpu, stage, arch):
-    chosen, chosen_arch = stages.fastest_stage("attention_backward", gpu)
+    chosen, chosen_arch = stages.ops_stage("attention_backward", gpu)
     assert (chosen.name, chosen_arch) == (stage, arch)
 
 
@@ -298,7 +311,7 @@ def fake_cuda(mode, *shape, dtype=torch.bfloat16, requires_grad=False):
 
 
 def no_launch(monkeypatch):
-    monkeypatch.setattr(ops, "launch_fastest", lambda *a: pytest.fail("a fake tensor reached a launch"))
+    monkeypatch.setattr(ops.shared, "launch_fastest", lambda *a: pytest.fail("a fake tensor reached a launch"))
 
 
 def test_the_fake_implementations_give_the_shapes_dtypes_and_devices(monkeypatch):
@@ -347,7 +360,7 @@ def test_make_fx_traces_the_attention_backward(monkeypatch):
     tensors, the device check off: a CPU build of PyTorch aborts the process on autograd over fake CUDA
     tensors (the GPU tests compile the backward on real ones)."""
     no_launch(monkeypatch)
-    monkeypatch.setattr(ops, "device_problem", lambda tensors: None)
+    monkeypatch.setattr(ops.shared, "device_problem", lambda tensors: None)
     mode = FakeTensorMode()
     with mode:
         q, k, v = (torch.empty(1, 2, 16, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
@@ -365,8 +378,8 @@ def test_torch_compile_fullgraph_traces_the_checks_and_the_ops(monkeypatch):
     """torch.compile(fullgraph=True) traces ops.attention's and ops.moe_layer's checks and ops without a
     graph break, forward and backward (the aot_eager backend, on CPU tensors: the device check off, PyTorch
     math standing in for the kernels), and the compiled model computes what the eager one does."""
-    monkeypatch.setattr(ops, "device_problem", lambda tensors: None)
-    monkeypatch.setattr(ops, "launch_fastest", math_launches)
+    monkeypatch.setattr(ops.shared, "device_problem", lambda tensors: None)
+    monkeypatch.setattr(ops.shared, "launch_fastest", math_launches)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, seq, 64, generator=gen).bfloat16() for seq in (9, 12, 12))
 
@@ -429,7 +442,7 @@ def gradient_checks(q, k, v, grad_o, scale, causal):
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 def test_the_gradients_pass_the_tolerance_rule(shape):
     try:
-        ops.fastest_stage_on("attention_backward", torch.cuda.current_device())
+        ops.ops_stage_on("attention_backward", torch.cuda.current_device())
     except RuntimeError as error:
         pytest.skip(f"no backward to test: {error}")
     inputs = inputs_of(*shape)
@@ -449,7 +462,7 @@ GQA_SHAPES = [(1, 32, 8, 333, 333, 128, True, "bfloat16"), (2, 6, 2, 100, 239, 6
 @pytest.mark.parametrize("B,H,Hkv,Sq,Skv,D,causal,dtype", GQA_SHAPES)
 def test_grouped_query_gradients_pass_the_tolerance_rule(B, H, Hkv, Sq, Skv, D, causal, dtype):
     try:
-        ops.fastest_stage_on("attention_backward", torch.cuda.current_device())
+        ops.ops_stage_on("attention_backward", torch.cuda.current_device())
     except RuntimeError as error:
         pytest.skip(f"no backward to test: {error}")
     inputs = ATTENTION.make_inputs(dict(B=B, H=H, Hkv=Hkv, Sq=Sq, Skv=Skv, D=D, causal=causal), dtype, seed=0)

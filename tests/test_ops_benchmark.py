@@ -20,13 +20,13 @@ def test_the_moe_layers_host_time_by_piece(monkeypatch):
         for _ in range(2):
             launcher.KernelSet._launch(None, "kernel")
 
-    def moe_launch(x, wr, bias, w1, w2, top_k):  # the stage's launch looked up on the module, as stages.ops does
-        ops.launch_fastest("moe_layer", {}, {"out": None, "topk_ids": None})
+    def moe_launch(x, wr, bias, w1, w2, top_k):  # the stage's launch looked up on its module, as stages.ops does
+        ops.shared.launch_fastest("moe_layer", {}, {"out": None, "topk_ids": None})
 
     def moe_layer(x, wr, w1, w2, top_k):  # a call replayed from a graph: one "launch"
         launcher.KernelSet._launch(None, "graph")
 
-    ops = SimpleNamespace(MOE_LAYER="moe_layer", launch_fastest=launch_fastest, moe_layer=moe_layer,
+    ops = SimpleNamespace(shared=SimpleNamespace(launch_fastest=launch_fastest), moe_layer=moe_layer,
                           moe_launch=moe_launch, moe_layer_input_problem=lambda *a: None)
     layer = {name: torch.zeros(4, 8) for name in ("x", "wr", "w1", "w2")}
     pieces = ops_benchmark.moe_host_breakdown(ops, layer, 2)
@@ -58,35 +58,35 @@ def test_the_attention_host_times_leave_out_the_making_of_the_inputs_and_add_up(
             return [t.transpose(1, 2) for t in leaves]
         return views, torch.zeros(B, H, S, D)
 
-    def launch_fastest(problem, inputs, outputs):  # looked up on the module, as stages.ops does
+    def launch_fastest(problem, inputs, outputs):  # looked up on its module, as stages.ops does
         launcher.KernelSet._launch(None, problem)
 
     class Attention(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v):
             ctx.save_for_backward(q, k, v)
-            return ops.forward_launch(q, k, v, True, 1.0)[0]
+            return ops.dense.forward_launch(q, k, v, True, 1.0)[0]
 
         @staticmethod
         def backward(ctx, grad_o):
-            return ops.backward_launch(grad_o, *ctx.saved_tensors)
+            return ops.dense.backward_launch(grad_o, *ctx.saved_tensors)
 
     def attention(q, k, v, causal):
-        ops.attention_input_problem(q, k, v)
+        ops.dense.attention_input_problem(q, k, v)
         return Attention.apply(q, k, v)
 
     def forward_launch(q, k, v, causal, scale):
-        ops.launch_fastest("attention", {}, {})
+        ops.shared.launch_fastest("attention", {}, {})
         return q * 1.0, q[..., 0].float()
 
     def backward_launch(grad_o, q, k, v):
-        ops.launch_fastest("attention_backward", {}, {})
-        ops.launch_fastest("attention_backward", {}, {})
+        ops.shared.launch_fastest("attention_backward", {}, {})
+        ops.shared.launch_fastest("attention_backward", {}, {})
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
-    ops = SimpleNamespace(attention=attention, _Attention=Attention, launch_fastest=launch_fastest,
-                          attention_input_problem=lambda q, k, v: None, forward_launch=forward_launch,
-                          backward_launch=backward_launch)
+    ops = SimpleNamespace(attention=attention, shared=SimpleNamespace(launch_fastest=launch_fastest),
+                          dense=SimpleNamespace(_Attention=Attention, attention_input_problem=lambda q, k, v: None,
+                                                forward_launch=forward_launch, backward_launch=backward_launch))
     monkeypatch.setattr(ops_benchmark, "model_views", model_views)
     pieces = ops_benchmark.host_breakdown(ops, shape=(1, 2, 1, 8, 4))
     forward, backward = pieces["forward"], pieces["backward"]

@@ -146,7 +146,7 @@ def test_the_trained_models_pass_every_check_of_the_ops_but_the_gpu_s(name, toke
     attention, moe_layer = pytorch_ops(calls, checked=True)
     monkeypatch.setattr(ops, "attention", attention)
     monkeypatch.setattr(ops, "moe_layer", moe_layer)
-    monkeypatch.setattr(ops, "device_problem", lambda tensors: None)
+    monkeypatch.setattr(ops.shared, "device_problem", lambda tensors: None)
     shape = T.trained_shape(name, 2, 64, layers=1)
     (inputs, targets), = tiny_batches(tokens, shape, 1)
     with torch.no_grad():
@@ -208,10 +208,12 @@ def stand_in_launches(monkeypatch):
         dx, dwr, dw1, dw2 = differentiated(lambda *a: layer(*a, top_k), (x, router_weight, w1, w2), grad_out)
         return dx, dwr, torch.zeros(router_weight.shape[1]), dw1, dw2
 
-    for name, stand_in in dict(forward_launch=forward, backward_launch=backward, moe_saving_launch=moe_saving,
-                               moe_backward_launch=moe_backward, device_problem=lambda tensors: None,
-                               moe_backward_gpu_problem=lambda device_index: None).items():
-        monkeypatch.setattr(ops, name, stand_in)
+    for module, name, stand_in in ((ops.dense, "forward_launch", forward), (ops.dense, "backward_launch", backward),
+                                   (ops.moe, "moe_saving_launch", moe_saving),
+                                   (ops.moe, "moe_backward_launch", moe_backward),
+                                   (ops.moe, "moe_backward_gpu_problem", lambda device_index: None),
+                                   (ops.shared, "device_problem", lambda tensors: None)):
+        monkeypatch.setattr(module, name, stand_in)
 
 
 def recording_backend(graphs: list):

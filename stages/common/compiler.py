@@ -5,7 +5,7 @@ GPU and CI without one. Errors keep NVRTC's own log, whose lines read `path/to/f
 so they point at the learner's file and line.
 
 The grader compiles with it (grader/run.py appends its checks of signatures and geometry), and so do
-the course's PyTorch ops (stages/ops.py); it lives in stages/ because stages never import the grader.
+the course's PyTorch ops (stages/ops/); it lives in stages/ because stages never import the grader.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Launch NVRTC-compiled kernels on PyTorch tensors: in the grader's worker process, and in the
-course's PyTorch ops (stages/ops.py). One path serves both, so the grader times what a model runs.
+course's PyTorch ops (stages/ops/). One path serves both, so the grader times what a model runs.
 
 A stage's launch function receives a `KernelSet` and calls its kernels by name:
 

@@ -14,7 +14,7 @@ import math
 import torch
 
 from reference.model import rope_cos_sin
-from stages import Goal, Stage
+from stages import OPS_STAGES, Goal, Stage
 
 VECTOR = 8            # model.cu: the elements a thread of add_rmsnorm or swiglu moves at once (16 bytes)
 ROPE_THREADS = 256    # rope_split: one block per token
@@ -133,6 +133,5 @@ STAGE = Stage(
     specializations={"HEAD_DIM": "D"},
     geometry=lambda defines: {"VECTOR": VECTOR, "ROPE_THREADS": ROPE_THREADS, "SWIGLU_THREADS": SWIGLU_THREADS},
     goal=Goal("reference", 1.0),  # the fastest library baseline: torch.compile's, with or without CUDA graphs
-    # What ops.attention and ops.moe_layer run (stages.fastest_stage), on Hopper and elsewhere.
-    uses=("stage4_hopper", "stage3_pipeline", "stage7_moe_layer", "stage7_moe_layer:mma_sync"),
+    uses=(*OPS_STAGES["attention"], *OPS_STAGES["moe_layer"]),  # what ops.attention and ops.moe_layer run
 )
