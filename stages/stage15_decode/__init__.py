@@ -15,6 +15,7 @@ from stages.common.hopper import sm_count
 # keys per tile, query rows per block (a group's heads × the new tokens; more rows take more blocks),
 # threads of decode_split, and decode_combine's rows per block (a warp each).
 GEOMETRY = {"BLOCK_N": 64, "ROWS": 16, "NUM_THREADS": 128, "COMBINE_ROWS": 4, "COMBINE_THREADS": 128}
+# --8<-- [start:launch]
 BLOCKS_PER_SM = 8  # the splits are chosen for about this many decode_split blocks per SM (a few waves)
 
 
@@ -42,6 +43,8 @@ def launch(kernels, q, k_cache, v_cache, block_table, seq_lens, o, lse, scale, m
                          block_table.shape[1], keys_per_split, splits, chunks, float(scale))
     kernels.decode_combine((-(-rows // GEOMETRY["COMBINE_ROWS"]),), (GEOMETRY["COMBINE_THREADS"],), o_partial,
                            lse_partial, o, lse, rows, splits)
+
+# --8<-- [end:launch]
 
 
 STAGE = Stage(
