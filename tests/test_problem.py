@@ -6,7 +6,7 @@ import stages
 from reference.problem import Problem
 
 PROBLEMS = ["attention", "attention_backward", "moe_routing", "moe_experts", "moe_layer", "moe_layer_backward",
-            "moe_expert_parallel", "model", "block_sparse_attention", "block_sparse_attention_backward"]
+            "moe_expert_parallel", "model", "block_sparse_attention", "block_sparse_attention_backward", "decode_attention"]
 
 
 @pytest.mark.parametrize("name", PROBLEMS)

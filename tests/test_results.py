@@ -67,7 +67,7 @@ def test_results_have_the_fields_other_tools_read(gpu):
         for bench in entry["benchmarks"]:
             shape = set(bench["shape"])
             assert {"B", "H", "D", "causal"} <= shape or {"B", "H", "D", "mask"} <= shape or "tokens" in shape \
-                or {"model", "B", "S"} <= shape
+                or {"model", "B", "S"} <= shape or {"B", "H", "D", "page_size"} <= shape
             assert bench["dtype"] and bench["ms"] > 0 and bench["tflops"] > 0
             assert {"name", "ms", "tflops"} <= set(bench["reference"])
             assert "naive" in bench["baselines"] or entry["problem"] in WITHOUT_NAIVE, name

@@ -109,6 +109,8 @@ PANELS = (
     Panel("MoE expert GEMMs, and the whole layer", ("moe_experts", "moe_layer"), "tflops"),
     Panel("Expert parallelism: the MoE layer in the grader's world of one", ("moe_expert_parallel",), "tflops"),
     Panel("The whole model: thousands of tokens per second (prefill)", ("model",), "ktokens_per_s"),
+    Panel("Decode attention over a paged KV cache: memory-bound, so in % of the memory bandwidth", ("decode_attention",),
+          "pct_bandwidth"),
 )
 
 
