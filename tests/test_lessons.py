@@ -246,6 +246,8 @@ def done_when(section: str) -> list[str] | None:
 
 
 GRADE_TO_REACH = re.compile(r"\bthe grade is ([A-D])\b( or better)?: above (\d+) % of the goal\b")
+# A stage whose own kernel is below every band (a first version) asks for that, and says so.
+GRADE_BELOW_THE_BANDS = re.compile(r"\bthe grade is F, the course's kernel's own: below (\d+) % of the goal\b")
 
 
 @pytest.mark.parametrize("stage_dir", STAGE_DIRS, ids=lambda d: d.name)
@@ -258,7 +260,7 @@ def test_the_exercise_ends_with_what_done_means(stage_dir):
     assert any(f"`python -m grader stage{number(stage_dir)}` passes every case" in item for item in items), (
         f"{page}: no item says `python -m grader stage{number(stage_dir)}` passes every case")
     assert any("compile report" in item for item in items), f"{page}: no item says what the compile report shows"
-    grades = [item for item in items if GRADE_TO_REACH.search(item)]
+    grades = [item for item in items if GRADE_TO_REACH.search(item) or GRADE_BELOW_THE_BANDS.search(item)]
     assert len(grades) == 1, f"{page}: one item gives the grade to reach: 'the grade is B or better: above 70 % of the goal'"
 
 
@@ -281,6 +283,12 @@ def test_the_grade_to_reach_is_one_the_course_reaches(stage_dir):
     from grader.grading import BANDS
     page = lesson(stage_dir).relative_to(ROOT)
     items = done_when(h2_sections(lesson(stage_dir).read_text())["The exercise"]) or []
+    below = next((GRADE_BELOW_THE_BANDS.search(item) for item in items if GRADE_BELOW_THE_BANDS.search(item)), None)
+    if below is not None:  # only where no results file has the course's kernel in a band
+        assert int(below[1]) == round(100 * BANDS[-1][1]), f"{page}: F is below {BANDS[-1][1]:.0%}"
+        recorded = recorded_grades(stage_dir)
+        assert recorded and set(recorded.values()) == {"F"}, f"{page} asks for F; the course's kernel got {recorded}"
+        return
     m = next((GRADE_TO_REACH.search(item) for item in items if GRADE_TO_REACH.search(item)), None)
     if m is None:
         pytest.skip(f"{page} gives no grade to reach (test_the_exercise_ends_with_what_done_means says so)")
@@ -298,6 +306,8 @@ def test_the_done_when_list_is_read_as_written():
     assert done_when(section + "\nA paragraph after it.\n") is None
     assert done_when("Text without a list.\n") is None
     assert GRADE_TO_REACH.search("the grade is C or better: above 60 % of the goal, half naive PyTorch's speed")[1] == "C"
+    assert GRADE_BELOW_THE_BANDS.search("the grade is F, the course's kernel's own: below 40 % of the goal")[1] == "40"
+    assert GRADE_BELOW_THE_BANDS.search("the grade is F: below 40 % of the goal") is None  # says whose F it is
 
 
 SNIPPET = re.compile(r'^(?P<indent>[ \t]*)--8<-- "(?P<spec>[^"]+)"', re.M)
