@@ -26,8 +26,8 @@ struct Buckets {
 
 // Every block builds the tables (E entries: one thread's serial scans cost less than a launch), then
 // takes grouped rows in a grid-stride loop. Grouped row g of expert e's segment, at position p, copies
-// received row source_row[g]; a padding row (p >= total[e]) copies the segment's last row, as stage 7's
-// gather does (zeros slowed the tensor cores). grouped_row is the inverse, for the real rows.
+// received row source_row[g]; a padding row (p >= total[e]) copies the segment's last real row (stage 7's
+// gather takes the first; zeros slowed the tensor cores). grouped_row is the inverse, for the real rows.
 extern "C" __global__ void __launch_bounds__(REGROUP_THREADS)
 regroup_index(const int* __restrict__ counts, int ranks, int experts, int align, int grouped_rows,
               int* __restrict__ expert_offsets, int* __restrict__ source_row, int* __restrict__ grouped_row) {

@@ -22,7 +22,7 @@
 // Each block has only 4 warps (2 blocks per SM at D = 128), so a tile load that the block waits
 // for idles the SM: the next tile's loads are issued before P · V and land while it runs. At
 // D = 128 the S = Q Kᵀ half runs at most at 2/3 speed (an 8 × 4 block per thread, see below).
-// Tensor cores (next stages) do far better. (Predictions and measurements: results/NOTES.md.)
+// Tensor cores (next stages) do far better. (Predictions and measurements: docs/notebook/stage1.md.)
 //
 // Tensors are [B, H, S, D], K and V [B, H_kv, S, D], contiguous (grouped-query attention: H / H_kv
 // query heads read one KV head); blockIdx.z walks the B·H_kv KV (batch, head) pairs, blockIdx.y the

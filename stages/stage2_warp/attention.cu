@@ -16,7 +16,7 @@
 //   shared:       Q, K, V tiles of 64 × (D+8) elements (padded rows): 27 KB at D=64, 51 KB at D=128
 //   occupancy:    4 blocks (16 warps) per SM at D=64, 2 (8 warps) at D=128, bound by registers
 // Every tile is a load stall that only the other blocks on the SM can hide. (Predictions and
-// measurements: results/NOTES.md.)
+// measurements: docs/notebook/stage2.md.)
 //
 // Tensors are [B, H, S, D], K and V [B, H_kv, S, D], contiguous (grouped-query attention: H / H_kv
 // query heads read one KV head); blockIdx.z walks the B·H_kv KV (batch, head) pairs, blockIdx.y the

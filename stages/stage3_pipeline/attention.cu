@@ -25,7 +25,7 @@
 //            hold one block). 64-key tiles fit in 255 registers only with two economies, the
 //            cp.async address code of load_tile_from_base (swizzle.cuh) and the lazy rescale of
 //            online_softmax_lazy: without the first ptxas spills 96 bytes, without the second 36.
-// (Predictions and measurements, 64-key tiles against 32-key ones at D = 128: results/NOTES.md.)
+// (Predictions and measurements, 64-key tiles against 32-key ones at D = 128: docs/notebook/stage3.md.)
 //
 // Tensors are [B, H, S, D], K and V [B, H_kv, S, D], contiguous (grouped-query attention: H / H_kv
 // query heads read one KV head); blockIdx.z walks the B·H_kv KV (batch, head) pairs, blockIdx.y the

@@ -8,8 +8,8 @@
 //            K or V -- asynchronously: the warps go on while the tensor cores work.
 //   warp specialization   one producer warpgroup only issues TMA copies (and gives its registers
 //            away with setmaxnreg); two consumer warpgroups only compute. They talk through
-//            mbarriers: full[stage] (the tile has landed) and empty[stage] (every consumer is done
-//            with it) -- a ring of KV_STAGES buffers, each with its phase bit.
+//            mbarriers, a full (the tile has landed) and an empty one (every consumer is done with it)
+//            for each slot's K and for its V -- a ring of KV_STAGES slots, each barrier with its phase bit.
 //   ping-pong  the two consumers take turns on the tensor cores (named barriers 1 and 2): while one
 //            runs its softmax on the CUDA cores, the other's GEMMs run, so neither unit idles.
 //   intra-warpgroup overlap  a consumer issues S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1} together and
@@ -47,9 +47,9 @@
 //   tiles) while the consumers finish, and the ping-pong turns simply continue. Causal pairs query
 //   tiles i and M-1-i (M+1 K/V tiles whatever i) so that a static round-robin stays balanced.
 //   persistent = 0 (one block per query tile) stays in the kernel, to compare the two.
-// (The A/B measurements behind these choices, and the predictions: results/NOTES.md.)
+// (The A/B measurements behind these choices, and the predictions: docs/notebook/stage4.md.)
 //
-// Tensors are [B, H, S, D] contiguous; the host builds 3-D tensor maps over [B·H, S, D], so a box
+// Tensors are [B, H, S, D], D contiguous; the host builds 4-D tensor maps with their strides, so a box
 // never crosses into the next head: rows past S read as zeros. Causal masking is top-left
 // aligned: query i sees keys j <= i.
 #include "mma.cuh"

@@ -19,7 +19,7 @@
 // bytes of logits per token), moe_align and moe_scatter are a few µs of latency and launch, and
 // moe_combine streams k rows of y_perm in and a row of out per token: at real shapes the routing's
 // real cost, at memory bandwidth. At small T the launches, not the GPU, set the time. (The
-// estimates on paper, at the seed configuration: results/NOTES.md.)
+// estimates on paper, at 32768 tokens of the 32-expert layer: docs/notebook/stage5.md.)
 //
 // Tokens within an expert's segment come out in whatever order the atomics ran: the grader checks
 // the permutation as a set per expert. Deterministic order would need a scan over the token-slots

@@ -35,7 +35,7 @@
 //   was twice as slow.
 // The epilogue stages its outputs for TMA stores that overlap the next tile's main loop: the
 //   structure that pays wherever the epilogue is exposed. (Predictions and the A/B runs behind these
-//   choices: results/NOTES.md.)
+//   choices: docs/notebook/stage6.md.)
 #include "mma.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"

@@ -12,7 +12,7 @@
 // padded capacity T·k + E·(BLOCK_M - 1) of the permuted buffers. The GEMMs read the offsets on the
 // device; gather_rows skips the rows past offsets[E].
 //
-// Almost all of the time is the GEMMs (the estimates on paper: results/NOTES.md).
+// Almost all of the time is the GEMMs (the estimates on paper: docs/stages/stage7.md, where the time goes).
 // Not fused, and why: the gather into the up GEMM's A loads needs a TMA gather (Blackwell has one,
 // Hopper does not; cp.async gathers would cost the producer warp its simplicity) for 1.4% of the
 // time; the combine into the down GEMM's epilogue needs fp32 atomics into an fp32 copy of out (k
@@ -183,7 +183,7 @@ extern "C" __global__ void router_sum(const float* __restrict__ partials, const 
 // The permutation applied: row r of x_perm is token source_token[r]'s x. A padding row (source_token
 // -1) repeats the first token-slot of its segment: its outputs are never read, but zeros there -- the
 // obvious choice -- ran stage 6's tensor cores at half speed on the H100 (a few all-zero rows in a
-// tile; results/NOTES.md). One block per row of the capacity; the rows past offsets[E] (unused this
+// tile; docs/notebook/stage6.md). One block per row of the capacity; the rows past offsets[E] (unused this
 // time) return at once. 16-byte vectors.
 extern "C" __global__ void gather_rows(const elem_t* __restrict__ x, const int* __restrict__ source_token,
                                        const int* __restrict__ expert_offsets, int experts,

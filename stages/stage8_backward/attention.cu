@@ -107,7 +107,7 @@ __device__ __forceinline__ unsigned unhoisted_thread() {
 // Register allocation: ptxas fills all 255 registers of __launch_bounds__(256, 1) whatever the code, and
 // spills come and go with equivalent formulations of the same arithmetic; which ones it allocates without
 // spilling differs by head dimension and architecture (every combination compiled with NVRTC 13.0 and
-// 13.5: results/NOTES.md). Two choices are made per (D, architecture):
+// 13.5: docs/notebook/stage8.md). Two choices are made per (D, architecture):
 //   MASK_AGAINST_CONSTANTS: the causal test compares one per-thread term with immediates (probabilities,
 //     attention_backward.cuh): fewer instructions at D = 128, more at D = 64;
 //   QUERY_LANE_UNHOISTED: the query tiles' ldmatrix addresses made from unhoisted_thread(), so that ptxas

@@ -58,8 +58,8 @@
 // Q_STAGES·M·4 bytes each; barriers; 1 KB to align to 1024. D = 128: 226 KB (of the 227 a block may
 // have); D = 64: 195 KB. One block per SM.
 //
-// Tensors are [B, H, S, D] contiguous (K, V, dK, dV: [B, H_kv, S, D]); tensor maps over [B·H, S, D] and
-// [B·H_kv, S, D], so boxes never cross into the next head (rows past S read as zeros). Causal masking is
+// Tensors are [B, H, S, D], D contiguous (K, V, dK, dV: [B, H_kv, S, D]); 4-D tensor maps with their
+// strides, so boxes never cross into the next head (rows past S read as zeros). Causal masking is
 // top-left aligned: query i sees keys j <= i.
 #include "wgmma_attention_backward.cuh"  // the tiles, the products, dSᵀ and dQ through shared memory
 

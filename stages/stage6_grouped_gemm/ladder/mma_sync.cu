@@ -26,7 +26,7 @@
 // kernel 126-128 (two blocks), no spills. Shared memory: 2 stages × (16 KB of A + 32 or 16 KB of B) +
 // the offsets: 97 KB (up), 65 KB (down), so that the up kernel fits the 99 KB of an sm_86/sm_89 block.
 // A third ring stage would fit sm_80's and sm_90's shared memory only, and ran no faster. (Measured:
-// results/NOTES.md, stage 6's ladder.)
+// docs/stages/stage6.md, the ladder; docs/notebook/stage6.md.)
 #include "mma.cuh"
 #include "cp_async.cuh"
 // Stage 3's swizzle<ROW_BYTES>: chunk c of 8 consecutive rows -- what ldmatrix reads at once, for A

@@ -26,7 +26,7 @@
 // loads in flight 8 (12). ptxas gives the up kernel 218-230 (one block of 256 threads per SM), the
 // down kernel the 128 that two blocks allow (__launch_bounds__), no spills: with the k loop fully
 // unrolled instead of 4 at a time, it spilled. Shared memory: 2 buffers × (8 KB of A + 16 or 8 KB of
-// B) + the offsets: 49 KB (up), 33 KB (down). (Measured: results/NOTES.md, stage 6's ladder.)
+// B) + the offsets: 49 KB (up), 33 KB (down). (Measured: docs/stages/stage6.md, the ladder.)
 #include "grouped.cuh"
 
 constexpr int BLOCK_K = 16;                  // K per slice
