@@ -80,6 +80,7 @@ def test_the_scan_for_those_words():
 # shape", not the ticket or the specification it came from ("issue 7's second half", "the seed's
 # shape", "the specification's"). And what it cites, a reader can open: a lesson's lab notebook
 # (docs/notebook/), not results/NOTES.md, the repository's running log, which is not on the site.
+# The kernels' and launch modules' comments included: the site shows them in the lessons' listings.
 
 WORKSHOP = re.compile(
     r"\bissues?\s*#\s*\d+"                          # "issue #7"
@@ -90,7 +91,7 @@ WORKSHOP = re.compile(
     r"|\bspecification's\b",
     re.IGNORECASE)
 NOTES = re.compile(r"\bNOTES(?:\.md\b|,?\s+(?:\d|entr))")  # results/NOTES.md, "NOTES 7", "NOTES, entry 7"
-WORKSHOP_SCANNED = ("docs", "grader", "reference")
+WORKSHOP_SCANNED = ("docs", "grader", "reference", "stages")
 
 
 def workshop_files(folders=WORKSHOP_SCANNED) -> list[Path]:
