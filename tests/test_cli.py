@@ -182,12 +182,17 @@ def test_init_then_grade_uses_the_workspace_copy(tmp_path):
     assert "Graded file: stages/stage0_naive/attention.cu" in r.stdout
 
 
-def test_list_shows_stages_archs_and_nvrtc_versions():
+def test_list_shows_stages_rungs_archs_and_nvrtc_versions():
+    """One `grader list` for all its checks: it judges every record current or not, which compiles every
+    stage (minutes with an empty compile cache)."""
     r = grader("list")
     assert r.returncode == 0 and "stage0_naive" in r.stdout and "sm_90a" in r.stdout
     assert f"NVRTC here: {nvrtc_version()}" in r.stdout
     for gpu, data in results.load_all().items():
         assert f"{gpu}'s results: NVRTC {data['provenance']['nvrtc']}" in r.stdout
+    at = r.stdout.find("stage6_grouped_gemm:mma_sync")  # the ladders' rungs, each with its archs
+    assert at >= 0 and "sm_80" in r.stdout[at:at + 300]
+    assert "stage7_moe_layer:mma_sync" in r.stdout and "stage6_grouped_gemm:simt" in r.stdout
 
 
 def test_an_80_column_report_shows_every_figure_in_full():
@@ -252,13 +257,6 @@ def test_with_n_the_modules_whose_fixtures_are_costly_run_in_one_worker():
     assert scope_of("tests/test_docs.py::test_site_builds_strictly") == "tests/test_docs.py"
     assert scope_of("tests/test_expert_parallel.py::test_x[2 ranks-counts]") == "tests/test_expert_parallel.py"
     assert scope_of("tests/test_cli.py::test_unknown_stage") == "tests/test_cli.py::test_unknown_stage"
-
-
-def test_list_shows_the_ladders_rungs_with_their_archs():
-    r = grader("list")
-    at = r.stdout.find("stage6_grouped_gemm:mma_sync")
-    assert r.returncode == 0 and at >= 0 and "sm_80" in r.stdout[at:at + 300]
-    assert "stage7_moe_layer:mma_sync" in r.stdout and "stage6_grouped_gemm:simt" in r.stdout
 
 
 def test_a_rung_compiles_for_sm80_and_says_it_is_a_rung():
