@@ -8,6 +8,7 @@ changed kernel is measured again.
 """
 from __future__ import annotations
 
+import ast
 import datetime
 import hashlib
 import inspect
@@ -47,21 +48,19 @@ def imported_stage_modules(path: Path) -> list[Path]:
     """The modules of stages/ a launch file imports, at its top or inside a function: shared launch
     code (stages.common.hopper), another stage's (stages.stage6_grouped_gemm) or the ops (`from stages
     import ops`), whose changes change what the stage runs too."""
-    text, modules = path.read_text(), []
-    names = re.findall(r"^\s*from stages\.([\w.]+) import", text, re.MULTILINE)
-    for listed in re.findall(r"^\s*from stages import ([\w, ]+)", text, re.MULTILINE):
-        names += [name.strip() for name in listed.split(",")]
-    return modules + module_paths(names)
+    return stage_modules_imported_by(ast.parse(path.read_text()))
 
 
-def module_paths(names: list[str]) -> list[Path]:
-    """The files of the modules of stages/ named ("common.hopper", "stage6_grouped_gemm", "ops") that exist."""
-    modules = []
-    for name in names:
-        module = STAGES_DIR / name.replace(".", "/")
-        if module.is_dir() or module.with_suffix(".py").is_file():
-            modules.append(module / "__init__.py" if module.is_dir() else module.with_suffix(".py"))
-    return modules
+def stage_modules_imported_by(tree: ast.Module) -> list[Path]:
+    """The files of the modules of stages/ that a module's syntax tree imports: those of `from stages.X
+    import ...` in the order they are written, then those of `from stages import X, Y`."""
+    imports = sorted((node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module),
+                     key=lambda node: (node.lineno, node.col_offset))
+    names = [node.module.removeprefix("stages.") for node in imports if node.module.startswith("stages.")]
+    names += [alias.name for node in imports if node.module == "stages" for alias in node.names]
+    modules = [STAGES_DIR / name.replace(".", "/") for name in names]
+    return [module / "__init__.py" if module.is_dir() else module.with_suffix(".py") for module in modules
+            if module.is_dir() or module.with_suffix(".py").is_file()]
 
 
 def source_digest(stage, kernel_path: Path | None = None) -> str:

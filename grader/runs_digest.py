@@ -108,9 +108,10 @@ def launch_digest(stage, arch: str, kernel_path: Path | None = None) -> str:
     the shapes they are timed at left out), each variant's -D macros and geometry."""
     files = [path for path in results.source_files(stage, kernel_path) if path.suffix == ".py"]
     trees = {path: launch_tree(path) for path in files}
-    imported_in_text = {module for path in files for module in results.imported_stage_modules(path)}
-    imported = {module for tree in trees.values() for module in imported_modules(tree)}
-    modules = [json.dumps(syntax(tree)) for path, tree in trees.items() if path in imported or path not in imported_in_text]
+    imported_as_written = {module for path in files for module in results.imported_stage_modules(path)}
+    imported = {module for tree in trees.values() for module in results.stage_modules_imported_by(tree)}
+    modules = [json.dumps(syntax(tree)) for path, tree in trees.items()
+               if path in imported or path not in imported_as_written]
     geometry = {part.key: {variant_key(defines): part.geometry(defines) for defines, _ in stage_builds(part)}
                 for part, _, _ in launched(stage, arch, kernel_path)}
     text = json.dumps({"modules": modules, "geometry": geometry}, sort_keys=True)
@@ -126,17 +127,6 @@ def launch_tree(path: Path) -> ast.Module:
                 and ast.get_docstring(node, clean=False) is not None:
             node.body = node.body[1:] or [ast.Pass()]
     return without_timed_shapes(tree)
-
-
-def imported_modules(tree: ast.Module) -> list[Path]:
-    """The files of the modules of stages/ that `tree` imports (as results.imported_stage_modules reads them)."""
-    names = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module == "stages":
-            names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("stages."):
-            names.append(node.module.removeprefix("stages."))
-    return results.module_paths(names)
 
 
 TIMED_SHAPES = "extra_benchmarks"  # the Stage field of the shapes it is timed at beside its problem's
