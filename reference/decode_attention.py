@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from reference.attention import AttentionProblem, sdpa_backends
-from reference.problem import Case, Problem
+from reference.problem import Case
 
 MAX_NEW_TOKENS = 8
 
@@ -97,11 +97,10 @@ def pages_of(length: int, page_size: int) -> int:
     return -(-length // page_size)
 
 
-class DecodeAttentionProblem(Problem):
+class DecodeAttentionProblem(AttentionProblem):
+    """The attention problem's outputs (O like Q, the LSE), head dimensions and check, over a paged cache:
+    its own cases, shapes, inputs, launch, reference and baselines."""
     name = "decode_attention"
-    outputs = ("o", "lse")
-    primary_input = "q"
-    parameters = {"D": (64, 128)}  # the head dimension, which kernels take as a compile-time constant
 
     # ---- cases and shapes -------------------------------------------------------------------
     def cases(self, seed: int = 0) -> list[Case]:
@@ -121,10 +120,6 @@ class DecodeAttentionProblem(Problem):
     def make_inputs(self, shape: dict, dtype: str, seed: int, input_scale: float = 1.0, device="cuda") -> dict:
         return random_inputs(shape, dtype, torch.Generator(device=device).manual_seed(seed), input_scale)
 
-    # O like Q and the LSE, poisoned; the head dimension of Q: as the attention problem has them
-    allocate_outputs = AttentionProblem.allocate_outputs
-    parameter_values = AttentionProblem.parameter_values
-
     def run_stage(self, stage, kernels, inputs: dict, outputs: dict) -> None:
         stage.launch(kernels, inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["block_table"],
                      inputs["seq_lens"], outputs["o"], outputs["lse"], inputs["scale"], inputs["max_len"])
@@ -138,8 +133,6 @@ class DecodeAttentionProblem(Problem):
         """SDPA in the inputs' dtype on the gathered cache: what the tolerance rule measures against."""
         k, v, visible = gathered(inputs)
         return dict(o=sdpa_over(inputs["q"], k, v, visible, inputs["scale"]))
-
-    check = AttentionProblem.check  # O against SDPA's error, the LSE within LSE_RTOL
 
     # ---- baselines timed beside the kernel -------------------------------------------------------
     def baselines(self, inputs: dict) -> dict:
