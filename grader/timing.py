@@ -15,6 +15,13 @@ long enough for the host to queue the whole round behind it. Without the hold, a
 host code takes longer to queue its launches than the GPU takes to flush the L2 (a launch through
 Python with many arguments: 0.1-0.3 ms) would have the GPU idle inside its own events, and be
 charged for the host's time as well.
+
+Every candidate after the first of a round also starts after a rest: the GPU held in the spin for as
+long as the candidate before it ran (its time in the last round; at most GpuHold.MAX_MS). Work that
+holds the GPU at its power limit for tens of milliseconds (a whole model's forward) lowers the clocks
+for what runs right after it; and in a fixed order of turns each candidate always follows the same
+one, so one that follows light work (eager PyTorch) would be timed at higher clocks than one that
+follows heavy work, every round. After the rest each starts from the same state, whatever ran before.
 """
 from __future__ import annotations
 
@@ -103,15 +110,24 @@ def enough(times: dict[str, list[float]], past_deadline: bool, target_rel: float
     return settled or (past_deadline and rounds >= 3)
 
 
+def timed(run) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    """Calls run() between two CUDA events recorded on the current stream, and returns them."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    return start, end
+
+
 def time_side_by_side(candidates: dict, l2_bytes: int, budget_s: float = 4.0, target_rel: float = 0.01,
                       max_reps: int = 500) -> dict[str, Timing]:
     """{name: Timing} for each callable in `candidates`; each is called with no arguments."""
     flush = torch.empty(2 * l2_bytes // 4, dtype=torch.float32, device="cuda")
     host_start = time.perf_counter()
-    for run in candidates.values():  # warm-up: module loads, library heuristics, allocator
-        run()
+    warm_up = {name: timed(run) for name, run in candidates.items()}  # module loads, heuristics, allocator
     host_round_ms = (time.perf_counter() - host_start) * 1e3  # an overestimate: the first calls are slow
     torch.cuda.synchronize()
+    last_ms = {name: start.elapsed_time(end) for name, (start, end) in warm_up.items()}  # each one's last time
     gpu = GpuHold()
 
     times = {name: [] for name in candidates}
@@ -120,20 +136,20 @@ def time_side_by_side(candidates: dict, l2_bytes: int, budget_s: float = 4.0, ta
     while True:
         pending = []
         order = order[1:] + order[:1]  # each candidate takes its turn to go first after the hold
-        # Twice the last round's host time: the host queues this round before the GPU reaches it.
-        gpu.hold(2.0 * host_round_ms + 0.05)
+        # Twice the last round's host time (the host queues this round before the GPU reaches it), and
+        # at least the rest the last round's work calls for.
+        gpu.hold(max(2.0 * host_round_ms + 0.05, *last_ms.values()))
         host_start = time.perf_counter()
-        for name in order:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for place, name in enumerate(order):
+            if place:
+                gpu.hold(last_ms[order[place - 1]])  # the rest: as long as the one before it ran
             flush.zero_()
-            start.record()
-            candidates[name]()
-            end.record()
-            pending.append((name, start, end))
+            pending.append((name, *timed(candidates[name])))
         host_round_ms = (time.perf_counter() - host_start) * 1e3
         torch.cuda.synchronize()
         for name, start, end in pending:
-            times[name].append(start.elapsed_time(end))
+            last_ms[name] = start.elapsed_time(end)
+            times[name].append(last_ms[name])
         if enough(times, time.perf_counter() > deadline, target_rel, max_reps):
             break
     return {name: _summary(t) for name, t in times.items()}
