@@ -92,7 +92,8 @@ class AttentionProblem(Problem):
     name = "attention"
     outputs = ("o", "lse")
     primary_input = "q"
-    parameters = {"D": (64, 128)}  # the head dimension, which kernels take as a compile-time constant
+    # What kernels may take as compile-time constants: the head dimension, and the causal mask (0 or 1)
+    parameters = {"D": (64, 128), "causal": (0, 1)}
 
     # ---- cases and shapes -------------------------------------------------------------------
     def cases(self, seed: int = 0) -> list[Case]:
@@ -117,7 +118,7 @@ class AttentionProblem(Problem):
                     lse=torch.full(q.shape[:3], FLOAT_POISON, dtype=torch.float32, device=q.device))
 
     def parameter_values(self, inputs: dict) -> dict:
-        return {"D": inputs["q"].shape[-1]}
+        return {"D": inputs["q"].shape[-1], "causal": int(inputs["causal"])}
 
     def run_stage(self, stage, kernels, inputs: dict, outputs: dict) -> None:
         stage.launch(kernels, inputs["q"], inputs["k"], inputs["v"], outputs["o"], outputs["lse"],

@@ -101,6 +101,10 @@ class DecodeAttentionProblem(AttentionProblem):
     """The attention problem's outputs (O like Q, the LSE), head dimensions and check, over a paged cache:
     its own cases, shapes, inputs, launch, reference and baselines."""
     name = "decode_attention"
+    parameters = {"D": AttentionProblem.parameters["D"]}  # the causal rule among the new tokens is not compiled in
+
+    def parameter_values(self, inputs: dict) -> dict:
+        return {"D": inputs["q"].shape[-1]}
 
     # ---- cases and shapes -------------------------------------------------------------------
     def cases(self, seed: int = 0) -> list[Case]:

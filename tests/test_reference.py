@@ -72,7 +72,7 @@ def test_inputs_are_seeded_and_outputs_poisoned():
     assert torch.equal(a["q"], b["q"]) and not torch.equal(a["q"], c["q"])
     out = P.allocate_outputs(a)
     assert out["o"].isnan().all() and out["lse"].isnan().all()
-    assert P.variant(a) == {"dtype": "bfloat16", "D": 64}
+    assert P.variant(a) == {"dtype": "bfloat16", "D": 64, "causal": 1}
 
 
 # ---- grouped-query attention: K and V with H_kv heads, query head h with KV head h // (H / H_kv) ----------

@@ -10,20 +10,21 @@ their own strides, so that a model's [B, S, H, D] views are read where they lie,
 the kernel as `const __grid_constant__` parameters.
 """
 from stages import Goal, Stage
-from stages.common.attention import by_head_dim, kv_group
+from stages.common.attention import kv_group
 from stages.common.hopper import sm_count, tensor_map
 from stages.common.prompts import SHORT_PROMPTS
 
-# What the launch uses, per head dimension, as attention.cu computes it (the grader checks each value
-# against the kernel): query rows per tile (2 consumer warpgroups × 64), keys per K/V tile, threads
-# (a producer warpgroup + 2 consumer warpgroups), the width of a TMA box (64 16-bit elements, the
-# 128-byte swizzle's) and its rows (tiles are copied as boxes of 64 rows: tma.cuh's load_tile), and
-# dynamic shared memory: the Q tile, the K and V rings, the mbarriers and 1 KB to align the tiles to
-# 1024 bytes.
-GEOMETRY = {64: {"BLOCK_M": 128, "BLOCK_N": 192, "NUM_THREADS": 384, "ATOM_COLS": 64, "TILE_BOX_ROWS": 64,
-                 "SHARED_BYTES": 164976},
-            128: {"BLOCK_M": 128, "BLOCK_N": 128, "NUM_THREADS": 384, "ATOM_COLS": 64, "TILE_BOX_ROWS": 64,
-                  "SHARED_BYTES": 164944}}
+# What the launch uses, per head dimension and causal mask (both compiled in), as attention.cu computes
+# it (the grader checks each value against the kernel): query rows per tile (2 consumer warpgroups × 64),
+# keys per K/V tile, threads (a producer warpgroup + 2 consumer warpgroups), the width of a TMA box (64
+# 16-bit elements, the 128-byte swizzle's) and its rows (tiles are copied as boxes of 64 rows: tma.cuh's
+# load_tile), and dynamic shared memory: the Q tile, the K and V rings, the mbarriers and 1 KB to align
+# the tiles to 1024 bytes.
+_SHARED = {"BLOCK_M": 128, "NUM_THREADS": 384, "ATOM_COLS": 64, "TILE_BOX_ROWS": 64}
+GEOMETRY = {(64, 0): {**_SHARED, "BLOCK_N": 192, "SHARED_BYTES": 164976},
+            (64, 1): {**_SHARED, "BLOCK_N": 128, "SHARED_BYTES": 148624},
+            (128, 0): {**_SHARED, "BLOCK_N": 128, "SHARED_BYTES": 164944},
+            (128, 1): {**_SHARED, "BLOCK_N": 128, "SHARED_BYTES": 164944}}
 # Long sequences at D128, B·H chosen to fill the 132 SMs with 128-row query tiles (the ladder's rungs are
 # timed at the problem's shapes and these).
 LONG_SEQUENCES = tuple(dict(B=B, H=16, Sq=S, Skv=S, D=128, causal=causal, dtype="float16")
@@ -41,7 +42,7 @@ def _tensor_map(x, box_rows: int, box_cols: int):
 def launch(kernels, q, k, v, o, lse, scale, causal):
     batch, heads, seq_q, head_dim = q.shape
     seq_kv, group = k.shape[2], kv_group(q, k)  # query heads per KV head: the kernel loads KV pair head / group
-    launched = GEOMETRY[head_dim]
+    launched = GEOMETRY[head_dim, int(causal)]
     block_m, box_rows, box_cols = launched["BLOCK_M"], launched["TILE_BOX_ROWS"], launched["ATOM_COLS"]
     q_map, k_map, v_map = (_tensor_map(x, box_rows, box_cols) for x in (q, k, v))
     m_blocks = (seq_q + block_m - 1) // block_m
@@ -53,8 +54,8 @@ def launch(kernels, q, k, v, o, lse, scale, causal):
         grid = min(units, sm_count(q.device))
     o_batch_stride, o_head_stride, o_row_stride, _ = o.stride()  # any [B, H, S, D] view with d contiguous
     kernels.attention_fwd((grid,), (launched["NUM_THREADS"],), q_map, k_map, v_map, o, o_batch_stride,
-                          o_head_stride, o_row_stride, heads, lse, seq_q, seq_kv, scale, int(causal), batch * heads,
-                          PERSISTENT, group, smem=launched["SHARED_BYTES"])
+                          o_head_stride, o_row_stride, heads, lse, seq_q, seq_kv, scale, batch * heads, PERSISTENT,
+                          group, smem=launched["SHARED_BYTES"])
 
 
 STAGE = Stage(
@@ -62,11 +63,11 @@ STAGE = Stage(
     problem="attention",
     source="attention.cu",
     kernels={"attention_fwd": "const TmaMap, const TmaMap, const TmaMap, elem_t*, long long, long long, int, int, "
-                              "float*, int, int, float, int, int, int, int"},
+                              "float*, int, int, float, int, int, int"},
     launch=launch,
     archs=("sm_90a",),
-    specializations={"HEAD_DIM": "D"},  # the head dimension, compiled in
-    geometry=by_head_dim(GEOMETRY),
+    specializations={"HEAD_DIM": "D", "CAUSAL": "causal"},  # the head dimension and the mask, compiled in
+    geometry=lambda defines: GEOMETRY[int(defines["HEAD_DIM"]), int(defines["CAUSAL"])],
     goal=Goal("cudnn", 1.0),
     extra_benchmarks=LONG_SEQUENCES + SHORT_PROMPTS,
 )

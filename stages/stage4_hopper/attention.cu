@@ -16,7 +16,7 @@
 //            runs the softmax of S_j while the P·V product is still in flight.
 //
 // Per query tile: BLOCK_M = 128 query rows (consumer c owns rows 64c .. 64c+63), tiles of BLOCK_N
-// keys (192 at D = 64, 128 at D = 128), 384 threads = 3 warpgroups:
+// keys (192 at D = 64 without the causal mask, else 128), 384 threads = 3 warpgroups:
 //
 //   producer  | TMA Q | TMA K0 V0 | K1 V1 | K2 V2 (when a slot is empty) ...
 //   consumer0 | S0 |softmax0| S1 PV0 |softmax1| S2 PV1 |softmax2| ...
@@ -32,13 +32,19 @@
 //   O D/2 (32 or 64), the softmax's row state; the producer keeps 24 (240·256 + 24·128 = 64512
 //   <= 65536, one block per SM).
 // Shared memory: Q 128·D·2 + KV_STAGES·2·BLOCK_N·D·2 (+ barriers, + 1 KB to align to 1024
-//   bytes): D=64: 16 + 3·48 = 160 KB; D=128: 32 + 2·64 = 160 KB. One block per SM.
+//   bytes): D=64: 16 + 3·48 = 160 KB (causal: 16 + 4·32 = 144 KB); D=128: 32 + 2·64 = 160 KB. One
+//   block per SM.
 // D = 64 is the hard case: per tile, the exponentials (one MUFU.EX2 per score, 16 lanes per SM
 //   per cycle) take as long as both GEMMs on the tensor cores, and each consumer warp's softmax is
 //   a chain of dependent steps that only the one other consumer can hide. Hence the row max and sum
 //   in independent chains (softmax_to_p, wgmma_attention.cuh), and 192-key tiles at D = 64 (FlashAttention-3's
 //   choice): a third fewer tile transitions -- barrier waits, turns, wgmma issue and wait -- per key,
 //   for some waste on a partial last tile.
+// Causal: the mask is compiled in (CAUSAL, 0 or 1: the launch picks the variant). A query tile's last
+//   K/V tile crosses the diagonal and is partly masked, the more so the wider it is, and a short
+//   prompt is mostly diagonal: at S = 256 a 192-key tiling computes 576 key columns per pair of query
+//   tiles where 384 are needed, a 128-key one exactly 384. So the causal kernel keeps 128-key tiles at
+//   D = 64 too, with a fourth ring slot in the room they leave.
 // Persistent: a block has a fixed cost per query tile -- launch, barrier setup, the cold Q and K_0
 //   loads, S_0 alone, the last P·V and the output stores with the tensor cores idle -- of a few µs,
 //   which short sequences do not hide. So the grid is one block per SM, each looping over query
@@ -58,8 +64,8 @@
 #include "wgmma_attention.cuh"  // the products, the online softmax split around P·V
 
 constexpr int BLOCK_M = 128;                          // query rows per query tile
-constexpr int BLOCK_N = HEAD_DIM == 64 ? 192 : 128;   // keys per K/V tile (192 at D = 64: see above)
-constexpr int KV_STAGES = HEAD_DIM == 64 ? 3 : 2;     // K/V ring slots (shared memory allows 3 at D=64)
+constexpr int BLOCK_N = HEAD_DIM == 64 && !CAUSAL ? 192 : 128;  // keys per K/V tile (see above)
+constexpr int KV_STAGES = HEAD_DIM == 64 ? (CAUSAL ? 4 : 3) : 2;  // K/V ring slots: what shared memory allows
 constexpr int CONSUMERS = 2;                          // consumer warpgroups, 64 query rows each
 constexpr int NUM_THREADS = (1 + CONSUMERS) * 128;    // + the producer warpgroup
 constexpr int CONSUMER_THREADS = CONSUMERS * 128;
@@ -95,9 +101,9 @@ static_assert(HEAD_DIM % ATOM_COLS == 0, "D is a whole number of 128-byte swizzl
 // cold pipeline, between tiles).
 struct Schedule {
     int num_m_blocks, units_per_head, num_units, paired;
-    __device__ Schedule(int seq_q, int batch_heads, int persistent, int causal) {
+    __device__ Schedule(int seq_q, int batch_heads, int persistent) {
         num_m_blocks = (seq_q + BLOCK_M - 1) / BLOCK_M;
-        paired = persistent && causal;
+        paired = persistent && CAUSAL;
         units_per_head = paired ? (num_m_blocks + 1) / 2 : num_m_blocks;
         num_units = units_per_head * batch_heads;
     }
@@ -123,8 +129,8 @@ struct SharedMemory {
 };
 
 // The K/V tiles the query tile of rows m0.. needs: keys past kv_end are masked for every row of it.
-__device__ __forceinline__ int kv_tiles(int m0, int seq_kv, int causal) {
-    const int kv_end = causal ? min(seq_kv, m0 + BLOCK_M) : seq_kv;
+__device__ __forceinline__ int kv_tiles(int m0, int seq_kv) {
+    const int kv_end = CAUSAL ? min(seq_kv, m0 + BLOCK_M) : seq_kv;
     return (kv_end + BLOCK_N - 1) / BLOCK_N;  // >= 1: key 0 is seen by every row
 }
 
@@ -144,8 +150,7 @@ __device__ __forceinline__ void init_barriers(const SharedMemory& shared) {
 // --8<-- [start:warp_specialization]
 // The producer: one thread issues every copy, Q of each query tile and its K/V tiles into the ring.
 __device__ __forceinline__ void produce(const SharedMemory& shared, const Schedule& schedule, const TmaMap& q_map,
-                                        const TmaMap& k_map, const TmaMap& v_map, int seq_kv, int causal, int heads,
-                                        int group) {
+                                        const TmaMap& k_map, const TmaMap& v_map, int seq_kv, int heads, int group) {
     tma_prefetch_map(q_map);
     tma_prefetch_map(k_map);
     tma_prefetch_map(v_map);
@@ -161,7 +166,7 @@ __device__ __forceinline__ void produce(const SharedMemory& shared, const Schedu
             mbarrier_wait(shared.barrier(Q_EMPTY), (q_loads & 1) ^ 1);
             mbarrier_arrive_expect_tx(shared.barrier(Q_FULL), Q_TILE_BYTES);
             load_tile<BLOCK_M, HEAD_DIM>(shared.q_tile(), q_map, shared.barrier(Q_FULL), m0, head, batch);
-            const int num_tiles = kv_tiles(m0, seq_kv, causal);
+            const int num_tiles = kv_tiles(m0, seq_kv);
             for (int tile = 0; tile < num_tiles; ++tile, ++ring) {
                 const int stage = ring % KV_STAGES;
                 const unsigned parity = (ring / KV_STAGES) & 1;  // which use of this slot
@@ -207,8 +212,7 @@ struct Output {
 // hands it the first turn. The turns alternate across query tiles too: both consumers take
 // num_tiles + 1 turns per query tile.
 __device__ __forceinline__ void consume(const SharedMemory& shared, const Schedule& schedule, int consumer,
-                                        const Output& out, float* lse, int seq_q, int seq_kv, float scale,
-                                        int causal) {
+                                        const Output& out, float* lse, int seq_q, int seq_kv, float scale) {
     const int lane = threadIdx.x % 32, warp_in_group = threadIdx.x / 32 % 4;
     const int my_turn = TURN_BARRIER + consumer, other_turn = TURN_BARRIER + 1 - consumer;
     const float scale_log2 = scale * LOG2E;
@@ -218,7 +222,7 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const Schedu
     for (int unit = blockIdx.x; unit < schedule.num_units; unit += gridDim.x) {
         for (int half = 0; half < schedule.tiles_in(unit); ++half, ++q_loads) {
             const int m0 = schedule.m0(unit, half), head = schedule.head(unit);
-            const int num_tiles = kv_tiles(m0, seq_kv, causal);
+            const int num_tiles = kv_tiles(m0, seq_kv);
             const bool block_done = unit + gridDim.x >= schedule.num_units && half + 1 == schedule.tiles_in(unit);
             const int warp_m0 = m0 + consumer * 64 + warp_in_group * 16;  // this warp's 16 rows
 
@@ -240,7 +244,7 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const Schedu
             fence_registers(s);
             mbarrier_arrive(shared.barrier(K_EMPTY + ring % KV_STAGES));
             if (num_tiles == 1) mbarrier_arrive(shared.barrier(Q_EMPTY));  // the producer may load the next Q
-            if (BLOCK_N > seq_kv || (causal && BLOCK_N - 1 > warp_m0)) apply_mask(s, 0, warp_m0 + lane / 4, seq_kv, causal, lane);
+            if (BLOCK_N > seq_kv || (CAUSAL && BLOCK_N - 1 > warp_m0)) apply_mask(s, 0, warp_m0 + lane / 4, seq_kv, CAUSAL, lane);
             softmax_to_p(s, row_max, row_sum, correction, scale_log2);  // O is still 0: no rescale
             p_operands(s, p);
 
@@ -263,8 +267,8 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const Schedu
                 mbarrier_arrive(shared.barrier(K_EMPTY + stage));
                 if (tile == num_tiles - 1) mbarrier_arrive(shared.barrier(Q_EMPTY));  // Q's last use is done
                 const int n0 = tile * BLOCK_N;
-                if (n0 + BLOCK_N > seq_kv || (causal && n0 + BLOCK_N - 1 > warp_m0))
-                    apply_mask(s, n0, warp_m0 + lane / 4, seq_kv, causal, lane);
+                if (n0 + BLOCK_N > seq_kv || (CAUSAL && n0 + BLOCK_N - 1 > warp_m0))
+                    apply_mask(s, n0, warp_m0 + lane / 4, seq_kv, CAUSAL, lane);
                 softmax_to_p(s, row_max, row_sum, correction, scale_log2);
 
                 wgmma_wait<0>();  // P_{j-1}·V_{j-1} is done: O may be rescaled, P overwritten
@@ -306,22 +310,22 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 attention_fwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
               const __grid_constant__ TmaMap v_map, elem_t* __restrict__ o, long long o_batch_stride,
               long long o_head_stride, int o_row_stride, int heads, float* __restrict__ lse, int seq_q, int seq_kv,
-              float scale, int causal, int batch_heads, int persistent, int group) {
+              float scale, int batch_heads, int persistent, int group) {
     extern __shared__ __align__(1024) unsigned char shared_raw[];
     // TMA's 128-byte swizzle and the descriptors' base offset 0 assume 1024-byte-aligned tiles.
     const SharedMemory shared{(shared_address(shared_raw) + 1023) & ~1023u};
-    const Schedule schedule(seq_q, batch_heads, persistent, causal);
+    const Schedule schedule(seq_q, batch_heads, persistent);
     if (threadIdx.x == 0) init_barriers(shared);
     __syncthreads();
 
     const int warpgroup = threadIdx.x / 128;
     if (warpgroup == 0) {
         setmaxnreg_dec<PRODUCER_REGS>();  // the producer keeps 24 registers per thread
-        if (threadIdx.x == 0) produce(shared, schedule, q_map, k_map, v_map, seq_kv, causal, heads, group);
+        if (threadIdx.x == 0) produce(shared, schedule, q_map, k_map, v_map, seq_kv, heads, group);
     } else {
         setmaxnreg_inc<CONSUMER_REGS>();  // 240 per thread for S, P and O
         const Output out{o, o_batch_stride, o_head_stride, o_row_stride, heads};
-        consume(shared, schedule, warpgroup - 1, out, lse, seq_q, seq_kv, scale, causal);
+        consume(shared, schedule, warpgroup - 1, out, lse, seq_q, seq_kv, scale);
     }
 }
 // --8<-- [end:kernel]
