@@ -80,6 +80,8 @@ BASES["stage9_hopper_backward"] = "6287281"
 BASES["stage12_block_sparse"] = "d978042"
 # At 758fcdc: stage 13 selects its masked probabilities (the document mask without branches).
 BASES["stage13_block_sparse_backward"] = "758fcdc"
+# At 1be0ba3: stage 4 compiles the causal mask in, with 128-key tiles for the causal kernel at D = 64.
+BASES["stage4_hopper"] = "1be0ba3"
 LADDER = {"ladder/simt.cu": "stage6_grouped_gemm", "ladder/mma_sync.cu": "stage6_grouped_gemm"}
 FRESH_COMPILES = 3  # per side, after a mismatch
 
