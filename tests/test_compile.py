@@ -22,6 +22,7 @@ TEACHES = {
     "stage12_block_sparse": {"HGMMA", "UTMALDG"},
     "stage13_block_sparse_backward": {"HGMMA", "UTMALDG"},
     "stage14_moe_backward": {"HGMMA", "UTMALDG"},
+    "stage15_decode": {"HMMA", "LDSM", "LDGSTS"},
 }
 
 PAIRS = [(name, arch) for name in stages.stage_names() for arch in stages.load(name).archs]

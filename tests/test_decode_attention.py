@@ -117,7 +117,7 @@ class RecordingKernels:
         self.launches = []
 
     def __getattr__(self, name):
-        return lambda grid, block, *args, smem=0: self.launches.append((name, tuple(grid), tuple(block), args))
+        return lambda grid, block, *args, smem=0: self.launches.append((name, tuple(grid), tuple(block), args, smem))
 
 
 def meta_inputs(B, H, Hkv, Sq, S, D=128, page_size=64):
@@ -139,9 +139,10 @@ def test_stage15_launches_every_row_and_key_within_the_grid_limits(B, H, Hkv, Sq
     outputs = PROBLEM.allocate_outputs(inputs)
     kernels = RecordingKernels()
     PROBLEM.run_stage(stage, kernels, inputs, outputs)
-    (split, grid, _, args), (combine, combine_grid, _, combine_args) = kernels.launches
+    (split, grid, _, args, smem), (combine, combine_grid, _, combine_args, _) = kernels.launches
     assert (split, combine) == ("decode_split", "decode_combine")
-    for kernel, grid_, block, launched in kernels.launches:
+    assert smem == stage.geometry({"HEAD_DIM": "128"})["SHARED_BYTES"] > 48 * 1024  # the ring, opted in above 48 KB
+    for kernel, grid_, block, launched, _ in kernels.launches:
         check_geometry(kernel, grid_, block)
         types = parameter_types(stage.kernels[kernel])
         assert len(launched) == len(types)

@@ -2,27 +2,32 @@
 
 A few new tokens a sequence against its whole cache, read through a block table of pages: a read of the
 cache, bound by memory bandwidth. Each block takes one (sequence, KV head, split of the keys) with the
-group's query heads packed as its rows, so K and V are read once per KV head; the splits' partial outputs
-are combined by their log-sum-exps. Plain CUDA C on CUDA cores, sm_80 and newer.
+group's query heads packed as its 16 rows, so K and V are read once per KV head; a ring of cp.async copies
+keeps tiles in flight, and each warp runs the products on its own keys with mma.sync; the splits' partial
+outputs are combined by their log-sum-exps. Tensor cores through mma.sync: sm_80 and newer.
 """
 import torch
 
 from stages import Goal, Stage
-from stages.common.attention import kv_group
+from stages.common.attention import by_head_dim, kv_group
 from stages.common.hopper import sm_count
 
-# What the launch uses, as attention.cu computes it (the grader checks each value against the kernel):
-# keys per tile, query rows per block (a group's heads × the new tokens; more rows take more blocks),
-# threads of decode_split, and decode_combine's rows per block (a warp each).
-GEOMETRY = {"BLOCK_N": 64, "ROWS": 16, "NUM_THREADS": 128, "COMBINE_ROWS": 4, "COMBINE_THREADS": 128}
+# What the launch uses, per head dimension, as attention.cu computes it (the grader checks each value against
+# the kernel): keys per tile, query rows per block (a group's heads × the new tokens; more rows take more
+# blocks), threads of decode_split, its dynamic shared memory (a ring of 3 K tiles and 3 V tiles), and
+# decode_combine's rows per block (a warp each) and threads.
+GEOMETRY = {64: {"BLOCK_N": 64, "ROWS": 16, "NUM_THREADS": 128, "SHARED_BYTES": 49152, "COMBINE_ROWS": 4,
+                 "COMBINE_THREADS": 128},
+            128: {"BLOCK_N": 64, "ROWS": 16, "NUM_THREADS": 128, "SHARED_BYTES": 98304, "COMBINE_ROWS": 4,
+                  "COMBINE_THREADS": 128}}
 # --8<-- [start:launch]
 BLOCKS_PER_SM = 8  # the splits are chosen for about this many decode_split blocks per SM (a few waves)
 
 
-def split_keys(units: int, max_len: int, sms: int) -> tuple[int, int]:
+def split_keys(units: int, max_len: int, sms: int, block_n: int) -> tuple[int, int]:
     """(keys per split, splits): about BLOCKS_PER_SM · sms blocks over `units` (sequence, KV head, row chunk)
-    triples, each split a whole number of tiles, at most one split per tile of the longest sequence."""
-    block_n = GEOMETRY["BLOCK_N"]
+    triples, each split a whole number of tiles of block_n keys, at most one split per tile of the longest
+    sequence."""
     tiles = -(-max_len // block_n)
     wanted = max(1, min(tiles, -(-BLOCKS_PER_SM * sms // units)))
     keys_per_split = -(-tiles // wanted) * block_n
@@ -33,15 +38,17 @@ def launch(kernels, q, k_cache, v_cache, block_table, seq_lens, o, lse, scale, m
     batch, heads, seq_q, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     group = kv_group(q, k_cache.transpose(1, 2))  # k_cache [pages, page_size, H_kv, D]: H_kv in dim 1 once swapped
-    chunks = -(-group * seq_q // GEOMETRY["ROWS"])
-    keys_per_split, splits = split_keys(batch * kv_heads * chunks, max_len, sm_count(q.device))
+    launched = GEOMETRY[head_dim]
+    chunks = -(-group * seq_q // launched["ROWS"])
+    keys_per_split, splits = split_keys(batch * kv_heads * chunks, max_len, sm_count(q.device), launched["BLOCK_N"])
     rows = batch * heads * seq_q
     o_partial = torch.empty(rows, splits, head_dim, dtype=torch.float32, device=q.device)
     lse_partial = torch.empty(rows, splits, dtype=torch.float32, device=q.device)
-    kernels.decode_split((batch * kv_heads * chunks * splits,), (GEOMETRY["NUM_THREADS"],), q, k_cache, v_cache,
+    kernels.decode_split((batch * kv_heads * chunks * splits,), (launched["NUM_THREADS"],), q, k_cache, v_cache,
                          block_table, seq_lens, o_partial, lse_partial, heads, kv_heads, seq_q, k_cache.shape[1],
-                         block_table.shape[1], keys_per_split, splits, chunks, float(scale))
-    kernels.decode_combine((-(-rows // GEOMETRY["COMBINE_ROWS"]),), (GEOMETRY["COMBINE_THREADS"],), o_partial,
+                         block_table.shape[1], keys_per_split, splits, chunks, float(scale),
+                         smem=launched["SHARED_BYTES"])
+    kernels.decode_combine((-(-rows // launched["COMBINE_ROWS"]),), (launched["COMBINE_THREADS"],), o_partial,
                            lse_partial, o, lse, rows, splits)
 
 # --8<-- [end:launch]
@@ -56,6 +63,6 @@ STAGE = Stage(
              "decode_combine": "const float*, const float*, elem_t*, float*, int, int"},
     launch=launch,
     specializations={"HEAD_DIM": "D"},  # the head dimension, compiled in
-    geometry=lambda defines: GEOMETRY,
+    geometry=by_head_dim(GEOMETRY),
     goal=Goal("reference", 1.0),  # the fastest SDPA backend on the cache already gathered contiguous
 )

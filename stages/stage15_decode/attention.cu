@@ -1,82 +1,232 @@
-// Stage 15 — decode attention over a paged KV cache: split-KV (FlashDecoding) and an LSE combine.
+// Stage 15 — decode attention over a paged KV cache: split-KV (FlashDecoding) on the tensor cores, and an
+// LSE combine.
 //
 //   O = softmax(scale · Q Kᵀ [causal among the new tokens]) V, for each sequence over its whole cache
 //
 // A decode step has 1 to 8 new tokens a sequence: each key and value of the cache is used by the few
 // query rows of its KV head and then never again, so the step is a read of the cache, bound by memory
-// bandwidth, not by arithmetic. Two kernels:
+// bandwidth. Two kernels:
 //
-// 1. decode_split    one block for each (sequence, KV head, row chunk, split of the keys). Its rows are the
-//                    query rows that read this KV head, packed (the group's H / H_kv heads × the Sq new
-//                    tokens, up to ROWS of them), so K and V are read once per KV head, not once per query
-//                    head. It walks its split's keys in tiles of BLOCK_N, each key found through the block
-//                    table (page, slot) and read with 16-byte loads; the online softmax runs in fp32; it
-//                    writes its rows' partial O (normalized) and partial LSE, or O = 0 and LSE = -inf where
-//                    the split holds no key of the sequence.
+// 1. decode_split    one block for each (sequence, KV head, row chunk, split of the keys). Its ROWS = 16
+//                    rows are the query rows that read this KV head (the group's H / H_kv heads × the Sq
+//                    new tokens), zero-padded to the 16 rows of mma.sync's A operand, so K and V are read
+//                    once per KV head. It walks its split's keys in tiles of BLOCK_N, each warp its own
+//                    KEYS_PER_WARP keys of every tile: it copies them with cp.async through the block
+//                    table into its rows of a ring of KV_STAGES tiles, and runs the online softmax on them
+//                    alone (stage 3's warp-level math: S = Q·Kᵀ, P rounded to 16 bits in registers,
+//                    O += P·V). A warp reads only what it copied, so the warps never wait for each other
+//                    inside the loop. At the end their (max, sum, O) are merged through shared memory into
+//                    the split's partial O (normalized) and LSE, or O = 0 and LSE = -inf where the split
+//                    holds no key of a row.
 // 2. decode_combine  one warp per output row: O = Σ_s w_s O_s / Σ_s w_s, w_s = exp(lse_s - max lse), and
 //                    the row's LSE = max + log Σ w_s.
 //
-// The launch picks the number of splits so that B · H_kv · splits blocks fill the SMs a few times over:
-// a batch of short sequences needs few splits, one long sequence needs many.
+// The count, per key of a KV head (fp16 or bf16, D the head dimension):
+//   memory     K and V, 2 · D · 2 bytes (512 at D = 128), read once from HBM; cp.async writes them to
+//              shared memory once and ldmatrix reads them once (each key is one warp's): 2 bytes of
+//              shared-memory traffic a byte of cache.
+//   math       two products of the 16 padded rows, 2 · 2 · 16 · D FLOPs: 16 a byte of cache, at any D;
+//              16 exponentials.
+// At an H200's 4.8 TB/s that asks for 77 TFLOP/s of tensor-core math (under a tenth of its ~990 TFLOP/s
+// of dense fp16) and 9.6 TB/s of shared memory (under a third of 132 SMs × 128 bytes a clock at ~2 GHz):
+// the kernel stays bound by HBM with room to spare, whatever the padding costs (4 of the 16 rows are real
+// at Llama-3-8B's 4 query heads a KV head and one new token).
+// Bytes in flight: an SM has to keep bandwidth × latency in flight, 4.8 TB/s / 132 SMs × about 1 µs ≈
+// 36 KB. The ring holds 3 tiles of 64 keys and keeps two in flight while the third is computed: at D = 128
+// a tile is 32 KB, a block 96 KB, an H200's SM (228 KB) holds 2 blocks: 128 KB in flight; at D = 64 a
+// tile is 16 KB, a block 48 KB, 4 blocks an SM: 128 KB too. (An A100's SM, 164 KB, holds one D = 128 block.)
+// Precision: Q enters the products as given, and scale · log2(e) multiplies the fp32 scores (stages 2 and
+// 3 do the same); P is rounded to 16 bits for P·V, as FlashAttention does, which the check's tolerance
+// allows for. A scaled Q rounded back to 16 bits would add an error of its own to every score.
 //
 // Tensors: q and o [B, H, Sq, D] contiguous; k_cache, v_cache [num_pages, page_size, H_kv, D]; block_table
 // [B, max_pages] int32; seq_lens [B] int32 (the new tokens included); lse [B, H, Sq] fp32. Query row
 // r of a KV head's group is head kv_head · group + r / Sq, new token r % Sq, at position
-// seq_len - Sq + r % Sq, which sees keys 0 .. position. The products run on CUDA cores in fp32: with a few
-// rows per key, the tensor cores would have little to do (the lesson says why).
-#include "attention.cuh"
+// seq_len - Sq + r % Sq, which sees keys 0 .. position: the group's rows are contiguous in q and o.
+#include "mma.cuh"
+#include "cp_async.cuh"
+#include "swizzle.cuh"
 
-#define BLOCK_N 64                                 // keys per tile
-#define ROWS 16                                    // query rows per block (a group's heads × the new tokens)
-#define NUM_THREADS 128
-#define NUM_WARPS (NUM_THREADS / 32)
-#define VEC 8                                      // elements per 16-byte load
-#define KV_STRIDE (HEAD_DIM + VEC)                 // a K/V row in shared memory, padded by 16 bytes
-#define COL_GROUPS (HEAD_DIM / VEC)                // 16-byte columns of a row
-#define ROW_GROUPS (NUM_THREADS / COL_GROUPS)      // P·V: threads per column, each for ROWS / ROW_GROUPS rows
-#define PV_ROWS (ROWS / ROW_GROUPS)
-#define LOADS (BLOCK_N * COL_GROUPS / NUM_THREADS) // 16-byte loads of K (and of V) per thread per tile
-#define SCORE_ROWS (ROWS * BLOCK_N / NUM_THREADS)  // scores per thread per tile: one key, rows r0, r0 + 2, ...
-#define SCORE_ROW_STEP (NUM_THREADS / BLOCK_N)
-#define SOFTMAX_ROWS (ROWS / NUM_WARPS)            // rows per warp in the softmax
-#define COMBINE_ROWS 4                             // decode_combine: output rows per block, a warp each
-#define COMBINE_THREADS (COMBINE_ROWS * 32)
-#define LN2 0.6931471805599453f
+constexpr int ROWS = 16;                              // query rows per block: mma.m16n8k16's M
+constexpr int KEYS_PER_WARP = 16;                     // a warp's keys of each tile: P·V's k
+constexpr int NUM_WARPS = 4;
+constexpr int NUM_THREADS = NUM_WARPS * 32;
+constexpr int BLOCK_N = NUM_WARPS * KEYS_PER_WARP;    // keys per tile
+constexpr int KV_STAGES = 3;                          // tiles in the ring: two load while one is computed
+constexpr int MIN_BLOCKS_PER_SM = HEAD_DIM == 64 ? 4 : 2;  // what an H200's SM holds (shared memory)
+constexpr int ROW_BYTES = HEAD_DIM * 2;               // a key's K (or V) row; unpadded, swizzled
+constexpr int CHUNKS_PER_ROW = ROW_BYTES / 16;        // 16-byte copies per row
+constexpr int KV_TILE_BYTES = BLOCK_N * ROW_BYTES;
+constexpr int SHARED_BYTES = 2 * KV_STAGES * KV_TILE_BYTES;  // the K ring, then the V ring
+constexpr int KEYS_PER_PASS = 32 / CHUNKS_PER_ROW;    // keys a warp's copies cover at a time
+constexpr int COPY_PASSES = KEYS_PER_WARP / KEYS_PER_PASS;
+constexpr int D_STEPS = HEAD_DIM / 16;                // k-steps of Q·Kᵀ (16 columns of d each)
+constexpr int S_FRAGS = KEYS_PER_WARP / 8;            // n8 fragments of a warp's 16 × 16 scores
+constexpr int O_FRAGS = HEAD_DIM / 8;                 // n8 fragments of its 16 × D output
+constexpr int MERGE_STRIDE = HEAD_DIM + 8;            // floats between rows of a warp's O in the merge
+constexpr int COMBINE_ROWS = 4;                       // decode_combine: output rows per block, a warp each
+constexpr int COMBINE_THREADS = COMBINE_ROWS * 32;
+static_assert(sizeof(elem_t) == 2, "ldmatrix, mma and the chunk arithmetic assume 16-bit elements");
+static_assert(COPY_PASSES * KEYS_PER_PASS == KEYS_PER_WARP && KEYS_PER_WARP <= 32, "a lane looks up a key");
+static_assert(NUM_WARPS * ROWS * MERGE_STRIDE * 4 <= SHARED_BYTES, "the merge fits in the ring");
 
-static_assert(LOADS * NUM_THREADS == BLOCK_N * COL_GROUPS, "K/V tile loads split evenly");
-static_assert(PV_ROWS * ROW_GROUPS == ROWS && SCORE_ROWS * NUM_THREADS == ROWS * BLOCK_N, "rows split evenly");
-static_assert(BLOCK_N == 64 && SOFTMAX_ROWS * NUM_WARPS == ROWS, "the softmax: two keys a lane");
-
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
-    return x;
+// --8<-- [start:copies]
+// Where key `key` lies in the cache: its slot among the num_pages · page_size token slots, through the
+// block table (its page), and `key % page_size` (its slot in the page). Unsigned: a key is never negative,
+// and an unsigned division by a number known only at run time takes fewer instructions.
+__device__ __forceinline__ unsigned cache_slot(const int* pages, unsigned key, unsigned page_size) {
+    const unsigned page = key / page_size;
+    return pages[page] * page_size + (key - page * page_size);
 }
 
-__device__ __forceinline__ float warp_sum(float x) {
+// Issues a warp's copies of K and V of its keys first_key .. first_key + KEYS_PER_WARP - 1 into rows
+// key_row0 .. of the swizzled tiles. Lane j looks up key first_key + j in the block table, once, and the
+// lanes that copy its row take its slot by a shuffle: a pass copies KEYS_PER_PASS whole rows (2 of 256
+// bytes at D = 128, 4 of 128 at D = 64), contiguous in the cache. Keys at or past key_end are zero-filled
+// (a copy of source size 0 reads nothing) and take the address of key key_end - 1, one that exists:
+// their own entry of the table may be -1, or past the table's row.
+__device__ __forceinline__ void load_warp_keys(unsigned k_tile, unsigned v_tile, const elem_t* k_cache,
+                                               const elem_t* v_cache, const int* pages, int first_key,
+                                               int key_end, int page_size, int kv_heads, int kv_head, int key_row0,
+                                               int lane) {
+    const unsigned slot = cache_slot(pages, min(first_key + lane % KEYS_PER_WARP, key_end - 1), page_size);
+    const int chunk = lane % CHUNKS_PER_ROW;
 #pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
-    return x;
+    for (int pass = 0; pass < COPY_PASSES; ++pass) {
+        const int key = pass * KEYS_PER_PASS + lane / CHUNKS_PER_ROW;  // of the warp's: a chunk of its row
+        const unsigned key_slot = __shfl_sync(0xffffffffu, slot, key);
+        const size_t from = ((size_t)key_slot * kv_heads + kv_head) * HEAD_DIM + chunk * 8;
+        const unsigned to = swizzle<ROW_BYTES>(key_row0 + key, chunk);
+        const bool valid = first_key + key < key_end;
+        cp_async_16(k_tile + to, k_cache + from, valid);
+        cp_async_16(v_tile + to, v_cache + from, valid);
+    }
+}
+// --8<-- [end:copies]
+
+// --8<-- [start:warp_math]
+// The A operands of the block's 16 rows for the D_STEPS k-steps of Q·Kᵀ, read once from global memory
+// (q_rows: the block's first row) into registers for the whole split; rows at or past `rows` are zeros.
+__device__ __forceinline__ void load_q_fragments(unsigned (&q_frag)[D_STEPS][4], const elem_t* q_rows, int rows,
+                                                 int lane) {
+#pragma unroll
+    for (int kk = 0; kk < D_STEPS; ++kk) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {  // a[i]: row g + 8 (i % 2), columns 2t, 2t + 1 (+ 8 for i >= 2)
+            const int row = lane / 4 + 8 * (i % 2), column = 16 * kk + 8 * (i / 2) + 2 * (lane % 4);
+            q_frag[kk][i] = row < rows ? *reinterpret_cast<const unsigned*>(q_rows + row * HEAD_DIM + column) : 0u;
+        }
+    }
 }
 
-__device__ __forceinline__ void unpack(const uint4& packed, float (&out)[VEC]) {
-    const elem_t* e = reinterpret_cast<const elem_t*>(&packed);
+// S[16 rows × the warp's 16 keys] = Q · Kᵀ: a k-step is one ldmatrix.x4 of K (b[0], b[1] of keys 0-7,
+// then of keys 8-15) and two mma. `key_row0`: the warp's first key in the tile.
+__device__ __forceinline__ void warp_scores(float (&s)[S_FRAGS][4], const unsigned (&q_frag)[D_STEPS][4],
+                                            unsigned k_tile, int key_row0, int lane) {
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) out[i] = to_float(e[i]);
+    for (int n = 0; n < S_FRAGS; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < D_STEPS; ++kk) {
+        unsigned k_frag[4];
+        ldmatrix_x4(k_frag, k_tile + swizzle<ROW_BYTES>(key_row0 + b_order_row(lane), 2 * kk + b_order_chunk(lane)));
+        mma_m16n8k16<elem_t>(s[0], q_frag[kk], k_frag[0], k_frag[1]);
+        mma_m16n8k16<elem_t>(s[1], q_frag[kk], k_frag[2], k_frag[3]);
+    }
 }
+
+// -inf for the scores a row may not see: keys at or past key_end, and keys after the row's new token
+// (rows g and g + 8 of the thread sit at position[0] and position[1]).
+__device__ __forceinline__ void mask_scores(float (&s)[S_FRAGS][4], int first_key, int key_end,
+                                            const int (&position)[2], int lane) {
+#pragma unroll
+    for (int n = 0; n < S_FRAGS; ++n) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int key = first_key + 8 * n + 2 * (lane % 4) + c % 2;
+            if (key >= key_end || key > position[c / 2]) s[n][c] = -INFINITY;
+        }
+    }
+}
+
+// O[16 × D] += P · V over the warp's 16 keys: P's A operand straight from the registers of S (mma.cuh's
+// p_as_a_operand), V's B operands by ldmatrix.trans, two d-fragments per ldmatrix.x4.
+__device__ __forceinline__ void warp_pv(float (&o)[O_FRAGS][4], const float (&p)[S_FRAGS][4], unsigned v_tile,
+                                        int key_row0, int lane) {
+    unsigned p_frag[4];
+    p_as_a_operand(p, 0, p_frag);
+#pragma unroll
+    for (int d16 = 0; d16 < D_STEPS; ++d16) {
+        unsigned v_frag[4];
+        ldmatrix_x4_trans(v_frag, v_tile + swizzle<ROW_BYTES>(key_row0 + a_order_row(lane), 2 * d16 + a_order_chunk(lane)));
+        mma_m16n8k16<elem_t>(o[2 * d16], p_frag, v_frag[0], v_frag[1]);
+        mma_m16n8k16<elem_t>(o[2 * d16 + 1], p_frag, v_frag[2], v_frag[3]);
+    }
+}
+// --8<-- [end:warp_math]
+
+// --8<-- [start:merge]
+// The split's result from its warps', each over its own keys with its own running max m_w and sum l_w
+// (published in max_s, sum_s). Per row: M = max_w m_w, the weights 2^((m_w - M) · scale_log2) (0 for a
+// warp that saw no key, m_w = -inf), L = Σ_w weight_w · l_w, O = Σ_w weight_w · O_w / L and
+// LSE = M · scale + ln L; where no warp saw a key (M = -inf, L = 0): O = 0 and LSE = -inf. The warps'
+// weighted O go through o_s (the ring, free by now), rows MERGE_STRIDE floats apart: a half-warp's float2
+// stores then fall in 4 rows × 8 distinct banks.
+__device__ __forceinline__ float warp_weight(float warp_max, float merged_max, float scale_log2) {
+    return merged_max == -INFINITY ? 0.0f : fast_exp2((warp_max - merged_max) * scale_log2);
+}
+
+__device__ __forceinline__ void write_partial(const float (&o)[O_FRAGS][4], const float (&row_max)[2],
+                                              const float (*max_s)[ROWS], const float (*sum_s)[ROWS], float* o_s,
+                                              float* o_partial, float* lse_partial, long long first_out, int rows,
+                                              int splits, int split, float scale) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const float scale_log2 = scale * LOG2E;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // rows g and g + 8
+        const int row = lane / 4 + 8 * r;
+        float merged_max = -INFINITY, merged_sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < NUM_WARPS; ++w) merged_max = fmaxf(merged_max, max_s[w][row]);
+#pragma unroll
+        for (int w = 0; w < NUM_WARPS; ++w) merged_sum += warp_weight(max_s[w][row], merged_max, scale_log2) * sum_s[w][row];
+        const float mine = merged_sum > 0.0f ? warp_weight(row_max[r], merged_max, scale_log2) / merged_sum : 0.0f;
+        float* o_row = o_s + (warp * ROWS + row) * MERGE_STRIDE + 2 * (lane % 4);
+#pragma unroll
+        for (int d = 0; d < O_FRAGS; ++d)
+            *reinterpret_cast<float2*>(o_row + 8 * d) = make_float2(o[d][2 * r] * mine, o[d][2 * r + 1] * mine);
+        if (warp == 0 && lane % 4 == 0 && row < rows)
+            lse_partial[(first_out + row) * splits + split] =
+                merged_sum > 0.0f ? merged_max * scale + logf(merged_sum) : -INFINITY;
+    }
+    __syncthreads();
+    // The sum over the warps, 4 columns a thread, rows past `rows` (the padding) not written.
+    for (int e = 4 * threadIdx.x; e < ROWS * HEAD_DIM; e += 4 * NUM_THREADS) {
+        const int row = e / HEAD_DIM, column = e % HEAD_DIM;
+        if (row >= rows) break;
+        float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int w = 0; w < NUM_WARPS; ++w) {
+            const float4 part = *reinterpret_cast<const float4*>(o_s + (w * ROWS + row) * MERGE_STRIDE + column);
+            sum.x += part.x, sum.y += part.y, sum.z += part.z, sum.w += part.w;
+        }
+        *reinterpret_cast<float4*>(o_partial + ((first_out + row) * splits + split) * HEAD_DIM + column) = sum;
+    }
+}
+// --8<-- [end:merge]
 
 // --8<-- [start:split]
-extern "C" __global__ void __launch_bounds__(NUM_THREADS)
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
 decode_split(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cache, const elem_t* __restrict__ v_cache,
              const int* __restrict__ block_table, const int* __restrict__ seq_lens, float* __restrict__ o_partial,
              float* __restrict__ lse_partial, int heads, int kv_heads, int seq_q, int page_size, int max_pages,
              int keys_per_split, int splits, int chunks, float scale) {
-    __shared__ __align__(16) float q_s[ROWS][HEAD_DIM];          // the rows' queries, times scale · log2(e)
-    __shared__ __align__(16) elem_t k_s[BLOCK_N][KV_STRIDE], v_s[BLOCK_N][KV_STRIDE];
-    __shared__ float p_s[ROWS][BLOCK_N];                          // scores, then probabilities
-    __shared__ float m_s[ROWS], l_s[ROWS], alpha_s[ROWS];         // running max (log2 units), sum, rescale
+    // [K ring: KV_STAGES tiles][V ring: KV_STAGES tiles], swizzled (tiles of 128-byte multiples); after
+    // the loop, the merge's o_s.
+    extern __shared__ __align__(128) unsigned char shared_bytes[];
+    __shared__ float max_s[NUM_WARPS][ROWS], sum_s[NUM_WARPS][ROWS];  // each warp's running max and sum per row
+    const unsigned k_ring = shared_address(shared_bytes), v_ring = k_ring + KV_STAGES * KV_TILE_BYTES;
 
-    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     // blockIdx.x walks (pair, chunk, split), split fastest: B · H_kv · chunks · splits may pass 65,535
     const int split = blockIdx.x % splits, chunk = (blockIdx.x / splits) % chunks;
     const int pair = blockIdx.x / splits / chunks, b = pair / kv_heads, kv_head = pair % kv_heads;
@@ -84,140 +234,73 @@ decode_split(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cache, c
     const int rows = min(ROWS, group * seq_q - first_row);
     const int seq_len = seq_lens[b];
     const int key_begin = split * keys_per_split, key_end = min(seq_len, key_begin + keys_per_split);
+    const int num_tiles = key_end > key_begin ? (key_end - key_begin + BLOCK_N - 1) / BLOCK_N : 0;
     const int* pages = block_table + (long long)b * max_pages;
-
-    // Query row r: head kv_head · group + (first_row + r) / seq_q, new token (first_row + r) % seq_q.
-    auto out_row = [&](int r) {
-        const int row = first_row + r;
-        return ((long long)b * heads + kv_head * group + row / seq_q) * seq_q + row % seq_q;
+    // Row r of the block is row first_row + r of the group's: row first_out + r of q, o and the LSE.
+    const long long first_out = ((long long)b * heads + kv_head * group) * seq_q + first_row;
+    const int key_row0 = warp * KEYS_PER_WARP;  // the warp's keys: these rows of every tile
+    auto load_tile = [&](int tile) {  // the warp's keys of `tile`, into ring buffer tile % KV_STAGES
+        const int first_key = key_begin + tile * BLOCK_N + key_row0;
+        const unsigned buffer = (tile % KV_STAGES) * KV_TILE_BYTES;
+        if (first_key < key_end)
+            load_warp_keys(k_ring + buffer, v_ring + buffer, k_cache, v_cache, pages, first_key, key_end, page_size,
+                           kv_heads, kv_head, key_row0, lane);
     };
+
+    // Prologue: the first KV_STAGES - 1 tiles, each its own commit group (empty ones too, so that the
+    // count of groups in flight stays uniform). Q goes to registers meanwhile.
+    for (int tile = 0; tile < KV_STAGES - 1; ++tile) {
+        if (tile < num_tiles) load_tile(tile);
+        cp_async_commit();
+    }
+    unsigned q_frag[D_STEPS][4];
+    load_q_fragments(q_frag, q + first_out * HEAD_DIM, rows, lane);
+    int position[2];  // the new token of the thread's rows g and g + 8: they see keys 0 .. position
+#pragma unroll
+    for (int r = 0; r < 2; ++r) position[r] = seq_len - seq_q + (first_row + lane / 4 + 8 * r) % seq_q;
+    const int seen_by_all = min(key_end, seq_len - seq_q + 1);  // keys below it need no mask
+
+    float o[O_FRAGS][4] = {};
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};  // of rows g and g + 8
     const float scale_log2 = scale * LOG2E;
-    for (int e = tid; e < ROWS * HEAD_DIM; e += NUM_THREADS) {
-        const int r = e / HEAD_DIM, d = e % HEAD_DIM;
-        q_s[r][d] = r < rows ? to_float(q[out_row(r) * HEAD_DIM + d]) * scale_log2 : 0.0f;
-    }
-    if (tid < ROWS) {
-        m_s[tid] = -INFINITY;
-        l_s[tid] = 0.0f;
-    }
-    __syncthreads();
+    for (int tile = 0; tile < num_tiles; ++tile) {
+        cp_async_wait<KV_STAGES - 2>();  // this lane's copies of `tile` have landed ...
+        __syncwarp();                    // ... and the warp's; the warp is done with tile - 1's buffer
+        if (tile + KV_STAGES - 1 < num_tiles) load_tile(tile + KV_STAGES - 1);  // into that buffer
+        cp_async_commit();
 
-    const int col = tid % COL_GROUPS, row_group = tid / COL_GROUPS;  // P·V: columns col·VEC.., rows row_group + ROW_GROUPS·j
-    float acc[PV_ROWS][VEC] = {};
-
-    for (int tile = key_begin; tile < key_end; tile += BLOCK_N) {
-        // K and V of keys tile .. tile + BLOCK_N - 1 through the block table; keys past the split's end
-        // (or the sequence's) are never read: zeros, and their scores are masked below.
-        uint4 k_regs[LOADS], v_regs[LOADS];
-#pragma unroll
-        for (int u = 0; u < LOADS; ++u) {
-            const int idx = tid + u * NUM_THREADS, n = idx / COL_GROUPS, c = idx % COL_GROUPS, key = tile + n;
-            k_regs[u] = v_regs[u] = make_uint4(0, 0, 0, 0);
-            if (key < key_end) {
-                const long long page = pages[key / page_size];
-                const long long at = ((page * page_size + key % page_size) * kv_heads + kv_head) * HEAD_DIM + c * VEC;
-                k_regs[u] = *reinterpret_cast<const uint4*>(k_cache + at);
-                v_regs[u] = *reinterpret_cast<const uint4*>(v_cache + at);
-            }
-        }
-        __syncthreads();  // every thread is done with the previous tile's k_s, v_s and p_s
-#pragma unroll
-        for (int u = 0; u < LOADS; ++u) {
-            const int idx = tid + u * NUM_THREADS, n = idx / COL_GROUPS, c = idx % COL_GROUPS;
-            *reinterpret_cast<uint4*>(&k_s[n][c * VEC]) = k_regs[u];
-            *reinterpret_cast<uint4*>(&v_s[n][c * VEC]) = v_regs[u];
-        }
-        __syncthreads();
-
-        // Scores: thread tid takes key n = tid % BLOCK_N and rows r0, r0 + SCORE_ROW_STEP, ... (r0 is the
-        // same across a warp, so the row tests do not diverge).
-        {
-            const int n = tid % BLOCK_N, r0 = tid / BLOCK_N, key = tile + n;
-            float s[SCORE_ROWS] = {};
-#pragma unroll
-            for (int d = 0; d < HEAD_DIM; d += VEC) {
-                float kf[VEC];
-                unpack(*reinterpret_cast<const uint4*>(&k_s[n][d]), kf);
-#pragma unroll
-                for (int j = 0; j < SCORE_ROWS; ++j) {
-                    const int r = r0 + SCORE_ROW_STEP * j;
-                    if (r >= rows) continue;
-                    const float4 qa = *reinterpret_cast<const float4*>(&q_s[r][d]);
-                    const float4 qb = *reinterpret_cast<const float4*>(&q_s[r][d + 4]);
-                    s[j] += qa.x * kf[0] + qa.y * kf[1] + qa.z * kf[2] + qa.w * kf[3]
-                          + qb.x * kf[4] + qb.y * kf[5] + qb.z * kf[6] + qb.w * kf[7];
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < SCORE_ROWS; ++j) {
-                const int r = r0 + SCORE_ROW_STEP * j;
-                const int position = seq_len - seq_q + (first_row + r) % seq_q;  // the row's new token
-                const bool visible = r < rows && key < key_end && key <= position;
-                p_s[r][n] = visible ? s[j] : -INFINITY;
-            }
-        }
-        __syncthreads();
-
-        // Online softmax, a warp per row, two keys a lane. A row with no visible key so far keeps
-        // m = -inf, l = 0: its probabilities are 0 (never exp(-inf - -inf)).
-#pragma unroll
-        for (int j = 0; j < SOFTMAX_ROWS; ++j) {
-            const int r = warp * SOFTMAX_ROWS + j;
-            if (r >= rows) break;
-            const float x0 = p_s[r][lane], x1 = p_s[r][lane + 32];
-            const float m_old = m_s[r], m_new = fmaxf(m_old, warp_max(fmaxf(x0, x1)));
-            const float p0 = m_new == -INFINITY ? 0.0f : exp2f(x0 - m_new);
-            const float p1 = m_new == -INFINITY ? 0.0f : exp2f(x1 - m_new);
-            const float sum = warp_sum(p0 + p1);
-            p_s[r][lane] = p0;
-            p_s[r][lane + 32] = p1;
-            __syncwarp();
-            if (lane == 0) {
-                const float alpha = m_new == -INFINITY ? 1.0f : exp2f(m_old - m_new);
-                alpha_s[r] = alpha;
-                l_s[r] = l_s[r] * alpha + sum;
-                m_s[r] = m_new;
-            }
-        }
-        __syncthreads();
-
-        // O = O · alpha + P · V, each thread VEC columns of PV_ROWS rows.
-#pragma unroll
-        for (int j = 0; j < PV_ROWS; ++j) {
-            const int r = row_group + ROW_GROUPS * j;
-            const float alpha = r < rows ? alpha_s[r] : 0.0f;
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) acc[j][e] *= alpha;
-        }
-#pragma unroll 4
-        for (int n = 0; n < BLOCK_N; ++n) {
-            float vf[VEC];
-            unpack(*reinterpret_cast<const uint4*>(&v_s[n][col * VEC]), vf);
-#pragma unroll
-            for (int j = 0; j < PV_ROWS; ++j) {
-                const int r = row_group + ROW_GROUPS * j;
-                const float p = r < rows ? p_s[r][n] : 0.0f;
-#pragma unroll
-                for (int e = 0; e < VEC; ++e) acc[j][e] += p * vf[e];
-            }
-        }
+        const int first_key = key_begin + tile * BLOCK_N + key_row0;
+        if (first_key >= key_end) continue;  // past the split's end: no key to add
+        const unsigned buffer = (tile % KV_STAGES) * KV_TILE_BYTES;
+        float s[S_FRAGS][4];
+        warp_scores(s, q_frag, k_ring + buffer, key_row0, lane);
+        if (first_key + KEYS_PER_WARP > seen_by_all) mask_scores(s, first_key, key_end, position, lane);
+        // A row with no visible key so far keeps max = -inf, sum = 0: its p are exp2(-inf) = 0 (mma.cuh).
+        online_softmax(s, o, row_max, row_sum, scale_log2);
+        warp_pv(o, s, v_ring + buffer, key_row0, lane);
     }
 
-    // The split's partial O (divided by its own sum) and LSE (natural log); a split that saw no key of
-    // the row writes O = 0 and LSE = -inf, which the combine weighs 0.
+    // Each warp publishes its rows' max and sum (the sum of its quad's four partial sums), then the merge.
 #pragma unroll
-    for (int j = 0; j < PV_ROWS; ++j) {
-        const int r = row_group + ROW_GROUPS * j;
-        if (r >= rows) continue;
-        const long long at = out_row(r) * splits + split;
-        const float l = l_s[r], inv = l > 0.0f ? 1.0f / l : 0.0f;
-        float* out = o_partial + at * HEAD_DIM + col * VEC;
-        *reinterpret_cast<float4*>(out) = make_float4(acc[j][0] * inv, acc[j][1] * inv, acc[j][2] * inv, acc[j][3] * inv);
-        *reinterpret_cast<float4*>(out + 4) = make_float4(acc[j][4] * inv, acc[j][5] * inv, acc[j][6] * inv, acc[j][7] * inv);
-        if (col == 0) lse_partial[at] = l > 0.0f ? (m_s[r] + log2f(l)) * LN2 : -INFINITY;
+    for (int r = 0; r < 2; ++r) {
+        const float sum = quad_sum(row_sum[r]);
+        if (lane % 4 == 0) {
+            max_s[warp][lane / 4 + 8 * r] = row_max[r];
+            sum_s[warp][lane / 4 + 8 * r] = sum;
+        }
     }
+    cp_async_wait<0>();  // no copy still writes the ring (the last groups are empty) ...
+    __syncthreads();     // ... and every warp is done with it and has published its rows
+    write_partial(o, row_max, max_s, sum_s, reinterpret_cast<float*>(shared_bytes), o_partial, lse_partial, first_out,
+                  rows, splits, split, scale);
 }
 // --8<-- [end:split]
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+    return x;
+}
 
 // --8<-- [start:combine]
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
