@@ -14,11 +14,12 @@ from stages.common.hopper import sm_count
 
 # What the launch uses, per head dimension, as attention.cu computes it (the grader checks each value against
 # the kernel): keys per tile, query rows per block (a group's heads × the new tokens; more rows take more
-# blocks), threads of decode_split, its dynamic shared memory (a ring of 3 K tiles and 3 V tiles), and
+# blocks), threads of decode_split, its dynamic shared memory (a ring of 3 K tiles and 3 V tiles, then the
+# warps' row maxes and sums), and
 # decode_combine's rows per block (a warp each) and threads.
-GEOMETRY = {64: {"BLOCK_N": 64, "ROWS": 16, "NUM_THREADS": 128, "SHARED_BYTES": 49152, "COMBINE_ROWS": 4,
+GEOMETRY = {64: {"BLOCK_N": 64, "ROWS": 16, "NUM_THREADS": 128, "SHARED_BYTES": 49664, "COMBINE_ROWS": 4,
                  "COMBINE_THREADS": 128},
-            128: {"BLOCK_N": 64, "ROWS": 16, "NUM_THREADS": 128, "SHARED_BYTES": 98304, "COMBINE_ROWS": 4,
+            128: {"BLOCK_N": 64, "ROWS": 16, "NUM_THREADS": 128, "SHARED_BYTES": 98816, "COMBINE_ROWS": 4,
                   "COMBINE_THREADS": 128}}
 # --8<-- [start:launch]
 BLOCKS_PER_SM = 8  # the splits are chosen for about this many decode_split blocks per SM (a few waves)

@@ -57,7 +57,8 @@ constexpr int MIN_BLOCKS_PER_SM = HEAD_DIM == 64 ? 4 : 2;  // what an H200's SM 
 constexpr int ROW_BYTES = HEAD_DIM * 2;               // a key's K (or V) row; unpadded, swizzled
 constexpr int CHUNKS_PER_ROW = ROW_BYTES / 16;        // 16-byte copies per row
 constexpr int KV_TILE_BYTES = BLOCK_N * ROW_BYTES;
-constexpr int SHARED_BYTES = 2 * KV_STAGES * KV_TILE_BYTES;  // the K ring, then the V ring
+constexpr int RING_BYTES = 2 * KV_STAGES * KV_TILE_BYTES;    // the K ring, then the V ring
+constexpr int SHARED_BYTES = RING_BYTES + 2 * NUM_WARPS * ROWS * 4;  // then each warp's row max and sum
 constexpr int KEYS_PER_PASS = 32 / CHUNKS_PER_ROW;    // keys a warp's copies cover at a time
 constexpr int COPY_PASSES = KEYS_PER_WARP / KEYS_PER_PASS;
 constexpr int D_STEPS = HEAD_DIM / 16;                // k-steps of Q·Kᵀ (16 columns of d each)
@@ -68,7 +69,7 @@ constexpr int COMBINE_ROWS = 4;                       // decode_combine: output 
 constexpr int COMBINE_THREADS = COMBINE_ROWS * 32;
 static_assert(sizeof(elem_t) == 2, "ldmatrix, mma and the chunk arithmetic assume 16-bit elements");
 static_assert(COPY_PASSES * KEYS_PER_PASS == KEYS_PER_WARP && KEYS_PER_WARP <= 32, "a lane looks up a key");
-static_assert(NUM_WARPS * ROWS * MERGE_STRIDE * 4 <= SHARED_BYTES, "the merge fits in the ring");
+static_assert(NUM_WARPS * ROWS * MERGE_STRIDE * 4 <= RING_BYTES, "the merge fits in the ring");
 
 // --8<-- [start:copies]
 // Where key `key` lies in the cache: its slot among the num_pages · page_size token slots, through the
@@ -220,10 +221,12 @@ decode_split(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cache, c
              const int* __restrict__ block_table, const int* __restrict__ seq_lens, float* __restrict__ o_partial,
              float* __restrict__ lse_partial, int heads, int kv_heads, int seq_q, int page_size, int max_pages,
              int keys_per_split, int splits, int chunks, float scale) {
-    // [K ring: KV_STAGES tiles][V ring: KV_STAGES tiles], swizzled (tiles of 128-byte multiples); after
-    // the loop, the merge's o_s.
+    // [K ring: KV_STAGES tiles][V ring: KV_STAGES tiles], swizzled (tiles of 128-byte multiples), then
+    // each warp's running max and sum per row; after the loop, the merge's o_s over the rings. All of it
+    // dynamic, one amount: the launch's SHARED_BYTES.
     extern __shared__ __align__(128) unsigned char shared_bytes[];
-    __shared__ float max_s[NUM_WARPS][ROWS], sum_s[NUM_WARPS][ROWS];  // each warp's running max and sum per row
+    float (*max_s)[ROWS] = reinterpret_cast<float (*)[ROWS]>(shared_bytes + RING_BYTES);
+    float (*sum_s)[ROWS] = max_s + NUM_WARPS;
     const unsigned k_ring = shared_address(shared_bytes), v_ring = k_ring + KV_STAGES * KV_TILE_BYTES;
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
