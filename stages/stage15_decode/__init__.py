@@ -6,6 +6,8 @@ group's query heads packed as its 16 rows, so K and V are read once per KV head;
 keeps tiles in flight, and each warp runs the products on its own keys with mma.sync; the splits' partial
 outputs are combined by their log-sum-exps. Tensor cores through mma.sync: sm_80 and newer.
 """
+import functools
+
 import torch
 
 from stages import Goal, Stage
@@ -15,23 +17,29 @@ from stages.common.hopper import sm_count
 # What the launch uses, per head dimension, as attention.cu computes it (the grader checks each value against
 # the kernel): keys per tile, query rows per block (a group's heads × the new tokens; more rows take more
 # blocks), threads of decode_split, its dynamic shared memory (a ring of 3 K tiles and 3 V tiles, then the
-# warps' row maxes and sums), and
+# warps' row maxes and sums), the blocks of it an SM holds at once (its shared memory's share), and
 # decode_combine's rows per block (a warp each) and threads.
-GEOMETRY = {64: {"BLOCK_N": 64, "ROWS": 16, "NUM_THREADS": 128, "SHARED_BYTES": 49664, "COMBINE_ROWS": 4,
-                 "COMBINE_THREADS": 128},
-            128: {"BLOCK_N": 64, "ROWS": 16, "NUM_THREADS": 128, "SHARED_BYTES": 98816, "COMBINE_ROWS": 4,
-                  "COMBINE_THREADS": 128}}
+GEOMETRY = {64: {"BLOCK_N": 64, "ROWS": 16, "NUM_THREADS": 128, "SHARED_BYTES": 49664, "MIN_BLOCKS_PER_SM": 4,
+                 "COMBINE_ROWS": 4, "COMBINE_THREADS": 128},
+            128: {"BLOCK_N": 64, "ROWS": 16, "NUM_THREADS": 128, "SHARED_BYTES": 98816, "MIN_BLOCKS_PER_SM": 2,
+                  "COMBINE_ROWS": 4, "COMBINE_THREADS": 128}}
 # --8<-- [start:launch]
-BLOCKS_PER_SM = 8  # the splits are chosen for about this many decode_split blocks per SM (a few waves)
 
 
-def split_keys(units: int, max_len: int, sms: int, block_n: int) -> tuple[int, int]:
-    """(keys per split, splits): about BLOCKS_PER_SM · sms blocks over `units` (sequence, KV head, row chunk)
-    triples, each split a whole number of tiles of block_n keys, at most one split per tile of the longest
-    sequence."""
+@functools.cache
+def split_keys(units: int, max_len: int, slots: int, block_n: int) -> tuple[int, int]:
+    """(keys per split, splits) for `units` (sequence, KV head, row chunk) triples, with `slots` blocks running
+    at once: the number of splits that takes the fewest waves × tiles a block walks (a block's time is its
+    tiles, and a last wave, full or not, takes as long as a full one), the fewest splits on a tie (fewer
+    partial rows to combine). Each split is a whole number of tiles of block_n keys."""
     tiles = -(-max_len // block_n)
-    wanted = max(1, min(tiles, -(-BLOCKS_PER_SM * sms // units)))
-    keys_per_split = -(-tiles // wanted) * block_n
+
+    def cost(splits: int) -> int:
+        return -(-units * splits // slots) * -(-tiles // splits)
+
+    most = min(tiles, -(-2 * slots // units))  # past two waves' worth, more splits only add waves
+    splits = min(range(1, most + 1), key=lambda n: (cost(n), n))
+    keys_per_split = -(-tiles // splits) * block_n
     return keys_per_split, -(-max_len // keys_per_split)
 
 
@@ -41,7 +49,8 @@ def launch(kernels, q, k_cache, v_cache, block_table, seq_lens, o, lse, scale, m
     group = kv_group(q, k_cache.transpose(1, 2))  # k_cache [pages, page_size, H_kv, D]: H_kv in dim 1 once swapped
     launched = GEOMETRY[head_dim]
     chunks = -(-group * seq_q // launched["ROWS"])
-    keys_per_split, splits = split_keys(batch * kv_heads * chunks, max_len, sm_count(q.device), launched["BLOCK_N"])
+    slots = launched["MIN_BLOCKS_PER_SM"] * sm_count(q.device)
+    keys_per_split, splits = split_keys(batch * kv_heads * chunks, max_len, slots, launched["BLOCK_N"])
     rows = batch * heads * seq_q
     o_partial = torch.empty(rows, splits, head_dim, dtype=torch.float32, device=q.device)
     lse_partial = torch.empty(rows, splits, dtype=torch.float32, device=q.device)
