@@ -181,6 +181,7 @@ OPS_STAGES = {
     "moe_layer_backward": ("stage14_moe_backward",),
     "block_sparse_attention": ("stage12_block_sparse",),
     "block_sparse_attention_backward": ("stage13_block_sparse_backward",),
+    "decode_attention": ("stage15_decode",),
 }
 
 

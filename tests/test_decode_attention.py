@@ -158,3 +158,66 @@ def test_stage15_launches_every_row_and_key_within_the_grid_limits(B, H, Hkv, Sq
     units, slots = B * Hkv * chunks, stage.geometry({"HEAD_DIM": "128"})["MIN_BLOCKS_PER_SM"] * 132
     if units < slots:  # a wave of blocks, full to within one split of each unit, or a split per tile
         assert units * splits >= slots - units or splits == -(-S // 64)
+
+
+# ---- ops.decode_attention: the op on a cache the caller keeps ---------------------------------------------
+
+def decode_args(B=2, H=8, Hkv=2, Sq=1, D=64, pages=5, page_size=16, max_pages=3, device="cpu"):
+    return (torch.zeros(B, H, Sq, D, dtype=torch.float16, device=device),
+            torch.zeros(pages, page_size, Hkv, D, dtype=torch.float16, device=device),
+            torch.zeros(pages, page_size, Hkv, D, dtype=torch.float16, device=device),
+            torch.zeros(B, max_pages, dtype=torch.int32, device=device),
+            torch.ones(B, dtype=torch.int32, device=device))
+
+
+@pytest.mark.parametrize("change,words", [
+    (lambda a: (a[0][:, :, :, :32].contiguous(), *a[1:]), r"expected q \[B, H, Sq, D\]"),
+    (lambda a: (a[0][:, :7].contiguous(), *a[1:]), "H_kv must divide"),
+    (lambda a: (a[0].float(), *a[1:]), "must all be"),
+    (lambda a: (*a[:3], a[3].long(), a[4]), "must be int32"),
+    (lambda a: (a[0], a[1].transpose(1, 2).contiguous().transpose(1, 2), *a[2:]), "contiguous"),
+    (lambda a: (a[0][..., :48].contiguous(), a[1][..., :48].contiguous(), a[2][..., :48].contiguous(), *a[3:]),
+     "head dimension D must be one of"),
+    (lambda a: a, "on one CUDA GPU"),  # CPU tensors: every other check passes first
+])
+def test_decode_attention_refuses_what_the_kernel_does_not_take_in_one_line(change, words):
+    from stages import ops
+    with pytest.raises(ValueError, match=words) as caught:
+        ops.decode_attention(*change(decode_args()))
+    assert "\n" not in str(caught.value) and str(caught.value).startswith("ops.decode_attention: ")
+
+
+def test_decode_attention_traces_with_its_fake():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from stages import ops
+    with FakeTensorMode():
+        args = decode_args(Sq=3, D=128)
+        o = ops.decode_attention(*args)
+    assert o.shape == args[0].shape and o.dtype == args[0].dtype
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [2, 4, 6, 9], ids=lambda i: CASES[i].name)
+def test_decode_attention_passes_the_problems_rule_and_replays_in_a_graph(case):
+    """ops.decode_attention against the fp64 reference with the problem's check, then the same call captured in
+    a CUDA graph and replayed on new values of q, the cache and the lengths (no value read to the host)."""
+    from stages import ops
+    c = CASES[case]
+    inputs = PROBLEM.make_inputs(c.shape, c.dtype, c.seed, c.input_scale)
+    args = [inputs[n] for n in ("q", "k_cache", "v_cache", "block_table", "seq_lens")]
+
+    def check(o):
+        exact = PROBLEM.reference(inputs)
+        checks = [ch for ch in PROBLEM.check(dict(o=o, lse=exact["lse"].float()), exact, {}) if ch.output == "o"]
+        assert checks and all(ch.passed for ch in checks), "; ".join(f"{ch.output}: {ch.quality}" for ch in checks)
+
+    check(ops.decode_attention(*args, scale=inputs["scale"]))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o = ops.decode_attention(*args, scale=inputs["scale"])
+    fresh = PROBLEM.make_inputs(c.shape, c.dtype, c.seed + 1, c.input_scale)
+    for name in ("q", "k_cache", "v_cache"):
+        inputs[name].copy_(fresh[name])
+    inputs["seq_lens"].sub_(torch.clamp(inputs["seq_lens"] - c.shape["Sq"], max=1))  # one key fewer where there is one
+    graph.replay()
+    check(o)

@@ -6,6 +6,7 @@
     out = ops.moe_layer(x, router_weight, w1, w2, top_k, router_bias=None)
     out.backward(grad)                         # x, router_weight, router_bias, w1, w2's .grad: on sm_90a only
     o = ops.block_sparse_attention(q, k, v, block_mask, element_mask="causal")  # a FlexAttention BlockMask
+    o = ops.decode_attention(q, k_cache, v_cache, block_table, seq_lens)  # a decode step over a paged KV cache
 
 q, k and v may be any views whose last dimension is contiguous: a model's [B, S, H, D] projections
 seen as [B, H, S, D] (`x.view(B, S, H, D).transpose(1, 2)`), slices of a fused QKV projection. On an
@@ -26,6 +27,7 @@ that calls them; the attentions and the MoE layer have autograd through the cour
         -> (dx, dwr, dbias, dw1, dw2)                                   dbias fp32 [E], no load-balancing loss
     flashmoe::block_sparse_attention_forward(q, k, v, <mask>, scale) -> (o, lse)
     flashmoe::block_sparse_attention_backward(grad_o, q, k, v, o, lse, <mask>, scale) -> (dq, dk, dv)
+    flashmoe::decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale) -> o     no gradient
 
 where <mask> is a BlockMask's kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, then
 document_ids (or None), element_mask and window (0 where none): ops.block_sparse_attention unpacks the
@@ -52,7 +54,8 @@ for this GPU (`stages.ops_stage`); a stage that is not listed never serves an op
 attention: stage 4 on sm_90a (an H100 or H200), stage 3 elsewhere; its backward: stage 9 on sm_90a,
 stage 8 elsewhere; the MoE layer: stage 7 on sm_90a, stage 7's mma_sync rung elsewhere; its backward: stage 14,
 on sm_90a alone (elsewhere a backward through ops.moe_layer raises one ValueError); block-sparse
-attention: stages 12 and 13 on sm_90a, none elsewhere (the call is refused there, in one line). A
+attention: stages 12 and 13 on sm_90a, none elsewhere (the call is refused there, in one line); decode
+attention: stage 15 (sm_80 and newer). A
 stage is compiled on first use for the variant the inputs need (the problem's `variant`: dtype, head
 dimension, element mask), with the -D macros the grader uses, into the compile cache on disk
 (stages/common/compiler.py); the process keeps its kernels and launches them through the problem's own
@@ -60,16 +63,18 @@ dimension, element mask), with the -D macros the grader uses, into the compile c
 run are imported.
 
 The package: one module per operator (dense.py: ops.attention; block_sparse.py: ops.block_sparse_attention;
-moe.py: ops.moe_layer), each with its custom ops, autograd and input checks, and shared.py, what they share
+moe.py: ops.moe_layer; decode.py: ops.decode_attention), each with its custom ops, autograd and input checks,
+and shared.py, what they share
 (the checks of strides, alignment and device, the one-line refusal, the launch of a problem's stage and the
 kernels it keeps). The names below are the ops' and what the grader's measurements (grader/ops_benchmark.py)
 and the tests call. Each module calls another's functions through that module (shared.launch_fastest), so
 that replacing a function in the module that defines it (a test's monkeypatch, a timing wrapper) replaces
 it for every op; replacing it here, in the package, would not.
 """
-from stages.ops import block_sparse, dense, moe, shared
+from stages.ops import block_sparse, decode, dense, moe, shared
 from stages.ops.block_sparse import (block_sparse_attention, block_sparse_attention_backward,
                                      block_sparse_attention_forward, mask_lists)
+from stages.ops.decode import decode_attention, decode_attention_op, decode_input_problem
 from stages.ops.dense import (attention, attention_backward, attention_forward, attention_input_problem,
                               check_attention_inputs, outputs_like)
 from stages.ops.moe import (MOE_GRAPH_TOKENS, MOE_GRAPHS, moe_launch, moe_layer, moe_layer_backward,
