@@ -1,10 +1,11 @@
 // Stage 9's Hopper attention backward, its tile machinery, shared with stage 13 (which walks a block
 // mask's lists instead of every query tile): the tiles and the shared-memory layout, the mbarriers, the
-// wgmma products but dQ's, and the ways of dSᵀ and dQ through shared memory. The walks -- the
-// producer's, dQ's writer's, the consumers' with stage 9's schedule per tile -- and issue_dq (dQ = dS K,
-// stage 9's exercise) are each stage's own: factored into one function here, the consumers' schedule
-// spilled at D = 64 (the kernel runs at its 168-register limit; NVRTC 13.0, 2026-11-27), and each
-// stage's machine code is that of its copy before this header (tests/test_sass_identity.py).
+// wgmma products but dQ's, the ways of dSᵀ and dQ through shared memory, and the producer's steps of a
+// walk: its copies of K and V and of a query tile (load_keys_values, load_query_tile) and dQ's writer's
+// bulk add of a tile (add_dq_tile). The walks -- the producer's, dQ's writer's, the consumers' with stage
+// 9's schedule per tile -- and issue_dq (dQ = dS K, stage 9's exercise) are each stage's own: factored
+// into one function here, the consumers' schedule spilled at D = 64 (the kernel runs at its 168-register
+// limit; NVRTC 13.0, 2026-11-27).
 // stages/stage9_hopper_backward/attention.cu's header explains the design.
 #pragma once
 #include "mma.cuh"
@@ -88,6 +89,56 @@ __device__ __forceinline__ void init_barriers(const SharedMemory& shared) {
         mbarrier_init(shared.barrier(DQ_EMPTY + s), 1);                // the bulk add has read the buffer
     }
     mbarrier_init_fence();
+}
+
+// The producer's first copies: K and V of the block, once (the BLOCK_N keys from work.n0() of its KV
+// head), after prefetching the four tensor maps' descriptors. Work: the stage's BlockWork.
+template <typename Work>
+__device__ __forceinline__ void load_keys_values(const SharedMemory& shared, const Work& work, const TmaMap& q_map,
+                                                 const TmaMap& k_map, const TmaMap& v_map, const TmaMap& do_map) {
+    tma_prefetch_map(q_map);
+    tma_prefetch_map(k_map);
+    tma_prefetch_map(v_map);
+    tma_prefetch_map(do_map);
+    mbarrier_arrive_expect_tx(shared.barrier(KV_FULL), 2 * KV_TILE_BYTES);
+    load_tile<BLOCK_N, HEAD_DIM>(shared.k_tile(), k_map, shared.barrier(KV_FULL), work.n0(), work.kv_head(), work.batch());
+    load_tile<BLOCK_N, HEAD_DIM>(shared.v_tile(), v_map, shared.barrier(KV_FULL), work.n0(), work.kv_head(), work.batch());
+}
+
+// The producer's copies of tile i of the walk -- the BLOCK_M queries from m0 of the group's query head g --
+// into ring slot i % Q_STAGES, once the consumers have released it: its Q and dO, its LSE and Δ.
+template <typename Work>
+__device__ __forceinline__ void load_query_tile(const SharedMemory& shared, const Work& work, int i, int g, int m0,
+                                                const TmaMap& q_map, const TmaMap& do_map, const float* lse_log2,
+                                                const float* delta, int seq_q_padded) {
+    const int slot = i % Q_STAGES, pair = work.query_pair(g), head = work.query_head(g);
+    const unsigned parity = (i / Q_STAGES) & 1;  // which use of this slot
+    const unsigned full = shared.barrier(Q_FULL + slot);
+    mbarrier_wait(shared.barrier(Q_EMPTY + slot), parity ^ 1);  // slot free (a fresh barrier: at once)
+    // Rows past seq_q are zero-filled and counted; the LSE and Δ are padded (the launch's workspace).
+    mbarrier_arrive_expect_tx(full, 2 * Q_TILE_BYTES + 2 * VECTOR_BYTES);
+    load_tile<BLOCK_M, HEAD_DIM>(shared.q_slot(slot), q_map, full, m0, head, work.batch());
+    load_tile<BLOCK_M, HEAD_DIM>(shared.do_slot(slot), do_map, full, m0, head, work.batch());
+    bulk_load(shared.lse_slot(slot), lse_log2 + (size_t)pair * seq_q_padded + m0, VECTOR_BYTES, full);
+    bulk_load(shared.delta_slot(slot), delta + (size_t)pair * seq_q_padded + m0, VECTOR_BYTES, full);
+}
+
+// dQ's way to global memory, tile i of the walk (queries m0 .. of the group's query head g): once both
+// consumers have stored its dQ in buffer i % DQ_STAGES, one thread adds the whole tile to the fp32 sums
+// with one bulk reduce-add (the rows of a tile are contiguous in the accumulator, [B, H, seq_q_padded, D]:
+// one copy of BLOCK_M·D·4 bytes; the padding rows' sums are never read), then hands the buffer back as
+// soon as the copy has read it. Waiting for that at once costs nothing: the consumers fill the other
+// buffer meanwhile.
+template <typename Work>
+__device__ __forceinline__ void add_dq_tile(const SharedMemory& shared, const Work& work, int i, int g, int m0,
+                                            float* dq_accum, int seq_q_padded) {
+    const int slot = i % DQ_STAGES;
+    float* dq_rows = dq_accum + ((size_t)work.query_pair(g) * seq_q_padded + m0) * HEAD_DIM;
+    mbarrier_wait(shared.barrier(DQ_FULL + slot), (i / DQ_STAGES) & 1);
+    bulk_reduce_add_f32(dq_rows, shared.dq_slot(slot), BLOCK_M * HEAD_DIM * 4);
+    tma_store_commit();
+    tma_store_wait_read<0>();
+    mbarrier_arrive(shared.barrier(DQ_EMPTY + slot));
 }
 
 // acc[64 keys × BLOCK_M queries] = rows · queryᵀ: Sᵀ = K Qᵀ (rows = the consumer's 64 keys of K) or

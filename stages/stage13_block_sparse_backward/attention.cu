@@ -85,48 +85,27 @@ struct BlockWork {
 
 // --8<-- [start:producer]
 // The producer: one thread issues every copy -- K and V once, then each listed query tile's Q, dO,
-// LSE and Δ into ring slot i % Q_STAGES, once the consumers have released it (stage 9's, over the walk).
+// LSE and Δ into ring slot i % Q_STAGES, once the consumers have released it (stage 9's steps, over the walk).
 __device__ __forceinline__ void produce(const SharedMemory& shared, const BlockWork& work, const TmaMap& q_map,
                                         const TmaMap& k_map, const TmaMap& v_map, const TmaMap& do_map,
                                         const float* lse_log2, const float* delta, int seq_q_padded) {
-    tma_prefetch_map(q_map);
-    tma_prefetch_map(k_map);
-    tma_prefetch_map(v_map);
-    tma_prefetch_map(do_map);
-    mbarrier_arrive_expect_tx(shared.barrier(KV_FULL), 2 * KV_TILE_BYTES);
-    load_tile<BLOCK_N, HEAD_DIM>(shared.k_tile(), k_map, shared.barrier(KV_FULL), work.n0(), work.kv_head(), work.batch());
-    load_tile<BLOCK_N, HEAD_DIM>(shared.v_tile(), v_map, shared.barrier(KV_FULL), work.n0(), work.kv_head(), work.batch());
+    load_keys_values(shared, work, q_map, k_map, v_map, do_map);
     const int tiles = work.tiles();
     for (int i = 0; i < tiles; ++i) {
         const QueryTile tile = work.tile(i);
-        const int slot = i % Q_STAGES, pair = work.query_pair(tile.g), head = work.query_head(tile.g);
-        const unsigned parity = (i / Q_STAGES) & 1;  // which use of this slot
-        const unsigned full = shared.barrier(Q_FULL + slot);
-        mbarrier_wait(shared.barrier(Q_EMPTY + slot), parity ^ 1);  // slot free (a fresh barrier: at once)
-        // Rows past seq_q are zero-filled and counted; the LSE and Δ are padded to whole blocks of 128.
-        mbarrier_arrive_expect_tx(full, 2 * Q_TILE_BYTES + 2 * VECTOR_BYTES);
-        load_tile<BLOCK_M, HEAD_DIM>(shared.q_slot(slot), q_map, full, tile.m0, head, work.batch());
-        load_tile<BLOCK_M, HEAD_DIM>(shared.do_slot(slot), do_map, full, tile.m0, head, work.batch());
-        bulk_load(shared.lse_slot(slot), lse_log2 + (size_t)pair * seq_q_padded + tile.m0, VECTOR_BYTES, full);
-        bulk_load(shared.delta_slot(slot), delta + (size_t)pair * seq_q_padded + tile.m0, VECTOR_BYTES, full);
+        load_query_tile(shared, work, i, tile.g, tile.m0, q_map, do_map, lse_log2, delta, seq_q_padded);
     }
 }
 // --8<-- [end:producer]
 
-// dQ's way to global memory (stage 9's): one thread adds each query tile's dQ, once both consumers have
-// stored it in buffer i % DQ_STAGES, with one bulk reduce-add of the whole tile into the fp32 sums.
+// dQ's way to global memory (stage 9's): one thread adds each query tile's dQ to the fp32 sums, in the
+// walk's order, with one bulk reduce-add a tile (add_dq_tile).
 __device__ __forceinline__ void add_dq_tiles(const SharedMemory& shared, const BlockWork& work, float* dq_accum,
                                              int seq_q_padded) {
     const int tiles = work.tiles();
     for (int i = 0; i < tiles; ++i) {
         const QueryTile tile = work.tile(i);
-        const int slot = i % DQ_STAGES;
-        float* dq_rows = dq_accum + ((size_t)work.query_pair(tile.g) * seq_q_padded + tile.m0) * HEAD_DIM;
-        mbarrier_wait(shared.barrier(DQ_FULL + slot), (i / DQ_STAGES) & 1);
-        bulk_reduce_add_f32(dq_rows, shared.dq_slot(slot), BLOCK_M * HEAD_DIM * 4);
-        tma_store_commit();
-        tma_store_wait_read<0>();
-        mbarrier_arrive(shared.barrier(DQ_EMPTY + slot));
+        add_dq_tile(shared, work, i, tile.g, tile.m0, dq_accum, seq_q_padded);
     }
 }
 
