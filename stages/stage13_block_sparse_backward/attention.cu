@@ -157,7 +157,8 @@ __device__ __forceinline__ void block_probabilities(float (&s)[M_FRAGS][4], cons
 
 // --8<-- [start:consumer]
 // Consumer `consumer` (0 or 1): keys 64·consumer .. of the block, their dK and dV in registers for
-// the whole walk; stage 9's schedule per query tile, the element mask applied in partial blocks.
+// the whole walk; stage 9's schedule per query tile (start_tile, finish_tile), Pᵀ between its two steps with
+// the element mask applied in partial blocks.
 __device__ __forceinline__ void consume(const SharedMemory& shared, const BlockWork& work, int consumer,
                                         const HeadRows<elem_t>& dk_rows, const HeadRows<elem_t>& dv_rows,
                                         const ElementMask& mask, float scale) {
@@ -181,60 +182,11 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const BlockW
     const int tiles = work.tiles();
     for (int i = 0; i < tiles; ++i) {
         const QueryTile tile = work.tile(i);
-        const int slot = i % Q_STAGES;
-        const unsigned q = shared.q_slot(slot), d_o = shared.do_slot(slot), ds = shared.ds_slot(i % DS_STAGES);
-        mbarrier_wait(shared.barrier(Q_FULL + slot), (i / Q_STAGES) & 1);
-
         float s[M_FRAGS][4], dp[M_FRAGS][4];
-        wgmma_fence();
-        issue_rows_times_queries(s, k_rows, q);     // Sᵀ = K Qᵀ
-        wgmma_commit();
-        issue_rows_times_queries(dp, v_rows, d_o);  // dPᵀ = V dOᵀ
-        wgmma_commit();
-        wgmma_wait<1>();  // Sᵀ done; dPᵀ may still run
-        fence_registers(s);
-
-        block_probabilities(s, shared.floats(shared.lse_slot(slot)), scale_log2, tile.partial, key0, tile.m0, mask,
-                            key_docs, lane);  // Pᵀ
-        unsigned p_a[M_STEPS][4], ds_a[M_STEPS][4];
-        if constexpr (DV_BEFORE_DS) {
-#pragma unroll
-            for (int ks = 0; ks < M_STEPS; ++ks) p_as_a_operand(s, ks, p_a[ks]);
-            wgmma_fence();
-            issue_accumulate(dv, p_a, d_o);  // dV += Pᵀ dO, queued behind dPᵀ
-            wgmma_commit();
-            wgmma_wait<1>();  // dPᵀ done; dV runs on while dS is computed
-        } else {
-            wgmma_wait<0>();  // dPᵀ done
-        }
-        fence_registers(dp);
-        score_gradients(dp, s, shared.floats(shared.delta_slot(slot)), lane);  // dSᵀ
-#pragma unroll
-        for (int ks = 0; ks < M_STEPS; ++ks) p_as_a_operand(dp, ks, ds_a[ks]);
-        store_score_gradients(ds, dp, row0, lane);
-        fence_async_shared();  // the stores, visible to wgmma (the async proxy)
-
-        if constexpr (!DV_BEFORE_DS) {
-#pragma unroll
-            for (int ks = 0; ks < M_STEPS; ++ks) p_as_a_operand(s, ks, p_a[ks]);
-        }
-        wgmma_fence();
-        if constexpr (!DV_BEFORE_DS) issue_accumulate(dv, p_a, d_o);  // dV += Pᵀ dO
-        issue_accumulate(dk, ds_a, q);  // dK += dSᵀ Q
-        wgmma_commit();
-        named_barrier_sync(DS_READY, CONSUMER_THREADS);  // both consumers' dSᵀ are stored
-        float dq[DQ_FRAGS][4];
-        wgmma_fence();
-        issue_dq(dq, ds, shared.k_tile(), consumer);  // dQ (a part) = dS K
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_registers(dv);
-        fence_registers(dk);
-        fence_registers(dq);
-        fence_registers(p_a);
-        fence_registers(ds_a);
-        mbarrier_arrive(shared.barrier(Q_EMPTY + slot));  // Q, dO, LSE and Δ of this slot: read
-        hand_over_dq(shared, dq, i, consumer, warp_in_group, lane);  // added to dQ by the producer's thread 32
+        const TileBuffers buffers = start_tile(shared, i, k_rows, v_rows, s, dp);  // Sᵀ; dPᵀ under way
+        block_probabilities(s, shared.floats(shared.lse_slot(buffers.slot)), scale_log2, tile.partial, key0, tile.m0,
+                            mask, key_docs, lane);  // Pᵀ
+        finish_tile(shared, buffers, i, consumer, warp_in_group, lane, row0, s, dp, dk, dv);
     }
 
     write_rows(dk_rows, work.kv_pair, dk, scale, key0, mask.seq, lane);  // zeros where no list names the block

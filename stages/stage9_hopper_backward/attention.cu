@@ -54,7 +54,7 @@
 // Registers per consumer thread: dK and dV D/2 each (64 at D = 128), Sᵀ and dPᵀ M/2 each, Pᵀ and dSᵀ
 // as A operands M/4 each, dQ 32.
 // Shared memory: K, V 128·D·2 each; Q, dO Q_STAGES·M·D·2 each; dSᵀ 2 × 128·M·2 (double-buffered,
-// so that one named barrier per tile suffices: see consume()); dQ DQ_STAGES × M·D·4; LSE, Δ
+// so that one named barrier per tile suffices: see finish_tile()); dQ DQ_STAGES × M·D·4; LSE, Δ
 // Q_STAGES·M·4 bytes each; barriers; 1 KB to align to 1024. D = 128: 226 KB (of the 227 a block may
 // have); D = 64: 195 KB. One block per SM.
 //
@@ -125,10 +125,9 @@ __device__ __forceinline__ void issue_dq(float (&dq)[DQ_FRAGS][4], unsigned ds_t
 
 // --8<-- [start:consumer]
 // Consumer `consumer` (0 or 1): keys 64·consumer .. of the block, their dK and dV in registers for
-// the whole walk (every query tile of every query head of the group). dSᵀ is double-buffered: a
-// consumer writes buffer i % 2 at tile i only after passing DS_READY of tile i - 1, which the other
-// consumer reached only after its dQ of tile i - 2 -- the last reader of that buffer -- had completed
-// (wgmma_wait<0> before it). So one barrier per tile suffices.
+// the whole walk (every query tile of every query head of the group), each tile in the two steps of
+// wgmma_attention_backward.cuh (start_tile, finish_tile: the schedule of the header's diagram) with Pᵀ
+// between them, masked on the causal diagonal.
 __device__ __forceinline__ void consume(const SharedMemory& shared, const BlockWork& work, int consumer,
                                         const HeadRows<elem_t>& dk_rows, const HeadRows<elem_t>& dv_rows, int seq_kv,
                                         float scale, int causal) {
@@ -146,65 +145,12 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const BlockW
     int i = 0;  // query tiles consumed so far
     for (int g = 0; g < work.group; ++g) {
         for (int tile = work.first_tile; tile < work.end_tile; ++tile, ++i) {
-            const int slot = i % Q_STAGES, m0 = tile * BLOCK_M;
-            const unsigned q = shared.q_slot(slot), d_o = shared.do_slot(slot), ds = shared.ds_slot(i % DS_STAGES);
-            mbarrier_wait(shared.barrier(Q_FULL + slot), (i / Q_STAGES) & 1);
-
-            // The softmax runs under the products (FlashAttention-3 overlaps P with dPᵀ; issuing dV before
-            // dS is one step further, where the registers allow it): Sᵀ and dPᵀ in two commit groups, so
-            // that P is computed while dPᵀ still runs; at 64 queries dV += Pᵀ dO is queued behind dPᵀ at
-            // once, and dS is computed while dV runs. Measured against the softmax between the products:
-            // +1.5 to 2.5 % at D = 128 (docs/stages/stage9.md).
+            const int m0 = tile * BLOCK_M;
             float s[M_FRAGS][4], dp[M_FRAGS][4];
-            wgmma_fence();
-            issue_rows_times_queries(s, k_rows, q);     // Sᵀ = K Qᵀ
-            wgmma_commit();
-            issue_rows_times_queries(dp, v_rows, d_o);  // dPᵀ = V dOᵀ
-            wgmma_commit();
-            wgmma_wait<1>();  // Sᵀ done; dPᵀ may still run
-            fence_registers(s);
-
+            const TileBuffers buffers = start_tile(shared, i, k_rows, v_rows, s, dp);  // Sᵀ; dPᵀ under way
             const bool on_diagonal = causal && m0 < key0 + 15;  // some key of the warp after some query
-            probabilities(s, shared.floats(shared.lse_slot(slot)), scale_log2, on_diagonal, key0, m0, lane);  // Pᵀ
-            unsigned p_a[M_STEPS][4], ds_a[M_STEPS][4];
-            if constexpr (DV_BEFORE_DS) {
-#pragma unroll
-                for (int ks = 0; ks < M_STEPS; ++ks) p_as_a_operand(s, ks, p_a[ks]);
-                wgmma_fence();
-                issue_accumulate(dv, p_a, d_o);  // dV += Pᵀ dO, queued behind dPᵀ
-                wgmma_commit();
-                wgmma_wait<1>();  // dPᵀ done; dV runs on while dS is computed
-            } else {
-                wgmma_wait<0>();  // dPᵀ done
-            }
-            fence_registers(dp);
-            score_gradients(dp, s, shared.floats(shared.delta_slot(slot)), lane);  // dSᵀ
-#pragma unroll
-            for (int ks = 0; ks < M_STEPS; ++ks) p_as_a_operand(dp, ks, ds_a[ks]);
-            store_score_gradients(ds, dp, row0, lane);
-            fence_async_shared();  // the stores, visible to wgmma (the async proxy)
-
-            if constexpr (!DV_BEFORE_DS) {
-#pragma unroll
-                for (int ks = 0; ks < M_STEPS; ++ks) p_as_a_operand(s, ks, p_a[ks]);
-            }
-            wgmma_fence();
-            if constexpr (!DV_BEFORE_DS) issue_accumulate(dv, p_a, d_o);  // dV += Pᵀ dO
-            issue_accumulate(dk, ds_a, q);  // dK += dSᵀ Q
-            wgmma_commit();
-            named_barrier_sync(DS_READY, CONSUMER_THREADS);  // both consumers' dSᵀ are stored
-            float dq[DQ_FRAGS][4];
-            wgmma_fence();
-            issue_dq(dq, ds, shared.k_tile(), consumer);  // dQ (a part) = dS K
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_registers(dv);
-            fence_registers(dk);
-            fence_registers(dq);
-            fence_registers(p_a);
-            fence_registers(ds_a);
-            mbarrier_arrive(shared.barrier(Q_EMPTY + slot));  // Q, dO, LSE and Δ of this slot: read
-            hand_over_dq(shared, dq, i, consumer, warp_in_group, lane);  // added to dQ by the producer's thread 32
+            probabilities(s, shared.floats(shared.lse_slot(buffers.slot)), scale_log2, on_diagonal, key0, m0, lane);  // Pᵀ
+            finish_tile(shared, buffers, i, consumer, warp_in_group, lane, row0, s, dp, dk, dv);
         }
     }
 
