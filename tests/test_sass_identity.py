@@ -82,6 +82,8 @@ BASES["stage12_block_sparse"] = "d978042"
 BASES["stage13_block_sparse_backward"] = "758fcdc"
 # At 1be0ba3: stage 4 compiles the causal mask in, with 128-key tiles for the causal kernel at D = 64.
 BASES["stage4_hopper"] = "1be0ba3"
+# At 4dc0f38: stages 9 and 13 take their steps per query tile from wgmma_attention_backward.cuh (start_tile ...).
+BASES.update({name: "4dc0f38" for name in ("stage9_hopper_backward", "stage13_block_sparse_backward")})
 LADDER = {"ladder/simt.cu": "stage6_grouped_gemm", "ladder/mma_sync.cu": "stage6_grouped_gemm"}
 FRESH_COMPILES = 3  # per side, after a mismatch
 

@@ -1,10 +1,13 @@
-// Stage 9's Hopper attention backward, its tile machinery, shared with stage 13 (which walks a block
+// Stage 9's Hopper attention backward, all of it but the walk, shared with stage 13 (which walks a block
 // mask's lists instead of every query tile): the tiles and the shared-memory layout, the mbarriers, the
-// wgmma products but dQ's, and the ways of dSᵀ and dQ through shared memory. The walks -- the
-// producer's, dQ's writer's, the consumers' with stage 9's schedule per tile -- and issue_dq (dQ = dS K,
-// stage 9's exercise) are each stage's own: factored into one function here, the consumers' schedule
-// spilled at D = 64 (the kernel runs at its 168-register limit; NVRTC 13.0, 2026-11-27), and each
-// stage's machine code is that of its copy before this header (tests/test_sass_identity.py).
+// wgmma products but dQ's, the ways of dSᵀ and dQ through shared memory, and the steps of each walk --
+// the producer's copies of K and V and of a query tile (load_keys_values, load_query_tile), dQ's writer's
+// bulk add of a tile (add_dq_tile), a consumer's schedule for a tile (start_tile, finish_tile). Each stage
+// keeps its walk (which query tiles, in which order: the loops around those steps), its masking of Pᵀ
+// (between start_tile and finish_tile) and issue_dq (dQ = dS K, stage 9's exercise). The steps are
+// __forceinline__. The schedule is two steps rather than one that takes the masking as a function: with
+// one, NVRTC 13.5 hoisted the tile's shared-memory addresses out of the loop, and the kernel, at its
+// 168-register limit, spilled at D = 64.
 // stages/stage9_hopper_backward/attention.cu's header explains the design.
 #pragma once
 #include "mma.cuh"
@@ -88,6 +91,56 @@ __device__ __forceinline__ void init_barriers(const SharedMemory& shared) {
         mbarrier_init(shared.barrier(DQ_EMPTY + s), 1);                // the bulk add has read the buffer
     }
     mbarrier_init_fence();
+}
+
+// The producer's first copies: K and V of the block, once (the BLOCK_N keys from work.n0() of its KV
+// head), after prefetching the four tensor maps' descriptors. Work: the stage's BlockWork.
+template <typename Work>
+__device__ __forceinline__ void load_keys_values(const SharedMemory& shared, const Work& work, const TmaMap& q_map,
+                                                 const TmaMap& k_map, const TmaMap& v_map, const TmaMap& do_map) {
+    tma_prefetch_map(q_map);
+    tma_prefetch_map(k_map);
+    tma_prefetch_map(v_map);
+    tma_prefetch_map(do_map);
+    mbarrier_arrive_expect_tx(shared.barrier(KV_FULL), 2 * KV_TILE_BYTES);
+    load_tile<BLOCK_N, HEAD_DIM>(shared.k_tile(), k_map, shared.barrier(KV_FULL), work.n0(), work.kv_head(), work.batch());
+    load_tile<BLOCK_N, HEAD_DIM>(shared.v_tile(), v_map, shared.barrier(KV_FULL), work.n0(), work.kv_head(), work.batch());
+}
+
+// The producer's copies of tile i of the walk -- the BLOCK_M queries from m0 of the group's query head g --
+// into ring slot i % Q_STAGES, once the consumers have released it: its Q and dO, its LSE and Δ.
+template <typename Work>
+__device__ __forceinline__ void load_query_tile(const SharedMemory& shared, const Work& work, int i, int g, int m0,
+                                                const TmaMap& q_map, const TmaMap& do_map, const float* lse_log2,
+                                                const float* delta, int seq_q_padded) {
+    const int slot = i % Q_STAGES, pair = work.query_pair(g), head = work.query_head(g);
+    const unsigned parity = (i / Q_STAGES) & 1;  // which use of this slot
+    const unsigned full = shared.barrier(Q_FULL + slot);
+    mbarrier_wait(shared.barrier(Q_EMPTY + slot), parity ^ 1);  // slot free (a fresh barrier: at once)
+    // Rows past seq_q are zero-filled and counted; the LSE and Δ are padded (the launch's workspace).
+    mbarrier_arrive_expect_tx(full, 2 * Q_TILE_BYTES + 2 * VECTOR_BYTES);
+    load_tile<BLOCK_M, HEAD_DIM>(shared.q_slot(slot), q_map, full, m0, head, work.batch());
+    load_tile<BLOCK_M, HEAD_DIM>(shared.do_slot(slot), do_map, full, m0, head, work.batch());
+    bulk_load(shared.lse_slot(slot), lse_log2 + (size_t)pair * seq_q_padded + m0, VECTOR_BYTES, full);
+    bulk_load(shared.delta_slot(slot), delta + (size_t)pair * seq_q_padded + m0, VECTOR_BYTES, full);
+}
+
+// dQ's way to global memory, tile i of the walk (queries m0 .. of the group's query head g): once both
+// consumers have stored its dQ in buffer i % DQ_STAGES, one thread adds the whole tile to the fp32 sums
+// with one bulk reduce-add (the rows of a tile are contiguous in the accumulator, [B, H, seq_q_padded, D]:
+// one copy of BLOCK_M·D·4 bytes; the padding rows' sums are never read), then hands the buffer back as
+// soon as the copy has read it. Waiting for that at once costs nothing: the consumers fill the other
+// buffer meanwhile.
+template <typename Work>
+__device__ __forceinline__ void add_dq_tile(const SharedMemory& shared, const Work& work, int i, int g, int m0,
+                                            float* dq_accum, int seq_q_padded) {
+    const int slot = i % DQ_STAGES;
+    float* dq_rows = dq_accum + ((size_t)work.query_pair(g) * seq_q_padded + m0) * HEAD_DIM;
+    mbarrier_wait(shared.barrier(DQ_FULL + slot), (i / DQ_STAGES) & 1);
+    bulk_reduce_add_f32(dq_rows, shared.dq_slot(slot), BLOCK_M * HEAD_DIM * 4);
+    tma_store_commit();
+    tma_store_wait_read<0>();
+    mbarrier_arrive(shared.barrier(DQ_EMPTY + slot));
 }
 
 // acc[64 keys × BLOCK_M queries] = rows · queryᵀ: Sᵀ = K Qᵀ (rows = the consumer's 64 keys of K) or
@@ -201,6 +254,89 @@ __device__ __forceinline__ void hand_over_dq(const SharedMemory& shared, float (
     store_dq(shared.dq_slot(slot), dq, row0, DQ_SPLIT_BY_QUERIES ? 0 : consumer * DQ_COLS, lane);
     fence_async_shared();
     mbarrier_arrive(shared.barrier(DQ_FULL + slot));
+}
+
+// dq[64 queries × 64 columns] = dS K for consumer `consumer`'s share over all 128 keys: each stage's own
+// (stage 9's exercise), defined in its attention.cu.
+__device__ __forceinline__ void issue_dq(float (&dq)[DQ_FRAGS][4], unsigned ds_tile, unsigned k_tile, int consumer);
+
+// A consumer's query tile i, as each stage's walk reaches it, is stage 9's schedule (its header's diagram)
+// in two steps: start_tile, the stage's masking of Sᵀ into Pᵀ (its `probabilities`), finish_tile. The
+// softmax runs under the products (FlashAttention-3 overlaps P with dPᵀ; issuing dV before dS is one step
+// further, where the registers allow it): Sᵀ and dPᵀ in two commit groups, so that P is computed while dPᵀ
+// still runs; at 64 queries dV += Pᵀ dO is queued behind dPᵀ at once, and dS is computed while dV runs.
+// Measured against the softmax between the products: +1.5 to 2.5 % at D = 128 (docs/stages/stage9.md).
+
+// Where tile i lies: its slot of the query-side ring (Q, dO, LSE, Δ) and its buffer of dSᵀ.
+struct TileBuffers {
+    int slot;
+    unsigned q, d_o, ds;
+};
+
+// Tile i's first step: wait until the producer has filled its slot, issue Sᵀ = K Qᵀ and dPᵀ = V dOᵀ
+// (k_rows, v_rows: the consumer's 64 keys of K and V) and wait for Sᵀ; dPᵀ may still run.
+__device__ __forceinline__ TileBuffers start_tile(const SharedMemory& shared, int i, unsigned k_rows, unsigned v_rows,
+                                                  float (&s)[M_FRAGS][4], float (&dp)[M_FRAGS][4]) {
+    const int slot = i % Q_STAGES;
+    const TileBuffers tile{slot, shared.q_slot(slot), shared.do_slot(slot), shared.ds_slot(i % DS_STAGES)};
+    mbarrier_wait(shared.barrier(Q_FULL + slot), (i / Q_STAGES) & 1);
+    wgmma_fence();
+    issue_rows_times_queries(s, k_rows, tile.q);     // Sᵀ = K Qᵀ
+    wgmma_commit();
+    issue_rows_times_queries(dp, v_rows, tile.d_o);  // dPᵀ = V dOᵀ
+    wgmma_commit();
+    wgmma_wait<1>();  // Sᵀ done; dPᵀ may still run
+    fence_registers(s);
+    return tile;
+}
+
+// Tile i's last step, once s holds Pᵀ: dV += Pᵀ dO, dSᵀ through shared memory, dK += dSᵀ Q, dQ = dS K
+// handed to the producer's thread 32, the slot released (row0: the warp's first key in the block). dSᵀ is
+// double-buffered: a consumer writes buffer i % 2 at tile i only after passing DS_READY of tile i - 1,
+// which the other consumer reached only after its dQ of tile i - 2 -- the last reader of that buffer --
+// had completed (wgmma_wait<0> before it). So one barrier per tile suffices.
+__device__ __forceinline__ void finish_tile(const SharedMemory& shared, const TileBuffers& tile, int i, int consumer,
+                                            int warp_in_group, int lane, int row0, float (&s)[M_FRAGS][4],
+                                            float (&dp)[M_FRAGS][4], float (&dk)[D_FRAGS][4], float (&dv)[D_FRAGS][4]) {
+    unsigned p_a[M_STEPS][4], ds_a[M_STEPS][4];
+    if constexpr (DV_BEFORE_DS) {
+#pragma unroll
+        for (int ks = 0; ks < M_STEPS; ++ks) p_as_a_operand(s, ks, p_a[ks]);
+        wgmma_fence();
+        issue_accumulate(dv, p_a, tile.d_o);  // dV += Pᵀ dO, queued behind dPᵀ
+        wgmma_commit();
+        wgmma_wait<1>();  // dPᵀ done; dV runs on while dS is computed
+    } else {
+        wgmma_wait<0>();  // dPᵀ done
+    }
+    fence_registers(dp);
+    score_gradients(dp, s, shared.floats(shared.delta_slot(tile.slot)), lane);  // dSᵀ
+#pragma unroll
+    for (int ks = 0; ks < M_STEPS; ++ks) p_as_a_operand(dp, ks, ds_a[ks]);
+    store_score_gradients(tile.ds, dp, row0, lane);
+    fence_async_shared();  // the stores, visible to wgmma (the async proxy)
+
+    if constexpr (!DV_BEFORE_DS) {
+#pragma unroll
+        for (int ks = 0; ks < M_STEPS; ++ks) p_as_a_operand(s, ks, p_a[ks]);
+    }
+    wgmma_fence();
+    if constexpr (!DV_BEFORE_DS) issue_accumulate(dv, p_a, tile.d_o);  // dV += Pᵀ dO
+    issue_accumulate(dk, ds_a, tile.q);  // dK += dSᵀ Q
+    wgmma_commit();
+    named_barrier_sync(DS_READY, CONSUMER_THREADS);  // both consumers' dSᵀ are stored
+    float dq[DQ_FRAGS][4];
+    wgmma_fence();
+    issue_dq(dq, tile.ds, shared.k_tile(), consumer);  // dQ (a part) = dS K
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(dv);
+    fence_registers(dk);
+    fence_registers(dq);
+    fence_registers(p_a);
+    fence_registers(ds_a);
+    mbarrier_arrive(shared.barrier(Q_EMPTY + tile.slot));  // Q, dO, LSE and Δ of this slot: read
+    hand_over_dq(shared, dq, i, consumer, warp_in_group, lane);  // added to dQ by the producer's thread 32
 }
 
 // The warp's 16 rows of dK or dV (times `factor`) of KV pair kv_pair, rounded to elem_t; rows >= seq_kv are

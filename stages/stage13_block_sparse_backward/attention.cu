@@ -85,48 +85,27 @@ struct BlockWork {
 
 // --8<-- [start:producer]
 // The producer: one thread issues every copy -- K and V once, then each listed query tile's Q, dO,
-// LSE and Δ into ring slot i % Q_STAGES, once the consumers have released it (stage 9's, over the walk).
+// LSE and Δ into ring slot i % Q_STAGES, once the consumers have released it (stage 9's steps, over the walk).
 __device__ __forceinline__ void produce(const SharedMemory& shared, const BlockWork& work, const TmaMap& q_map,
                                         const TmaMap& k_map, const TmaMap& v_map, const TmaMap& do_map,
                                         const float* lse_log2, const float* delta, int seq_q_padded) {
-    tma_prefetch_map(q_map);
-    tma_prefetch_map(k_map);
-    tma_prefetch_map(v_map);
-    tma_prefetch_map(do_map);
-    mbarrier_arrive_expect_tx(shared.barrier(KV_FULL), 2 * KV_TILE_BYTES);
-    load_tile<BLOCK_N, HEAD_DIM>(shared.k_tile(), k_map, shared.barrier(KV_FULL), work.n0(), work.kv_head(), work.batch());
-    load_tile<BLOCK_N, HEAD_DIM>(shared.v_tile(), v_map, shared.barrier(KV_FULL), work.n0(), work.kv_head(), work.batch());
+    load_keys_values(shared, work, q_map, k_map, v_map, do_map);
     const int tiles = work.tiles();
     for (int i = 0; i < tiles; ++i) {
         const QueryTile tile = work.tile(i);
-        const int slot = i % Q_STAGES, pair = work.query_pair(tile.g), head = work.query_head(tile.g);
-        const unsigned parity = (i / Q_STAGES) & 1;  // which use of this slot
-        const unsigned full = shared.barrier(Q_FULL + slot);
-        mbarrier_wait(shared.barrier(Q_EMPTY + slot), parity ^ 1);  // slot free (a fresh barrier: at once)
-        // Rows past seq_q are zero-filled and counted; the LSE and Δ are padded to whole blocks of 128.
-        mbarrier_arrive_expect_tx(full, 2 * Q_TILE_BYTES + 2 * VECTOR_BYTES);
-        load_tile<BLOCK_M, HEAD_DIM>(shared.q_slot(slot), q_map, full, tile.m0, head, work.batch());
-        load_tile<BLOCK_M, HEAD_DIM>(shared.do_slot(slot), do_map, full, tile.m0, head, work.batch());
-        bulk_load(shared.lse_slot(slot), lse_log2 + (size_t)pair * seq_q_padded + tile.m0, VECTOR_BYTES, full);
-        bulk_load(shared.delta_slot(slot), delta + (size_t)pair * seq_q_padded + tile.m0, VECTOR_BYTES, full);
+        load_query_tile(shared, work, i, tile.g, tile.m0, q_map, do_map, lse_log2, delta, seq_q_padded);
     }
 }
 // --8<-- [end:producer]
 
-// dQ's way to global memory (stage 9's): one thread adds each query tile's dQ, once both consumers have
-// stored it in buffer i % DQ_STAGES, with one bulk reduce-add of the whole tile into the fp32 sums.
+// dQ's way to global memory (stage 9's): one thread adds each query tile's dQ to the fp32 sums, in the
+// walk's order, with one bulk reduce-add a tile (add_dq_tile).
 __device__ __forceinline__ void add_dq_tiles(const SharedMemory& shared, const BlockWork& work, float* dq_accum,
                                              int seq_q_padded) {
     const int tiles = work.tiles();
     for (int i = 0; i < tiles; ++i) {
         const QueryTile tile = work.tile(i);
-        const int slot = i % DQ_STAGES;
-        float* dq_rows = dq_accum + ((size_t)work.query_pair(tile.g) * seq_q_padded + tile.m0) * HEAD_DIM;
-        mbarrier_wait(shared.barrier(DQ_FULL + slot), (i / DQ_STAGES) & 1);
-        bulk_reduce_add_f32(dq_rows, shared.dq_slot(slot), BLOCK_M * HEAD_DIM * 4);
-        tma_store_commit();
-        tma_store_wait_read<0>();
-        mbarrier_arrive(shared.barrier(DQ_EMPTY + slot));
+        add_dq_tile(shared, work, i, tile.g, tile.m0, dq_accum, seq_q_padded);
     }
 }
 
@@ -178,7 +157,8 @@ __device__ __forceinline__ void block_probabilities(float (&s)[M_FRAGS][4], cons
 
 // --8<-- [start:consumer]
 // Consumer `consumer` (0 or 1): keys 64·consumer .. of the block, their dK and dV in registers for
-// the whole walk; stage 9's schedule per query tile, the element mask applied in partial blocks.
+// the whole walk; stage 9's schedule per query tile (start_tile, finish_tile), Pᵀ between its two steps with
+// the element mask applied in partial blocks.
 __device__ __forceinline__ void consume(const SharedMemory& shared, const BlockWork& work, int consumer,
                                         const HeadRows<elem_t>& dk_rows, const HeadRows<elem_t>& dv_rows,
                                         const ElementMask& mask, float scale) {
@@ -202,60 +182,11 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const BlockW
     const int tiles = work.tiles();
     for (int i = 0; i < tiles; ++i) {
         const QueryTile tile = work.tile(i);
-        const int slot = i % Q_STAGES;
-        const unsigned q = shared.q_slot(slot), d_o = shared.do_slot(slot), ds = shared.ds_slot(i % DS_STAGES);
-        mbarrier_wait(shared.barrier(Q_FULL + slot), (i / Q_STAGES) & 1);
-
         float s[M_FRAGS][4], dp[M_FRAGS][4];
-        wgmma_fence();
-        issue_rows_times_queries(s, k_rows, q);     // Sᵀ = K Qᵀ
-        wgmma_commit();
-        issue_rows_times_queries(dp, v_rows, d_o);  // dPᵀ = V dOᵀ
-        wgmma_commit();
-        wgmma_wait<1>();  // Sᵀ done; dPᵀ may still run
-        fence_registers(s);
-
-        block_probabilities(s, shared.floats(shared.lse_slot(slot)), scale_log2, tile.partial, key0, tile.m0, mask,
-                            key_docs, lane);  // Pᵀ
-        unsigned p_a[M_STEPS][4], ds_a[M_STEPS][4];
-        if constexpr (DV_BEFORE_DS) {
-#pragma unroll
-            for (int ks = 0; ks < M_STEPS; ++ks) p_as_a_operand(s, ks, p_a[ks]);
-            wgmma_fence();
-            issue_accumulate(dv, p_a, d_o);  // dV += Pᵀ dO, queued behind dPᵀ
-            wgmma_commit();
-            wgmma_wait<1>();  // dPᵀ done; dV runs on while dS is computed
-        } else {
-            wgmma_wait<0>();  // dPᵀ done
-        }
-        fence_registers(dp);
-        score_gradients(dp, s, shared.floats(shared.delta_slot(slot)), lane);  // dSᵀ
-#pragma unroll
-        for (int ks = 0; ks < M_STEPS; ++ks) p_as_a_operand(dp, ks, ds_a[ks]);
-        store_score_gradients(ds, dp, row0, lane);
-        fence_async_shared();  // the stores, visible to wgmma (the async proxy)
-
-        if constexpr (!DV_BEFORE_DS) {
-#pragma unroll
-            for (int ks = 0; ks < M_STEPS; ++ks) p_as_a_operand(s, ks, p_a[ks]);
-        }
-        wgmma_fence();
-        if constexpr (!DV_BEFORE_DS) issue_accumulate(dv, p_a, d_o);  // dV += Pᵀ dO
-        issue_accumulate(dk, ds_a, q);  // dK += dSᵀ Q
-        wgmma_commit();
-        named_barrier_sync(DS_READY, CONSUMER_THREADS);  // both consumers' dSᵀ are stored
-        float dq[DQ_FRAGS][4];
-        wgmma_fence();
-        issue_dq(dq, ds, shared.k_tile(), consumer);  // dQ (a part) = dS K
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_registers(dv);
-        fence_registers(dk);
-        fence_registers(dq);
-        fence_registers(p_a);
-        fence_registers(ds_a);
-        mbarrier_arrive(shared.barrier(Q_EMPTY + slot));  // Q, dO, LSE and Δ of this slot: read
-        hand_over_dq(shared, dq, i, consumer, warp_in_group, lane);  // added to dQ by the producer's thread 32
+        const TileBuffers buffers = start_tile(shared, i, k_rows, v_rows, s, dp);  // Sᵀ; dPᵀ under way
+        block_probabilities(s, shared.floats(shared.lse_slot(buffers.slot)), scale_log2, tile.partial, key0, tile.m0,
+                            mask, key_docs, lane);  // Pᵀ
+        finish_tile(shared, buffers, i, consumer, warp_in_group, lane, row0, s, dp, dk, dv);
     }
 
     write_rows(dk_rows, work.kv_pair, dk, scale, key0, mask.seq, lane);  // zeros where no list names the block

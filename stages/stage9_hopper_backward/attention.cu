@@ -54,7 +54,7 @@
 // Registers per consumer thread: dK and dV D/2 each (64 at D = 128), Sᵀ and dPᵀ M/2 each, Pᵀ and dSᵀ
 // as A operands M/4 each, dQ 32.
 // Shared memory: K, V 128·D·2 each; Q, dO Q_STAGES·M·D·2 each; dSᵀ 2 × 128·M·2 (double-buffered,
-// so that one named barrier per tile suffices: see consume()); dQ DQ_STAGES × M·D·4; LSE, Δ
+// so that one named barrier per tile suffices: see finish_tile()); dQ DQ_STAGES × M·D·4; LSE, Δ
 // Q_STAGES·M·4 bytes each; barriers; 1 KB to align to 1024. D = 128: 226 KB (of the 227 a block may
 // have); D = 64: 195 KB. One block per SM.
 //
@@ -63,12 +63,14 @@
 // top-left aligned: query i sees keys j <= i.
 #include "wgmma_attention_backward.cuh"  // the tiles, the products, dSᵀ and dQ through shared memory
 
-// What a block computes: the BLOCK_N keys from n0 of KV pair kv_pair (b·H_kv + h_kv) against the query
-// tiles [first_tile, end_tile) of each query head of its group: query pairs kv_pair·group + g, g = 0 ..
-// group - 1 (= b·H + h_kv·group + g, the heads that share KV head h_kv). Producer and consumers walk
-// them in the same order, head by head, counting the tiles (i) for the ring's slots and phases.
+// What a block computes: the BLOCK_N keys of key tile n_block of KV pair kv_pair (b·H_kv + h_kv) against
+// the query tiles [first_tile, end_tile) of each query head of its group: query pairs kv_pair·group + g,
+// g = 0 .. group - 1 (= b·H + h_kv·group + g, the heads that share KV head h_kv). Producer, dQ writer and
+// consumers walk them in the same order, head by head, counting the tiles (i) for the ring's slots and
+// phases.
 struct BlockWork {
-    int kv_pair, kv_heads, n0, group, first_tile, end_tile;
+    int kv_pair, kv_heads, n_block, group, first_tile, end_tile;
+    __device__ int n0() const { return n_block * BLOCK_N; }
     __device__ int query_pair(int g) const { return kv_pair * group + g; }  // in the dense LSE, Δ and dQ sums
     __device__ int batch() const { return kv_pair / kv_heads; }             // the tensor maps' coordinates
     __device__ int kv_head() const { return kv_pair % kv_heads; }
@@ -81,53 +83,22 @@ struct BlockWork {
 __device__ __forceinline__ void produce(const SharedMemory& shared, const BlockWork& work, const TmaMap& q_map,
                                         const TmaMap& k_map, const TmaMap& v_map, const TmaMap& do_map,
                                         const float* lse_log2, const float* delta, int seq_q_padded) {
-    tma_prefetch_map(q_map);
-    tma_prefetch_map(k_map);
-    tma_prefetch_map(v_map);
-    tma_prefetch_map(do_map);
-    mbarrier_arrive_expect_tx(shared.barrier(KV_FULL), 2 * KV_TILE_BYTES);
-    load_tile<BLOCK_N, HEAD_DIM>(shared.k_tile(), k_map, shared.barrier(KV_FULL), work.n0, work.kv_head(), work.batch());
-    load_tile<BLOCK_N, HEAD_DIM>(shared.v_tile(), v_map, shared.barrier(KV_FULL), work.n0, work.kv_head(), work.batch());
+    load_keys_values(shared, work, q_map, k_map, v_map, do_map);
     int i = 0;  // query tiles issued so far
-    for (int g = 0; g < work.group; ++g) {
-        const int pair = work.query_pair(g), head = work.query_head(g);
-        const float* lse_head = lse_log2 + (size_t)pair * seq_q_padded;
-        const float* delta_head = delta + (size_t)pair * seq_q_padded;
-        for (int tile = work.first_tile; tile < work.end_tile; ++tile, ++i) {
-            const int slot = i % Q_STAGES, m0 = tile * BLOCK_M;
-            const unsigned parity = (i / Q_STAGES) & 1;  // which use of this slot
-            const unsigned full = shared.barrier(Q_FULL + slot);
-            mbarrier_wait(shared.barrier(Q_EMPTY + slot), parity ^ 1);  // slot free (a fresh barrier: at once)
-            // Rows past seq_q are zero-filled and counted; the LSE and Δ are padded to whole tiles.
-            mbarrier_arrive_expect_tx(full, 2 * Q_TILE_BYTES + 2 * VECTOR_BYTES);
-            load_tile<BLOCK_M, HEAD_DIM>(shared.q_slot(slot), q_map, full, m0, head, work.batch());
-            load_tile<BLOCK_M, HEAD_DIM>(shared.do_slot(slot), do_map, full, m0, head, work.batch());
-            bulk_load(shared.lse_slot(slot), lse_head + m0, VECTOR_BYTES, full);
-            bulk_load(shared.delta_slot(slot), delta_head + m0, VECTOR_BYTES, full);
-        }
-    }
+    for (int g = 0; g < work.group; ++g)
+        for (int tile = work.first_tile; tile < work.end_tile; ++tile, ++i)
+            load_query_tile(shared, work, i, g, tile * BLOCK_M, q_map, do_map, lse_log2, delta, seq_q_padded);
 }
 // --8<-- [end:producer]
 
-// dQ's way to global memory: one thread adds each query tile's dQ, once both consumers have stored it in
-// buffer i % DQ_STAGES, to the fp32 accumulator with one bulk reduce-add of the whole tile (the rows of a
-// tile are contiguous in the accumulator, [B, H, seq_q_padded, D]: one copy of BLOCK_M·D·4 bytes; the
-// padding rows' sums are never read), then hands the buffer back as soon as the copy has read it. Waiting
-// for that at once costs nothing: the consumers fill the other buffer meanwhile.
+// dQ's way to global memory: one thread adds each query tile's dQ to the fp32 sums, in the walk's order,
+// with one bulk reduce-add a tile (add_dq_tile).
 __device__ __forceinline__ void add_dq_tiles(const SharedMemory& shared, const BlockWork& work, float* dq_accum,
                                              int seq_q_padded) {
     int i = 0;  // query tiles added so far
-    for (int g = 0; g < work.group; ++g) {
-        float* dq_head = dq_accum + (size_t)work.query_pair(g) * seq_q_padded * HEAD_DIM;
-        for (int tile = work.first_tile; tile < work.end_tile; ++tile, ++i) {
-            const int slot = i % DQ_STAGES, m0 = tile * BLOCK_M;
-            mbarrier_wait(shared.barrier(DQ_FULL + slot), (i / DQ_STAGES) & 1);
-            bulk_reduce_add_f32(dq_head + (size_t)m0 * HEAD_DIM, shared.dq_slot(slot), BLOCK_M * HEAD_DIM * 4);
-            tma_store_commit();
-            tma_store_wait_read<0>();
-            mbarrier_arrive(shared.barrier(DQ_EMPTY + slot));
-        }
-    }
+    for (int g = 0; g < work.group; ++g)
+        for (int tile = work.first_tile; tile < work.end_tile; ++tile, ++i)
+            add_dq_tile(shared, work, i, g, tile * BLOCK_M, dq_accum, seq_q_padded);
 }
 
 // dq[64 queries × 64 columns] = dS K for consumer `consumer`'s share over all 128 keys (see the header:
@@ -154,16 +125,15 @@ __device__ __forceinline__ void issue_dq(float (&dq)[DQ_FRAGS][4], unsigned ds_t
 
 // --8<-- [start:consumer]
 // Consumer `consumer` (0 or 1): keys 64·consumer .. of the block, their dK and dV in registers for
-// the whole walk (every query tile of every query head of the group). dSᵀ is double-buffered: a
-// consumer writes buffer i % 2 at tile i only after passing DS_READY of tile i - 1, which the other
-// consumer reached only after its dQ of tile i - 2 -- the last reader of that buffer -- had completed
-// (wgmma_wait<0> before it). So one barrier per tile suffices.
+// the whole walk (every query tile of every query head of the group), each tile in the two steps of
+// wgmma_attention_backward.cuh (start_tile, finish_tile: the schedule of the header's diagram) with Pᵀ
+// between them, masked on the causal diagonal.
 __device__ __forceinline__ void consume(const SharedMemory& shared, const BlockWork& work, int consumer,
                                         const HeadRows<elem_t>& dk_rows, const HeadRows<elem_t>& dv_rows, int seq_kv,
                                         float scale, int causal) {
     const int lane = threadIdx.x % 32, warp_in_group = threadIdx.x / 32 % 4;
     const int row0 = consumer * CONSUMER_KEYS + warp_in_group * 16;  // the warp's first key in the block
-    const int key0 = work.n0 + row0;
+    const int key0 = work.n0() + row0;
     const unsigned k_rows = shared.k_tile() + consumer * CONSUMER_KEYS * 128;  // this consumer's keys
     const unsigned v_rows = shared.v_tile() + consumer * CONSUMER_KEYS * 128;
     const float scale_log2 = scale * LOG2E;
@@ -175,65 +145,12 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const BlockW
     int i = 0;  // query tiles consumed so far
     for (int g = 0; g < work.group; ++g) {
         for (int tile = work.first_tile; tile < work.end_tile; ++tile, ++i) {
-            const int slot = i % Q_STAGES, m0 = tile * BLOCK_M;
-            const unsigned q = shared.q_slot(slot), d_o = shared.do_slot(slot), ds = shared.ds_slot(i % DS_STAGES);
-            mbarrier_wait(shared.barrier(Q_FULL + slot), (i / Q_STAGES) & 1);
-
-            // The softmax runs under the products (FlashAttention-3 overlaps P with dPᵀ; issuing dV before
-            // dS is one step further, where the registers allow it): Sᵀ and dPᵀ in two commit groups, so
-            // that P is computed while dPᵀ still runs; at 64 queries dV += Pᵀ dO is queued behind dPᵀ at
-            // once, and dS is computed while dV runs. Measured against the softmax between the products:
-            // +1.5 to 2.5 % at D = 128 (docs/stages/stage9.md).
+            const int m0 = tile * BLOCK_M;
             float s[M_FRAGS][4], dp[M_FRAGS][4];
-            wgmma_fence();
-            issue_rows_times_queries(s, k_rows, q);     // Sᵀ = K Qᵀ
-            wgmma_commit();
-            issue_rows_times_queries(dp, v_rows, d_o);  // dPᵀ = V dOᵀ
-            wgmma_commit();
-            wgmma_wait<1>();  // Sᵀ done; dPᵀ may still run
-            fence_registers(s);
-
+            const TileBuffers buffers = start_tile(shared, i, k_rows, v_rows, s, dp);  // Sᵀ; dPᵀ under way
             const bool on_diagonal = causal && m0 < key0 + 15;  // some key of the warp after some query
-            probabilities(s, shared.floats(shared.lse_slot(slot)), scale_log2, on_diagonal, key0, m0, lane);  // Pᵀ
-            unsigned p_a[M_STEPS][4], ds_a[M_STEPS][4];
-            if constexpr (DV_BEFORE_DS) {
-#pragma unroll
-                for (int ks = 0; ks < M_STEPS; ++ks) p_as_a_operand(s, ks, p_a[ks]);
-                wgmma_fence();
-                issue_accumulate(dv, p_a, d_o);  // dV += Pᵀ dO, queued behind dPᵀ
-                wgmma_commit();
-                wgmma_wait<1>();  // dPᵀ done; dV runs on while dS is computed
-            } else {
-                wgmma_wait<0>();  // dPᵀ done
-            }
-            fence_registers(dp);
-            score_gradients(dp, s, shared.floats(shared.delta_slot(slot)), lane);  // dSᵀ
-#pragma unroll
-            for (int ks = 0; ks < M_STEPS; ++ks) p_as_a_operand(dp, ks, ds_a[ks]);
-            store_score_gradients(ds, dp, row0, lane);
-            fence_async_shared();  // the stores, visible to wgmma (the async proxy)
-
-            if constexpr (!DV_BEFORE_DS) {
-#pragma unroll
-                for (int ks = 0; ks < M_STEPS; ++ks) p_as_a_operand(s, ks, p_a[ks]);
-            }
-            wgmma_fence();
-            if constexpr (!DV_BEFORE_DS) issue_accumulate(dv, p_a, d_o);  // dV += Pᵀ dO
-            issue_accumulate(dk, ds_a, q);  // dK += dSᵀ Q
-            wgmma_commit();
-            named_barrier_sync(DS_READY, CONSUMER_THREADS);  // both consumers' dSᵀ are stored
-            float dq[DQ_FRAGS][4];
-            wgmma_fence();
-            issue_dq(dq, ds, shared.k_tile(), consumer);  // dQ (a part) = dS K
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_registers(dv);
-            fence_registers(dk);
-            fence_registers(dq);
-            fence_registers(p_a);
-            fence_registers(ds_a);
-            mbarrier_arrive(shared.barrier(Q_EMPTY + slot));  // Q, dO, LSE and Δ of this slot: read
-            hand_over_dq(shared, dq, i, consumer, warp_in_group, lane);  // added to dQ by the producer's thread 32
+            probabilities(s, shared.floats(shared.lse_slot(buffers.slot)), scale_log2, on_diagonal, key0, m0, lane);  // Pᵀ
+            finish_tile(shared, buffers, i, consumer, warp_in_group, lane, row0, s, dp, dk, dv);
         }
     }
 
@@ -275,7 +192,7 @@ attention_bwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaM
     const int2 tile_and_pair = key_tile_and_pair(blockIdx.x, (seq_kv + BLOCK_N - 1) / BLOCK_N, kv_pairs, chunk_pairs);
     const int n0 = tile_and_pair.x * BLOCK_N;  // the block's first key
     // Causal: queries before n0 see none of the block's keys; their tiles are skipped (in every head).
-    const BlockWork work{tile_and_pair.y, kv_heads, n0, group, causal ? n0 / BLOCK_M : 0,
+    const BlockWork work{tile_and_pair.y, kv_heads, tile_and_pair.x, group, causal ? n0 / BLOCK_M : 0,
                          (seq_q + BLOCK_M - 1) / BLOCK_M};
     if (threadIdx.x == 0) init_barriers(shared);
     __syncthreads();
