@@ -66,21 +66,18 @@ def instruction_mix(cubin: Path) -> dict[str, Counter]:
 
 
 def code_digest(cubin) -> str:
-    """The digest (digest_of) of a Cubin's machine code. Two cubins with one digest run the same instructions
-    with the same registers and shared memory, whatever the comments and the layout of the sources they came
-    from. Kept beside the cubin (<key>.code<N>.json), as its instruction mix is; N, CODE_FORMAT, changes with
-    kernel_code."""
-    return kept_beside(cubin.path, f".code{CODE_FORMAT}.json", lambda: digest_of(machine_code(cubin)))
+    """The sha256 of a Cubin's machine_code. Two cubins with one digest run the same instructions with the same
+    registers and shared memory, whatever the comments and the layout of the sources they came from. Kept
+    beside the cubin (<key>.code<N>.json), as its instruction mix is; N, CODE_FORMAT, changes with kernel_code."""
+    def digest():
+        return hashlib.sha256(json.dumps(machine_code(cubin), sort_keys=True).encode()).hexdigest()
+
+    return kept_beside(cubin.path, f".code{CODE_FORMAT}.json", digest)
 
 
 def machine_code(cubin) -> dict:
     """{"sass": {kernel: its SASS (kernel_code)}, "resources": ptxas's, per kernel} of a Cubin."""
     return {"sass": kernel_code(disassemble(cubin.path)), "resources": resources(cubin.ptxas_log)}
-
-
-def digest_of(code: dict) -> str:
-    """The sha256 of machine code as machine_code gives it."""
-    return hashlib.sha256(json.dumps(code, sort_keys=True).encode()).hexdigest()
 
 
 def kept_beside(cubin: Path, suffix: str, make):

@@ -13,8 +13,8 @@ machine code counts as unchanged when some compile of the current source equals 
 
 Where the kernel and every header it includes are at the base what they are now, byte for byte, NVRTC is
 given the same input: nothing is compiled. Elsewhere the base's variants are compiled at once, on every core,
-and each is listed (nvdisasm); the current cubin is listed only where its machine code's digest, kept beside
-it by the compile tests (tests/test_compile.py, grader/sass.py's code_digest), is not the base's.
+and compared with the current ones first by the digests of their machine code (grader/sass.py's code_digest),
+kept beside each cubin (the current ones' by tests/test_compile.py): kernel by kernel only where they differ.
 
 The base's kernels are compared: a kernel added since (stage 6's saving up GEMM, in every cubin that
 includes experts.cu) has no base, as a stage written later has none. Its labels and internal functions
@@ -219,10 +219,10 @@ def test_machine_code_is_unchanged(name, source, arch, tmp_path):
     current = current_cubins(stage, source, arch)
     based = compile_each_in(base, relative, arch, variants(stage))
     for defines, base_cubin in zip(variants(stage), based):
-        befores = [sass.machine_code(base_cubin)]
-        if sass.code_digest(current[variant_key(defines)]) == sass.digest_of(befores[0]):
+        current_cubin = current[variant_key(defines)]
+        if sass.code_digest(current_cubin) == sass.code_digest(base_cubin):
             continue  # the same machine code, kernel for kernel
-        afters = [sass.machine_code(current[variant_key(defines)])]
+        befores, afters = [sass.machine_code(base_cubin)], [sass.machine_code(current_cubin)]
         for draw in range(FRESH_COMPILES):
             if any(unchanged(a, b) for a in afters for b in befores):
                 break
