@@ -6,7 +6,8 @@ the compiles run side by side (stage 12's 16 variants: 11.8 s one after the othe
 on a 2-core CPU, on 2026-11-27), and make the same cubins as one after the other. The cubins land in the
 compile cache (stages/common/compiler.py), where later compile_cubin calls find them. A job that fails is
 returned, not raised: the caller says it, in its words. Processes that share the cache (the tests, run on
-every core) compile a job one at a time: the second waits for the first's cubin (a lock file per job).
+every core) compile a job one at a time: the second waits for the first's cubin, and its SASS where it is
+made (a lock file per job).
 
 Each cubin's SASS instruction mix (grader/sass.py), which every grade reports, and the digest of its
 machine code, which a record's runs digest is made of, are made here too, where the caller reads them
@@ -36,24 +37,31 @@ def _compile(job: tuple, with_sass: bool = False) -> tuple:
     from stages.common.compiler import compile_cubin
 
     start = time.perf_counter()
-    try:
-        with _one_at_a_time(job):
-            cubin = compile_cubin(*job)
-    except Exception as failure:  # the caller says it, in its words
-        return failure, time.perf_counter() - start
-    if with_sass:
+    # The SASS is made under the job's lock too: a process that waited for another's compile then finds its SASS
+    # mix and digest kept, rather than running nvdisasm on the same cubin beside it.
+    with _one_at_a_time(job):
         try:
-            sass.instruction_mix(cubin.path)  # both kept beside the cubin, where the grade's own calls find them
-            sass.code_digest(cubin)
-        except (OSError, RuntimeError, subprocess.CalledProcessError):
-            pass  # no nvdisasm here, or it failed: the grade's own call says so, in its words
+            cubin = compile_cubin(*job)
+        except Exception as failure:  # the caller says it, in its words
+            return failure, time.perf_counter() - start
+        if with_sass:
+            _make_sass(cubin)
     return cubin, time.perf_counter() - start
+
+
+def _make_sass(cubin) -> None:
+    """The cubin's SASS mix and machine-code digest, kept beside it, where the grade's own calls find them."""
+    try:
+        sass.instruction_mix(cubin.path)
+        sass.code_digest(cubin)
+    except (OSError, RuntimeError, subprocess.CalledProcessError):
+        pass  # no nvdisasm here, or it failed: the grade's own call says so, in its words
 
 
 @contextlib.contextmanager
 def _one_at_a_time(job: tuple):
-    """Held while a job compiles: a lock file (empty, left there) named by the job, under the compile cache, so
-    that processes sharing the cache compile it once (the second then finds the first's cubin). Without fcntl
+    """Held while a job compiles and its SASS is made: a lock file (empty, left there) named by the job, under the
+    compile cache, so that processes sharing the cache do each once (the second then finds the first's). Without fcntl
     (not Linux or macOS), no lock."""
     from stages.common import compiler
 

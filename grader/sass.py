@@ -66,15 +66,18 @@ def instruction_mix(cubin: Path) -> dict[str, Counter]:
 
 
 def code_digest(cubin) -> str:
-    """The sha256 of a Cubin's machine code: each kernel's SASS (kernel_code) and ptxas's resources for it.
-    Two cubins with one digest run the same instructions with the same registers and shared memory,
-    whatever the comments and the layout of the sources they came from. Kept beside the cubin
-    (<key>.code<N>.json), as its instruction mix is; N, CODE_FORMAT, changes with kernel_code."""
+    """The sha256 of a Cubin's machine_code. Two cubins with one digest run the same instructions with the same
+    registers and shared memory, whatever the comments and the layout of the sources they came from. Kept
+    beside the cubin (<key>.code<N>.json), as its instruction mix is; N, CODE_FORMAT, changes with kernel_code."""
     def digest():
-        code = {"sass": kernel_code(disassemble(cubin.path)), "resources": resources(cubin.ptxas_log)}
-        return hashlib.sha256(json.dumps(code, sort_keys=True).encode()).hexdigest()
+        return hashlib.sha256(json.dumps(machine_code(cubin), sort_keys=True).encode()).hexdigest()
 
     return kept_beside(cubin.path, f".code{CODE_FORMAT}.json", digest)
+
+
+def machine_code(cubin) -> dict:
+    """{"sass": {kernel: its SASS (kernel_code)}, "resources": ptxas's, per kernel} of a Cubin."""
+    return {"sass": kernel_code(disassemble(cubin.path)), "resources": resources(cubin.ptxas_log)}
 
 
 def kept_beside(cubin: Path, suffix: str, make):

@@ -85,6 +85,25 @@ def kernel_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("kernels")
 
 
+def kept_copy(kernel: Path) -> Path:
+    """A copy of `kernel` in a folder beside the compile cache named by its bytes' digest, written once: the same
+    kernel at the same path in every test session, where its compile is found in the cache (whose key holds the
+    path) rather than made again for a new temporary file. Named by its bytes, a copy is never rewritten, so
+    sessions of other trees sharing the cache do not race on it."""
+    import hashlib
+
+    from stages.common import compiler
+
+    data = kernel.read_bytes()
+    copy = compiler.CACHE_DIR.parent / "kernels" / hashlib.sha256(data).hexdigest()[:24] / kernel.name
+    if not copy.is_file():
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        partial = copy.with_name(f"{copy.name}.tmp{os.getpid()}")
+        partial.write_bytes(data)
+        partial.replace(copy)  # atomic: a parallel session reads the whole file or none
+    return copy
+
+
 @pytest.fixture(scope="session", autouse=True)
 def compiled_up_front(request):
     """Where GPU tests run, every kernel they compile, compiled first over all CPU cores (gpu_kernels.py):

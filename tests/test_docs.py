@@ -961,8 +961,11 @@ def missing(reason: str):
     pytest.skip(reason)
 
 
-@pytest.fixture
-def browser(tmp_path):
+@pytest.fixture(scope="module")
+def chromium(tmp_path_factory):
+    """One headless Chromium for the module's browser tests. Nothing of a test's pages reaches the next: each
+    test serves its site on a port of its own, another origin (its storage, its cache), and `browser` sets the
+    window's size."""
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     driver_path = shutil.which("chromedriver")
     if not chromium or not driver_path:
@@ -974,18 +977,50 @@ def browser(tmp_path):
         missing("selenium is not installed: pip install 'selenium>=4.20'")
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
-    for flag in CHROMIUM_FLAGS + [f"--user-data-dir={tmp_path / 'profile'}"]:
+    for flag in CHROMIUM_FLAGS + [f"--user-data-dir={tmp_path_factory.mktemp('chromium') / 'profile'}"]:
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
     yield driver
     driver.quit()
 
 
+@pytest.fixture
+def browser(chromium):
+    """The module's Chromium, at the size CHROMIUM_FLAGS gives it."""
+    chromium.set_window_size(1400, 1000)
+    return chromium
+
+
+# Material's search builds its index of the whole site (the lessons' text, 1.3 MB) in a worker on every page
+# load: half of Chromium's CPU time in these tests (254 s with the whole index on every page, 130 s without,
+# on a 2-core CPU), for a search box only test_pages_in_a_browser types in. The index feeds the search's
+# results alone, which show once a query is typed; the other tests' pages get an index of no page, in the
+# site's own form (an index that does not load stops Material's scripts: its linked tabs no longer switch).
+SEARCH_INDEX = "/search/search_index.json"
+
+
+def an_index_of_no_page(folder: Path) -> bytes:
+    index = json.loads((folder / SEARCH_INDEX.lstrip("/")).read_text())
+    return json.dumps(dict(index, docs=[])).encode()
+
+
 @contextlib.contextmanager
-def serve(folder: Path):
+def serve(folder: Path, search: bool = False):
+    """The built site at `folder`, on a port of its own; without `search`, its search index of no page."""
+    empty_index = None if search else an_index_of_no_page(folder)
+
     class Quiet(SimpleHTTPRequestHandler):
         def log_message(self, *args):
             pass
+
+        def do_GET(self):
+            if empty_index is None or self.path.split("?")[0] != SEARCH_INDEX:
+                return super().do_GET()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(empty_index)))
+            self.end_headers()
+            self.wfile.write(empty_index)
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(folder)))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -1004,22 +1039,28 @@ def served(fake_site):
 
 
 @pytest.fixture
+def served_with_search(fake_site):
+    with serve(fake_site, search=True) as url:
+        yield url
+
+
+@pytest.fixture
 def served_site(site):
     with serve(site) as url:
         yield url
 
 
 @pytest.mark.browser
-def test_pages_in_a_browser(browser, served):
+def test_pages_in_a_browser(browser, served_with_search):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    browser.get(served + "/")
+    browser.get(served_with_search + "/")
     bars = browser.find_elements(By.CSS_SELECTOR, "svg.fm-ladder rect")
     assert bars and bars[0].size["height"] > 0, "the ladder chart is missing or not drawn"
 
     if STAGE_DIRS:
-        browser.get(f"{served}/{stage_page(STAGE_DIRS[0])}/")
+        browser.get(f"{served_with_search}/{stage_page(STAGE_DIRS[0])}/")
         code = " ".join(block.text for block in browser.find_elements(By.CSS_SELECTOR, ".highlight code"))
         assert "__global__" in code, "no kernel code rendered from the snippets"
         diagrams = browser.find_elements(By.CSS_SELECTOR, "svg.fm-diagram")

@@ -140,3 +140,24 @@ def test_one_kernel_compiled_twice_at_once_is_compiled_once(tmp_path, monkeypatc
     kernel.write_text('extern "C" __global__ void k(float* x) { x[0] = 1.0f; }')
     found = compile_each([(kernel, "sm_80", {"N": "1"}, "")] * 2, threads=2)
     assert len(made) == 1 and found[0][0].path == found[1][0].path and found[0][0].path.is_file()
+
+
+def test_one_kernels_sass_asked_twice_at_once_is_made_once(tmp_path, monkeypatch):
+    """As its compile: the second call waits for the first's SASS mix and digest, kept beside the cubin, instead
+    of running nvdisasm on the same cubin beside it."""
+    from grader.parallel_compile import compile_each
+    from stages.common import compiler
+
+    monkeypatch.setattr(compiler, "CACHE_DIR", tmp_path / "cache" / "cubin")
+    real, listed = sass.disassemble, []
+
+    def counted(path):
+        listed.append(Path(path))
+        time.sleep(0.5)  # long enough for the other call to arrive while this one disassembles
+        return real(path)
+
+    monkeypatch.setattr(sass, "disassemble", counted)
+    kernel = tmp_path / "k.cu"
+    kernel.write_text('extern "C" __global__ void k(float* x) { x[0] = 1.0f; }')
+    found = compile_each([(kernel, "sm_80", {"N": "1"}, "")] * 2, threads=2, with_sass=True)
+    assert listed == [found[0][0].path] * 2  # the first call's mix and digest; the second found both kept
