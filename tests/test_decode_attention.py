@@ -52,6 +52,16 @@ def test_the_reference_is_attention_over_each_sequences_own_pages(case):
     assert torch.allclose(exact["lse"], plain["lse"], rtol=1e-13, atol=1e-12)
 
 
+@pytest.mark.parametrize("case", SMALL[:8], ids=[c.name for c in SMALL[:8]])
+def test_every_baseline_computes_the_problem_the_paged_ones_from_the_pages(case):
+    inputs = {**inputs_of(case), **{n: inputs_of(case)[n].float() for n in ("q", "k_cache", "v_cache")}}
+    exact = PROBLEM.reference(inputs)["o"]
+    found = PROBLEM.baselines(inputs)
+    assert {"math", "paged math", "naive"} <= set(found)
+    for name, run in found.items():
+        assert torch.allclose(run().double(), exact, rtol=0, atol=1e-5), name
+
+
 def test_the_cases_cover_what_a_decode_kernel_meets():
     shapes = [c.shape for c in CASES]
     assert any(s["S"] == 1 for s in shapes) and any(s["S"] == s["Sq"] > 1 for s in shapes)  # the shortest caches
