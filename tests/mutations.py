@@ -72,8 +72,8 @@ MUTATIONS = {
                                                                    "const bool partial = t >= full + 1;"),),
                                                       None),
     # RoPE turned the wrong way (by -p·θ): attention sees the keys' positions mirrored
-    "rope_turned_backwards": Mutation("stage10", (("n0 = to_float(n.e[0]), n1 = to_float(n.e[1]);",
-                                                   "n0 = -to_float(n.e[0]), n1 = -to_float(n.e[1]);"),), "S128|S333"),
+    "rope_turned_backwards": Mutation("stage10", (("nj = to_float(n.e[j]);", "nj = -to_float(n.e[j]);"),),
+                                      "S128|S333"),
     # the last row of a source rank's bucket taken from the next rank's: a token's result goes back to
     # another rank's token. A world of one has one rank: tests/test_gpu.py runs the kernel on many.
     "row_from_wrong_rank": Mutation("stage11", (("while (b.before[s * experts + e] + b.count[s * experts + e] <= p) ++s;",

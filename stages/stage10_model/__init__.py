@@ -17,7 +17,7 @@ from reference.model import rope_cos_sin
 from stages import OPS_STAGES, Goal, Stage
 
 VECTOR = 8            # model.cu: the elements a thread of add_rmsnorm or swiglu moves at once (16 bytes)
-ROPE_THREADS = 256    # rope_split: one block per token
+ROPE_THREADS = 256    # rope_split: a thread per VECTOR pairs of a query or key head
 SWIGLU_THREADS = 256  # swiglu: a thread per VECTOR columns
 
 
@@ -31,10 +31,14 @@ def add_rmsnorm(kernels, h, delta, weight, normed, eps):
 
 
 def rope_split(kernels, qkv, cos, sin, batch, seq, heads, kv_heads, head_dim):
-    """qkv [tokens, (H + 2·KV)·D] -> q [B, H, S, D] and k [B, KV, S, D] turned by RoPE, v [B, KV, S, D]."""
+    """qkv [tokens, (H + 2·KV)·D] -> q [B, H, S, D] and k [B, KV, S, D] turned by RoPE, and v [B, KV, S, D]: a
+    view of qkv's value columns (the attention takes any strides with D contiguous), not a copy."""
     q = qkv.new_empty(batch, heads, seq, head_dim)
-    k, v = (qkv.new_empty(batch, kv_heads, seq, head_dim) for _ in "kv")
-    kernels.rope_split((batch * seq,), (ROPE_THREADS,), qkv, cos, sin, q, k, v, seq, heads, kv_heads)
+    k = qkv.new_empty(batch, kv_heads, seq, head_dim)
+    items = batch * seq * (heads + kv_heads) * head_dim // (2 * VECTOR)  # VECTOR pairs of a turned head each
+    kernels.rope_split((-(-items // ROPE_THREADS),), (ROPE_THREADS,), qkv, cos, sin, q, k, seq, heads, kv_heads,
+                       items)
+    v = qkv.view(batch, seq, heads + 2 * kv_heads, head_dim)[:, :, heads + kv_heads:].transpose(1, 2)
     return q, k, v
 
 
@@ -127,7 +131,7 @@ STAGE = Stage(
     problem="model",
     source="model.cu",
     kernels={"add_rmsnorm": "elem_t*, const elem_t*, const elem_t*, elem_t*, int, float",
-             "rope_split": "const elem_t*, const elem_t*, const elem_t*, elem_t*, elem_t*, elem_t*, int, int, int",
+             "rope_split": "const elem_t*, const elem_t*, const elem_t*, elem_t*, elem_t*, int, int, int, long long",
              "swiglu": "const elem_t*, elem_t*, int, long long"},
     launch=launch,
     specializations={"HEAD_DIM": "D"},

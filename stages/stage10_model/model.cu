@@ -15,17 +15,14 @@
 // compiled in (the grader passes the model's head dimension).
 #include "attention.cuh"
 
-#define ROPE_THREADS 256  // one block per token
+#define ROPE_THREADS 256  // a thread per VECTOR pairs of a query or key head
 #define SWIGLU_THREADS 256
-#define VECTOR 8          // elements a thread of add_rmsnorm or swiglu moves at once: 16 bytes
+#define VECTOR 8          // elements a thread moves at once: 16 bytes
 
-// N neighbouring elements, moved as one access of 2·N bytes (VECTOR of them: one 16-byte load or store).
-template <int N>
-struct __align__(2 * N) Elements {
-    elem_t e[N];
+// VECTOR neighbouring elements, moved as one 16-byte load or store.
+struct __align__(2 * VECTOR) Vector {
+    elem_t e[VECTOR];
 };
-typedef Elements<2> Pair;
-typedef Elements<VECTOR> Vector;
 
 // --8<-- [start:add_rmsnorm]
 // A pre-norm layer ends each branch with h = h + delta and starts the next with a = RMSNorm(h) · weight:
@@ -91,42 +88,39 @@ add_rmsnorm(elem_t* h, const elem_t* delta, const elem_t* weight, elem_t* normed
 
 // --8<-- [start:rope_split]
 // qkv [tokens, (H + 2·KV)·D], the fused projection's output (H query heads, then KV key heads, then KV
-// value heads) -> q [B, H, S, D], k and v [B, KV, S, D], the attention's layout, with RoPE on q and k.
+// value heads) -> q [B, H, S, D] and k [B, KV, S, D], the attention's layout, turned by RoPE. The values
+// are not moved: the attention reads them where they lie (a strided view of qkv).
 // RoPE, Hugging Face's rotate-half form: for i < D/2, the pair (x_i, x_{i+D/2}) turns by the angle of
-// position s and frequency i, so a thread handles element i and its partner i + D/2 together:
+// position s and frequency i, so a thread handles elements i and their partners i + D/2 together:
 //     out_i       = x_i · cos − x_{i+D/2} · sin        out_{i+D/2} = x_{i+D/2} · cos + x_i · sin
-// cos and sin [S, D] are the library's tables (rounded to elem_t; both halves equal). A thread takes two
-// neighbouring i (32-bit loads and stores); one block per token.
+// cos and sin [S, D] are the library's tables (rounded to elem_t; both halves equal). A thread takes VECTOR
+// neighbouring i (16-byte loads and stores), over one flat grid of every token's query and key heads:
+// a short prompt's few tokens still fill the GPU.
 extern "C" __global__ void __launch_bounds__(ROPE_THREADS)
 rope_split(const elem_t* __restrict__ qkv, const elem_t* __restrict__ cos, const elem_t* __restrict__ sin,
-           elem_t* __restrict__ q, elem_t* __restrict__ k, elem_t* __restrict__ v, int seq, int heads, int kv_heads) {
-    constexpr int HALF = HEAD_DIM / 2, PAIRS = HALF / 2;  // thread work items per head
-    const int token = blockIdx.x, b = token / seq, s = token % seq;
-    const int all_heads = heads + 2 * kv_heads;
-    const elem_t* row = qkv + (long long)token * all_heads * HEAD_DIM;
-    for (int item = threadIdx.x; item < all_heads * PAIRS; item += blockDim.x) {
-        const int head = item / PAIRS, i = 2 * (item % PAIRS);
-        const Pair x1 = *reinterpret_cast<const Pair*>(row + head * HEAD_DIM + i);
-        const Pair x2 = *reinterpret_cast<const Pair*>(row + head * HEAD_DIM + i + HALF);
-        elem_t* to;
-        if (head < heads) {
-            to = q + (((long long)b * heads + head) * seq + s) * HEAD_DIM;
-        } else if (head < heads + kv_heads) {
-            to = k + (((long long)b * kv_heads + head - heads) * seq + s) * HEAD_DIM;
-        } else {  // values: moved, not turned
-            to = v + (((long long)b * kv_heads + head - heads - kv_heads) * seq + s) * HEAD_DIM;
-            *reinterpret_cast<Pair*>(to + i) = x1;
-            *reinterpret_cast<Pair*>(to + i + HALF) = x2;
-            continue;
-        }
-        const Pair c = *reinterpret_cast<const Pair*>(cos + s * HEAD_DIM + i);
-        const Pair n = *reinterpret_cast<const Pair*>(sin + s * HEAD_DIM + i);
-        const float c0 = to_float(c.e[0]), c1 = to_float(c.e[1]), n0 = to_float(n.e[0]), n1 = to_float(n.e[1]);
-        const float a0 = to_float(x1.e[0]), a1 = to_float(x1.e[1]), b0 = to_float(x2.e[0]), b1 = to_float(x2.e[1]);
-        *reinterpret_cast<Pair*>(to + i) = Pair{{from_float<elem_t>(a0 * c0 - b0 * n0), from_float<elem_t>(a1 * c1 - b1 * n1)}};
-        *reinterpret_cast<Pair*>(to + i + HALF) =
-            Pair{{from_float<elem_t>(b0 * c0 + a0 * n0), from_float<elem_t>(b1 * c1 + a1 * n1)}};
+           elem_t* __restrict__ q, elem_t* __restrict__ k, int seq, int heads, int kv_heads, long long items) {
+    constexpr int HALF = HEAD_DIM / 2, VECTORS = HALF / VECTOR;  // a head's work items
+    const long long item = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (item >= items) return;
+    const int turned = heads + kv_heads;  // the heads RoPE turns: the queries', then the keys'
+    const long long token = item / (turned * VECTORS);
+    const int rest = (int)(item % (turned * VECTORS)), head = rest / VECTORS, i = VECTOR * (rest % VECTORS);
+    const int b = (int)(token / seq), s = (int)(token % seq);
+    const elem_t* x = qkv + (token * (turned + kv_heads) + head) * HEAD_DIM + i;
+    elem_t* to = head < heads ? q + (((long long)b * heads + head) * seq + s) * HEAD_DIM + i
+                              : k + (((long long)b * kv_heads + head - heads) * seq + s) * HEAD_DIM + i;
+    const Vector x1 = *reinterpret_cast<const Vector*>(x), x2 = *reinterpret_cast<const Vector*>(x + HALF);
+    const Vector c = *reinterpret_cast<const Vector*>(cos + s * HEAD_DIM + i);
+    const Vector n = *reinterpret_cast<const Vector*>(sin + s * HEAD_DIM + i);
+    Vector out1, out2;
+#pragma unroll
+    for (int j = 0; j < VECTOR; ++j) {
+        const float a = to_float(x1.e[j]), b2 = to_float(x2.e[j]), cj = to_float(c.e[j]), nj = to_float(n.e[j]);
+        out1.e[j] = from_float<elem_t>(a * cj - b2 * nj);
+        out2.e[j] = from_float<elem_t>(b2 * cj + a * nj);
     }
+    *reinterpret_cast<Vector*>(to) = out1;
+    *reinterpret_cast<Vector*>(to + HALF) = out2;
 }
 // --8<-- [end:rope_split]
 
