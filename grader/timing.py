@@ -22,10 +22,14 @@ holds the GPU at its power limit for tens of milliseconds (a whole model's forwa
 for what runs right after it; and in a fixed order of turns each candidate always follows the same
 one, so one that follows light work (eager PyTorch) would be timed at higher clocks than one that
 follows heavy work, every round. After the rest each starts from the same state, whatever ran before.
+The rest does not undo everything: a CUDA graph replayed right after another CUDA graph runs slower
+(0.1 ms of a 1.5 ms forward, measured) than after other work. So past its first, a round's order is
+shuffled (the same shuffles every run): each candidate follows each other about equally often.
 """
 from __future__ import annotations
 
 import math
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -132,10 +136,10 @@ def time_side_by_side(candidates: dict, l2_bytes: int, budget_s: float = 4.0, ta
 
     times = {name: [] for name in candidates}
     deadline = time.perf_counter() + budget_s
-    order = list(candidates)
+    names, shuffles = list(candidates), random.Random(0)
     while True:
         pending = []
-        order = order[1:] + order[:1]  # each candidate takes its turn to go first after the hold
+        order = round_order(names, len(times[names[0]]), shuffles)
         # Twice the last round's host time (the host queues this round before the GPU reaches it), and
         # at least the rest the last round's work calls for.
         gpu.hold(max(2.0 * host_round_ms + 0.05, *last_ms.values()))
@@ -153,6 +157,15 @@ def time_side_by_side(candidates: dict, l2_bytes: int, budget_s: float = 4.0, ta
         if enough(times, time.perf_counter() > deadline, target_rel, max_reps):
             break
     return {name: _summary(t) for name, t in times.items()}
+
+
+def round_order(names: list[str], round_index: int, shuffles: random.Random) -> list[str]:
+    """Round `round_index`'s order: each candidate takes its turn to go first after the hold, the others
+    after it in a shuffled order, so that none always follows the same one."""
+    first = names[(round_index + 1) % len(names)]
+    rest = [name for name in names if name != first]
+    shuffles.shuffle(rest)
+    return [first, *rest]
 
 
 def extra_memory(run) -> int:

@@ -1,8 +1,10 @@
 """The timing loop's stopping rule (grader/timing.py's `enough`): whole turns only, every candidate's
-median settled (its 95% interval from the order statistics within 1%), or the budget spent."""
+median settled (its 95% interval from the order statistics within 1%), or the budget spent; and its
+rounds' order (`round_order`)."""
+import collections
 import random
 
-from grader.timing import enough, median_interval, median_settled
+from grader.timing import enough, median_interval, median_settled, round_order
 
 STEADY, NOISY = [1.0] * 12, [1.0, 2.0] * 6  # 12 rounds: every time alike; half of them twice as long
 # Mostly 1.0 within 0.2%, with every fifth run a slow outlier: the mean's standard error stays near 10%,
@@ -48,3 +50,12 @@ def test_too_few_runs_to_settle_and_three_past_the_deadline():
 
 def test_max_reps_ends_it_whatever_the_turn():
     assert enough(rounds(7, NOISY, NOISY, NOISY), past_deadline=False, target_rel=0.01, max_reps=7)
+
+
+def test_each_candidate_goes_first_in_turn_and_follows_every_other_about_equally_often():
+    names, shuffles = [f"c{i}" for i in range(5)], random.Random(0)
+    orders = [round_order(names, r, shuffles) for r in range(200)]
+    assert all(sorted(order) == names for order in orders)
+    assert [order[0] for order in orders[:10]] == names[1:] + names + names[:1]  # a whole turn: each first once
+    follows = collections.Counter((order[i - 1], order[i]) for order in orders for i in range(1, len(order)))
+    assert len(follows) == 20 and min(follows.values()) > 0.6 * max(follows.values())  # every ordered pair
