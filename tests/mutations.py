@@ -105,6 +105,38 @@ MUTATIONS = {
     # in-process on the GPU: tests/test_moe_backward_stage.py
     "moe_backward_topk_term_unweighted": Mutation("stage14", (("const double term = w[j] * (g[j] - weighted);",
                                                                "const double term = g[j] - weighted;"),), None),
+    # stage 15's combine weighs every split that saw a key alike, without exp(lse_s - max): O is the plain mean
+    # of the splits' O, and LSE = max + log(their count). The last new token of sequence 0 sees all its S keys:
+    # with S >= 100 they span 2 splits or more (split_keys, on any GPU of 48 SMs or more), whose LSEs differ;
+    # with S <= 50 one split (64 keys or more) holds them, and nothing changes
+    "decode_combine_unweighted": Mutation("stage15", (("const float w = lses[s] == -INFINITY ? 0.0f : exp2f((lses[s] - m) * LOG2E);",
+                                                       "const float w = lses[s] == -INFINITY ? 0.0f : 1.0f;"),),
+                                          r"S\d{3}"),
+    # stage 15's merge of a split's warps weighs each warp that saw a key alike, its sum and O taken against
+    # its own max: wrong wherever a row sees keys of two warps (16 keys each) of one split: the last new token
+    # of sequence 0 sees keys 0-15 (warp 0) and 16 on (warp 1) of its first split wherever S >= 17 (40 and
+    # more here; S = 1 and 3 fill part of warp 0's keys)
+    "decode_warps_merged_unweighted": Mutation("stage15", (("return merged_max == -INFINITY ? 0.0f : fast_exp2((warp_max - merged_max) * scale_log2);",
+                                                            "return warp_max == -INFINITY ? 0.0f : 1.0f;"),),
+                                               r"S\d\d"),
+    # stage 15 reads every key from its sequence's first page (its slot key % page_size): right while a
+    # sequence fits in one page; wrong wherever sequence 0's S keys outgrow it (every case with S >= 40, its
+    # pages of 1 to 64 tokens; S = 1 and 3 fit in their pages of 16 and 64). Page 0 always exists: no stray read
+    "decode_first_page_only": Mutation("stage15", (("return pages[page] * page_size + (key - page * page_size);",
+                                                    "return pages[0] * page_size + (key - page * page_size);"),),
+                                       r"S\d\d"),
+    # stage 15's causal rule among the new tokens off by one: new token i also sees new token i + 1 (the
+    # last sees no more: key_end stops it). With Sq = 1 it changes nothing; with Sq > 1 the last sequence
+    # (Sq keys, the ragged cases) or the only one (S = Sq) has token 0 see 2 keys instead of 1
+    "decode_causal_off_by_one": Mutation("stage15", (("if (key >= key_end || key > position[c / 2]) s[n][c] = -INFINITY;",
+                                                      "if (key >= key_end || key > position[c / 2] + 1) s[n][c] = -INFINITY;"),),
+                                         r"Sq[2-8]"),
+    # stage 15's block reads KV head h % H_kv of its first query head h = kv_head · group (an interleaved
+    # head layout's mapping) instead of h / group = kv_head: the same where H_kv = 1 or H_kv = H; where
+    # 1 < H_kv < H, KV head 1's group reads KV head group % H_kv, not 1 (group = 2, 4 or 8 here)
+    "decode_kv_head_interleaved": Mutation("stage15", (("kv_heads, kv_head, key_row0, lane);",
+                                                        "kv_heads, kv_head * group % kv_heads, key_row0, lane);"),),
+                                           r"Hkv[2-9]"),
     # a write far outside any buffer: an illegal address
     "crash": Mutation("stage0", (("    __syncthreads();\n\n    float dot",
                                   "    __syncthreads();\n    scores[(size_t)1 << 40] = 1.0f;\n\n    float dot"),), None),
