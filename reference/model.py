@@ -484,62 +484,82 @@ def grouped_mm_runs(inputs: dict) -> bool:
 
 def transformers_output(inputs: dict, attn_implementation: str = "sdpa") -> torch.Tensor | None:
     """The last hidden state of Hugging Face's LlamaModel (dense) or MixtralModel (MoE) with these weights on
-    x (`inputs_embeds`), in the inputs' dtype; None where `transformers` is not installed. The model is built
-    on the meta device and given the inputs' tensors (transposed views copied: nn.Linear's [out, in]), its
-    rotary embeddings rebuilt on x's device; the inverse frequencies are checked against ours. Written for
-    transformers 4.4x and 5.x (Mixtral's experts as a list of w1/w2/w3 Linears or as fused gate_up_proj and
-    down_proj tensors): an unknown layout raises."""
+    x (`inputs_embeds`), in the inputs' dtype; None where `transformers` is not installed (transformers_model
+    builds the model)."""
     try:
-        import transformers
+        import transformers  # noqa: F401
     except ImportError:
         return None
-    config, x = inputs["config"], inputs["x"]
+    model = transformers_model(weights_of(inputs), inputs["config"], attn_implementation)
+    with torch.no_grad():
+        return model(inputs_embeds=inputs["x"]).last_hidden_state
+
+
+def transformers_model(weights: dict, config: dict, attn_implementation: str = "sdpa"):
+    """Hugging Face's LlamaModel (dense) or MixtralModel (MoE) with these weights (`config`: the model's
+    dimensions and S), in eval mode; with an "embedding" [vocab, hidden] and an "lm_head" [hidden, vocab]
+    among the weights, LlamaForCausalLM or MixtralForCausalLM (untied: each its own), with no BOS, EOS or
+    padding token, so that generate stops only at its length. The model is built on the meta device and given
+    the weights' tensors (transposed views copied: nn.Linear's [out, in]), its rotary embeddings rebuilt on
+    the weights' device; the inverse frequencies are checked against ours. Written for transformers 4.4x and
+    5.x (Mixtral's experts as a list of w1/w2/w3 Linears or as fused gate_up_proj and down_proj tensors): an
+    unknown layout raises. ImportError where transformers is not installed."""
+    import transformers
+
     L, h, H, KV, I, E = (config[k] for k in ("layers", "hidden", "heads", "kv_heads", "inter", "experts"))
     D = h // H
+    device = weights["norm"].device
+    causal_lm = "lm_head" in weights
     common = dict(hidden_size=h, intermediate_size=I, num_hidden_layers=L, num_attention_heads=H,
                   num_key_value_heads=KV, head_dim=D, rms_norm_eps=config["eps"], rope_theta=config["rope_theta"],
-                  vocab_size=32, max_position_embeddings=max(4096, config["S"]), tie_word_embeddings=False,
+                  vocab_size=weights["lm_head"].shape[1] if causal_lm else 32,
+                  max_position_embeddings=max(4096, config["S"]), tie_word_embeddings=False,
                   attn_implementation=attn_implementation)
+    if causal_lm:
+        common.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if E:
         hf_config = transformers.MixtralConfig(num_local_experts=E, num_experts_per_tok=config["top_k"],
                                                sliding_window=None, **common)
-        model_class = transformers.MixtralModel
+        model_class = transformers.MixtralForCausalLM if causal_lm else transformers.MixtralModel
     else:
         hf_config = transformers.LlamaConfig(attention_bias=False, mlp_bias=False, **common)
-        model_class = transformers.LlamaModel
+        model_class = transformers.LlamaForCausalLM if causal_lm else transformers.LlamaModel
     if hasattr(hf_config, "rope_parameters"):  # transformers 5: the theta lives here
         hf_config.rope_parameters = {"rope_type": "default", "rope_theta": config["rope_theta"]}
     with torch.device("meta"):
         model = model_class(hf_config)
-    state = _hf_state_dict(inputs, model.state_dict())
+    state = _hf_state_dict(weights, config, model.state_dict())
     model.load_state_dict(state, strict=True, assign=True)
     for name, module in list(model.named_modules()):
         if type(module).__name__.endswith("RotaryEmbedding"):
             parent, _, attr = name.rpartition(".")
-            rebuilt = type(module)(config=hf_config, device=x.device)
+            rebuilt = type(module)(config=hf_config, device=device)
             setattr(model.get_submodule(parent) if parent else model, attr, rebuilt)
-            ours = inv_freq(D, config["rope_theta"], torch.float32, x.device)
+            ours = inv_freq(D, config["rope_theta"], torch.float32, device)
             if not torch.allclose(rebuilt.inv_freq.float(), ours, rtol=1e-6):
                 raise ValueError(f"{name}: transformers' RoPE frequencies differ from ours (theta not taken?)")
-    model.eval()
-    with torch.no_grad():
-        return model(inputs_embeds=x).last_hidden_state
+    return model.eval()
 
 
-def _hf_state_dict(inputs: dict, wanted: dict) -> dict:
-    """Hugging Face's parameter names -> our weights in their layout, for every key of `wanted`."""
-    config = inputs["config"]
+def _hf_state_dict(inputs: dict, config: dict, wanted: dict) -> dict:
+    """Hugging Face's parameter names -> our weights (`inputs`: the weights by our names, with "embedding" and
+    "lm_head" for a causal LM) in their layout, for every key of `wanted` (a causal LM's decoder keys under
+    "model.")."""
     H, KV, I, hidden = config["heads"], config["kv_heads"], config["inter"], config["hidden"]
     D = hidden // H
     dense = lambda t: t.t().contiguous()  # noqa: E731  [in, out] -> nn.Linear's [out, in]
     state = {}
     for key, meta in wanted.items():
-        parts = key.split(".")
-        if key == "norm.weight":
+        parts = key.removeprefix("model.").split(".")
+        if parts == ["norm", "weight"]:
             state[key] = inputs["norm"]
             continue
-        if key == "embed_tokens.weight":  # never read: the model is given inputs_embeds
-            state[key] = torch.zeros(meta.shape, dtype=inputs["x"].dtype, device=inputs["x"].device)
+        if key == "lm_head.weight":
+            state[key] = dense(inputs["lm_head"])
+            continue
+        if parts == ["embed_tokens", "weight"]:  # a decoder given inputs_embeds never reads it
+            state[key] = inputs["embedding"] if "embedding" in inputs else \
+                torch.zeros(meta.shape, dtype=inputs["norm"].dtype, device=inputs["norm"].device)
             continue
         if parts[0] != "layers":
             raise ValueError(f"no weight of ours for transformers' {key}")

@@ -58,10 +58,20 @@ def check_widths(config) -> None:
                          f"got hidden {hidden}, inter {inter}")
 
 
-def forward(kernels, x, weights, config, out, rope):
+def causal_attention(layer, q, k, v):
+    """The prefill's attention: q [B, H, S, D] over k and v [B, KV, S, D] of the same S tokens, causal, by
+    ops.attention, whose output lies in memory as [B, S, H, D]. (`layer`: which layer asks; unused here.)"""
+    from stages import ops  # the course's attention as an op (compiled on first use)
+
+    return ops.attention(q, k, v, causal=True, scale=1.0 / math.sqrt(q.shape[-1]))
+
+
+def forward(kernels, x, weights, config, out, rope, attend=causal_attention):
     """The model, launch by launch on the current stream: what the CUDA graph captures. `rope`: RoPE's (cos,
-    sin) tables for x's positions (rope_tables), made once outside the graph: they depend on no input."""
-    from stages import ops  # the course's attention and MoE layer as ops (compiled on first use)
+    sin) tables for x's positions (rope_tables), made once outside the graph: they depend on no input.
+    attend(layer, q, k, v): each layer's attention of q [B, H, S, D] (RoPE turned) given its k, v [B, KV, S, D],
+    returning o [B, H, S, D]; a generator's attend keeps k and v in its KV cache and attends over that."""
+    from stages import ops  # the course's MoE layer as an op (compiled on first use)
 
     L, H, KV, I, E = (config[k] for k in ("layers", "heads", "kv_heads", "inter", "experts"))
     B, S, hidden = x.shape
@@ -73,7 +83,7 @@ def forward(kernels, x, weights, config, out, rope):
     for l in range(L):
         add_rmsnorm(kernels, h, delta, weights["attn_norm"][l], normed, eps)
         q, k, v = rope_split(kernels, normed @ weights["wqkv"][l], cos, sin, B, S, H, KV, D)
-        o = ops.attention(q, k, v, causal=True, scale=1.0 / math.sqrt(D))  # o's memory: [B, S, H, D]
+        o = attend(l, q, k, v)  # ops.attention's o lies in memory as [B, S, H, D]; decode's S is 1
         # h += o·Wo in cuBLAS's epilogue (beta = 1): the product never goes to memory on its own
         h.addmm_(o.transpose(1, 2).reshape(T, H * D), weights["wo"][l])  # the reshape is a view: no copy
         add_rmsnorm(kernels, h, None, weights["mlp_norm"][l], normed, eps)
@@ -113,17 +123,25 @@ def launch(kernels, x, weights, config, out):
         pool = _captured.get("pool") or torch.cuda.MemPool()  # lives as long as this module holds it
         _captured.clear()
         rope = rope_tables(x, config)  # read by the graph at these addresses: kept with it
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # the warm-up: compiles and loads every kernel outside the capture
-            forward(kernels, x, weights, config, out, rope)
-        torch._C._cuda_clearCublasWorkspaces()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool.id, stream=stream):
-            forward(kernels, x, weights, config, out, rope)
-        torch.cuda.current_stream().wait_stream(stream)
+        graph = capture(lambda: forward(kernels, x, weights, config, out, rope), pool.id)
         _captured.update(key=key, graph=graph, pool=pool, rope=rope)
     _captured["graph"].replay()
+
+
+def capture(run, pool=None) -> torch.cuda.CUDAGraph:
+    """run() (no arguments, no return) once on a side stream, the warm-up that compiles and loads every kernel
+    outside the capture, then captured in a CUDA graph (its memory from `pool`, a pool id, or its own); the
+    current stream waits for both. The warm-up really runs: a run that changes state changes it once."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch._C._cuda_clearCublasWorkspaces()  # made by the warm-up, outside the graph's memory (launch says why)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph
 
 
 STAGE = Stage(

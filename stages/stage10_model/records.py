@@ -61,14 +61,15 @@ def load(folder: Path = FOLDER) -> list[dict]:
     return [dict(json.loads(p.read_text()), _file=p.name) for p in sorted(Path(folder).glob("*.json"))]
 
 
-def merge(path: Path, run: dict) -> dict:
-    """The records file at `path` (a new one if there is none) with `run` in it, in place of a run of the same
-    model, batch and sequence; written back. ValueError where the file holds another GPU's runs."""
+def merge(path: Path, run: dict, same: tuple = SAME_RUN) -> dict:
+    """The records file at `path` (a new one if there is none) with `run` in it, in place of a run that agrees
+    with it on `same` (a training run's model, batch and sequence); written back. ValueError where the file
+    holds another GPU's runs."""
     path = Path(path)
     found = json.loads(path.read_text()) if path.exists() else {"gpu": run["gpu"], "runs": []}
     if found.get("gpu") != run["gpu"]:
         raise ValueError(f"{path} holds the runs of the {found.get('gpu')}; this run is on the {run['gpu']}")
-    found["runs"] = [r for r in found["runs"] if [r.get(k) for k in SAME_RUN] != [run[k] for k in SAME_RUN]] + [run]
+    found["runs"] = [r for r in found["runs"] if [r.get(k) for k in same] != [run[k] for k in same]] + [run]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(found, indent=1) + "\n")
     return found
