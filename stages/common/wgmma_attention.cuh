@@ -1,11 +1,13 @@
 // The consumer side of a Hopper attention forward (stage 4's pieces, as templates): the two wgmma
 // products of a K/V tile, the online softmax split around the P·V product still in flight, and an
-// epilogue for rows that may see no key. Stage 4, its ladder's rungs and stage 12 include it.
+// epilogue for rows that may see no key; and the steps of a consumer's rounds in stage 4's pipeline
+// (ping-pong turns, S_j issued beside P_{j-1}·V_{j-1}). Stage 4, its ladder's rungs and stage 12 include it.
 //
 // Tiles are laid out as tma.cuh's load_tile leaves them: column block b (64 elements, 128 bytes
 // swizzled) of a ROWS-row tile at tile + b·ROWS·128.
 #pragma once
 #include "mma.cuh"
+#include "tma.cuh"
 #include "wgmma.cuh"
 
 // --8<-- [start:wgmma]
@@ -94,6 +96,85 @@ __device__ __forceinline__ void p_operands(const float (&s)[N_FRAGS][4], unsigne
 #pragma unroll
     for (int ks = 0; ks < N_FRAGS / 2; ++ks) p_as_a_operand(s, ks, p[ks]);
 }
+
+// --8<-- [start:rounds]
+// The steps of a consumer warpgroup's rounds in stage 4's pipeline (stage 12 runs the same rounds over
+// its listed tiles). The stage waits for its tiles (the ring's full barriers and their parities); these
+// issue the products in the consumer's turn, wait for them, and give each buffer back to the producer
+// once it is read: `shared`, the stage's shared-memory layout, names the barriers that say so
+// (q_empty(), k_empty(slot), v_empty(slot) for ring slot `slot`).
+
+// The ping-pong: consumer c's turn on the tensor cores is named barrier first + c, which the other
+// consumer's arrival completes; a consumer takes its turn, issues its products, and passes the turn on.
+// THREADS: both consumer warpgroups' threads.
+template <int THREADS>
+struct Turns {
+    int mine, other;
+    __device__ Turns(int first, int consumer) : mine(first + consumer), other(first + 1 - consumer) {}
+    __device__ void take() const { named_barrier_sync(mine, THREADS); }
+    __device__ void pass() const { named_barrier_arrive(other, THREADS); }
+};
+
+// Round 0 in this consumer's turn: S_0 = Q·K_0ᵀ alone.
+template <int BLOCK_M, int BLOCK_N, int DIM, int THREADS>
+__device__ __forceinline__ void issue_scores(float (&s)[BLOCK_N / 8][4], unsigned q_tile, unsigned k_tile,
+                                             int consumer, const Turns<THREADS>& turns) {
+    turns.take();
+    wgmma_fence();
+    wgmma_scores<BLOCK_M, BLOCK_N, DIM>(s, q_tile, k_tile, consumer);
+    wgmma_commit();
+    turns.pass();
+}
+
+// Round j >= 1 in this consumer's turn: S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1}, two commit groups, so
+// that S_j can be waited for while P·V still runs.
+template <int BLOCK_M, int BLOCK_N, int DIM, int THREADS>
+__device__ __forceinline__ void issue_scores_and_pv(float (&s)[BLOCK_N / 8][4], float (&o)[DIM / 8][4],
+                                                    const unsigned (&p)[BLOCK_N / 16][4], unsigned q_tile,
+                                                    unsigned k_tile, unsigned v_tile, int consumer,
+                                                    const Turns<THREADS>& turns) {
+    turns.take();
+    wgmma_fence();
+    wgmma_scores<BLOCK_M, BLOCK_N, DIM>(s, q_tile, k_tile, consumer);
+    wgmma_commit();
+    wgmma_pv<BLOCK_N, DIM>(o, p, v_tile);
+    wgmma_commit();
+    turns.pass();
+}
+
+// S is ready once at most PENDING commit groups still run (1: round j's P·V): K's ring slot goes back
+// to the producer, and Q too after the query tile's last Q·Kᵀ (the producer may load the next Q).
+template <int PENDING, int N_FRAGS, class Shared>
+__device__ __forceinline__ void wait_scores(float (&s)[N_FRAGS][4], const Shared& shared, int slot,
+                                            bool last_tile) {
+    wgmma_wait<PENDING>();
+    fence_registers(s);
+    mbarrier_arrive(shared.k_empty(slot));
+    if (last_tile) mbarrier_arrive(shared.q_empty());
+}
+
+// Every product issued is done: O may be rescaled or written, P overwritten, and V's ring slot goes
+// back to the producer.
+template <int D_FRAGS, int P_FRAGS, class Shared>
+__device__ __forceinline__ void wait_pv(float (&o)[D_FRAGS][4], unsigned (&p)[P_FRAGS][4], const Shared& shared,
+                                        int slot) {
+    wgmma_wait<0>();
+    fence_registers(o);
+    fence_registers(p);
+    mbarrier_arrive(shared.v_empty(slot));
+}
+
+// The last round in this consumer's turn: O += P·V of the query tile's last K/V tile. The caller
+// passes the turn on (or not: stage 4's block's last turn).
+template <int BLOCK_N, int DIM, int THREADS>
+__device__ __forceinline__ void issue_last_pv(float (&o)[DIM / 8][4], const unsigned (&p)[BLOCK_N / 16][4],
+                                              unsigned v_tile, const Turns<THREADS>& turns) {
+    turns.take();
+    wgmma_fence();
+    wgmma_pv<BLOCK_N, DIM>(o, p, v_tile);
+    wgmma_commit();
+}
+// --8<-- [end:rounds]
 
 // mma.cuh's write_output for rows that may have seen no key at all (a sparse mask's): such a row's sum
 // is 0, and it gets O = 0 and LSE = -inf (FlexAttention's convention) instead of 0/0.

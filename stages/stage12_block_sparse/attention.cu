@@ -78,6 +78,10 @@ struct SharedMemory {
     __device__ unsigned k_slot(int slot) const { return base + K_RING + slot * KV_TILE_BYTES; }
     __device__ unsigned v_slot(int slot) const { return base + V_RING + slot * KV_TILE_BYTES; }
     __device__ unsigned barrier(int index) const { return base + BARRIERS + 8 * index; }
+    // The barriers wgmma_attention.cuh's consumer steps arrive on.
+    __device__ unsigned q_empty() const { return barrier(Q_EMPTY); }
+    __device__ unsigned k_empty(int slot) const { return barrier(K_EMPTY + slot); }
+    __device__ unsigned v_empty(int slot) const { return barrier(V_EMPTY + slot); }
 };
 
 __device__ __forceinline__ void init_barriers(const SharedMemory& shared) {
@@ -172,11 +176,12 @@ struct Output {
 
 // --8<-- [start:consumer]
 // Consumer `consumer` (0 or 1): stage 4's rounds -- S_0 alone, then S_j with P_{j-1}·V_{j-1}, then the
-// last P·V -- over the unit's listed tiles, masking each as its list says.
+// last P·V, their steps from wgmma_attention.cuh -- over the unit's listed tiles, masking each as its
+// list says.
 __device__ __forceinline__ void consume(const SharedMemory& shared, const Schedule& schedule, const Mask& mask,
                                         int consumer, const Output& out, float* lse, int seq, float scale) {
     const int lane = threadIdx.x % 32, warp_in_group = threadIdx.x / 32 % 4;
-    const int my_turn = TURN_BARRIER + consumer, other_turn = TURN_BARRIER + 1 - consumer;
+    const Turns<CONSUMER_THREADS> turns(TURN_BARRIER, consumer);
     const float scale_log2 = scale * LOG2E;
     if (consumer == 1) named_barrier_arrive(TURN_BARRIER + 0, CONSUMER_THREADS);
 
@@ -201,17 +206,10 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const Schedu
 
             // Round 0: S_0 alone. Each tile's key block is read before its waits: the load is in flight
             // while the tile's products run, not after them, on the way to the softmax.
-            const int first_n0 = mask.block(m, 0, full) * BLOCK_N;
-            mbarrier_wait(shared.barrier(K_FULL + ring % KV_STAGES), (ring / KV_STAGES) & 1);
-            named_barrier_sync(my_turn, CONSUMER_THREADS);
-            wgmma_fence();
-            wgmma_scores<BLOCK_M, BLOCK_N, HEAD_DIM>(s, shared.q_tile(), shared.k_slot(ring % KV_STAGES), consumer);
-            wgmma_commit();
-            named_barrier_arrive(other_turn, CONSUMER_THREADS);
-            wgmma_wait<0>();
-            fence_registers(s);
-            mbarrier_arrive(shared.barrier(K_EMPTY + ring % KV_STAGES));
-            if (num_tiles == 1) mbarrier_arrive(shared.barrier(Q_EMPTY));
+            const int first_n0 = mask.block(m, 0, full) * BLOCK_N, first = ring % KV_STAGES;
+            mbarrier_wait(shared.barrier(K_FULL + first), (ring / KV_STAGES) & 1);
+            issue_scores<BLOCK_M, BLOCK_N, HEAD_DIM>(s, shared.q_tile(), shared.k_slot(first), consumer, turns);
+            wait_scores<0>(s, shared, first, num_tiles == 1);
             mask_tile(s, first_n0, row, seq, full == 0, mask, ids, lane);
             softmax_to_p(s, row_max, row_sum, correction, scale_log2);
             p_operands(s, p);
@@ -222,40 +220,21 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const Schedu
                 const int n0 = mask.block(m, tile, full) * BLOCK_N;
                 mbarrier_wait(shared.barrier(K_FULL + stage), (k / KV_STAGES) & 1);
                 mbarrier_wait(shared.barrier(V_FULL + prev), ((k - 1) / KV_STAGES) & 1);
-                named_barrier_sync(my_turn, CONSUMER_THREADS);
-                wgmma_fence();
-                wgmma_scores<BLOCK_M, BLOCK_N, HEAD_DIM>(s, shared.q_tile(), shared.k_slot(stage), consumer);
-                wgmma_commit();
-                wgmma_pv<BLOCK_N, HEAD_DIM>(o_acc, p, shared.v_slot(prev));
-                wgmma_commit();
-                named_barrier_arrive(other_turn, CONSUMER_THREADS);
-
-                wgmma_wait<1>();
-                fence_registers(s);
-                mbarrier_arrive(shared.barrier(K_EMPTY + stage));
-                if (tile == num_tiles - 1) mbarrier_arrive(shared.barrier(Q_EMPTY));
+                issue_scores_and_pv<BLOCK_M, BLOCK_N, HEAD_DIM>(s, o_acc, p, shared.q_tile(), shared.k_slot(stage),
+                                                                shared.v_slot(prev), consumer, turns);
+                wait_scores<1>(s, shared, stage, tile == num_tiles - 1);
                 mask_tile(s, n0, row, seq, tile >= full, mask, ids, lane);
                 softmax_to_p(s, row_max, row_sum, correction, scale_log2);
-
-                wgmma_wait<0>();
-                fence_registers(o_acc);
-                fence_registers(p);
-                mbarrier_arrive(shared.barrier(V_EMPTY + prev));
+                wait_pv(o_acc, p, shared, prev);
                 rescale_accumulator(o_acc, correction);
                 p_operands(s, p);
             }
 
             const int k = ring + num_tiles - 1, last = k % KV_STAGES;
             mbarrier_wait(shared.barrier(V_FULL + last), (k / KV_STAGES) & 1);
-            named_barrier_sync(my_turn, CONSUMER_THREADS);
-            wgmma_fence();
-            wgmma_pv<BLOCK_N, HEAD_DIM>(o_acc, p, shared.v_slot(last));
-            wgmma_commit();
-            named_barrier_arrive(other_turn, CONSUMER_THREADS);
-            wgmma_wait<0>();
-            fence_registers(o_acc);
-            fence_registers(p);
-            mbarrier_arrive(shared.barrier(V_EMPTY + last));
+            issue_last_pv<BLOCK_N, HEAD_DIM>(o_acc, p, shared.v_slot(last), turns);
+            turns.pass();
+            wait_pv(o_acc, p, shared, last);
             ring += num_tiles;
         }
         // An empty unit writes its zeros and -inf straight away (row_sum is 0).

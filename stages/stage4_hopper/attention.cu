@@ -126,6 +126,10 @@ struct SharedMemory {
     __device__ unsigned k_slot(int slot) const { return base + K_RING + slot * KV_TILE_BYTES; }
     __device__ unsigned v_slot(int slot) const { return base + V_RING + slot * KV_TILE_BYTES; }
     __device__ unsigned barrier(int index) const { return base + BARRIERS + 8 * index; }
+    // The barriers wgmma_attention.cuh's consumer steps arrive on.
+    __device__ unsigned q_empty() const { return barrier(Q_EMPTY); }
+    __device__ unsigned k_empty(int slot) const { return barrier(K_EMPTY + slot); }
+    __device__ unsigned v_empty(int slot) const { return barrier(V_EMPTY + slot); }
 };
 
 // The K/V tiles the query tile of rows m0.. needs: keys past kv_end are masked for every row of it.
@@ -214,7 +218,7 @@ struct Output {
 __device__ __forceinline__ void consume(const SharedMemory& shared, const Schedule& schedule, int consumer,
                                         const Output& out, float* lse, int seq_q, int seq_kv, float scale) {
     const int lane = threadIdx.x % 32, warp_in_group = threadIdx.x / 32 % 4;
-    const int my_turn = TURN_BARRIER + consumer, other_turn = TURN_BARRIER + 1 - consumer;
+    const Turns<CONSUMER_THREADS> turns(TURN_BARRIER, consumer);  // ping-pong: wgmma_attention.cuh
     const float scale_log2 = scale * LOG2E;
     if (consumer == 1) named_barrier_arrive(TURN_BARRIER + 0, CONSUMER_THREADS);
 
@@ -234,16 +238,10 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const Schedu
             mbarrier_wait(shared.barrier(Q_FULL), q_loads & 1);
 
             // Round 0: S_0 alone.
-            mbarrier_wait(shared.barrier(K_FULL + ring % KV_STAGES), (ring / KV_STAGES) & 1);
-            named_barrier_sync(my_turn, CONSUMER_THREADS);
-            wgmma_fence();
-            wgmma_scores<BLOCK_M, BLOCK_N, HEAD_DIM>(s, shared.q_tile(), shared.k_slot(ring % KV_STAGES), consumer);
-            wgmma_commit();
-            named_barrier_arrive(other_turn, CONSUMER_THREADS);
-            wgmma_wait<0>();
-            fence_registers(s);
-            mbarrier_arrive(shared.barrier(K_EMPTY + ring % KV_STAGES));
-            if (num_tiles == 1) mbarrier_arrive(shared.barrier(Q_EMPTY));  // the producer may load the next Q
+            const int first = ring % KV_STAGES;
+            mbarrier_wait(shared.barrier(K_FULL + first), (ring / KV_STAGES) & 1);
+            issue_scores<BLOCK_M, BLOCK_N, HEAD_DIM>(s, shared.q_tile(), shared.k_slot(first), consumer, turns);
+            wait_scores<0>(s, shared, first, num_tiles == 1);
             if (BLOCK_N > seq_kv || (CAUSAL && BLOCK_N - 1 > warp_m0)) apply_mask(s, 0, warp_m0 + lane / 4, seq_kv, CAUSAL, lane);
             softmax_to_p(s, row_max, row_sum, correction, scale_log2);  // O is still 0: no rescale
             p_operands(s, p);
@@ -254,27 +252,14 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const Schedu
                 const int stage = k % KV_STAGES, prev = (k - 1) % KV_STAGES;
                 mbarrier_wait(shared.barrier(K_FULL + stage), (k / KV_STAGES) & 1);
                 mbarrier_wait(shared.barrier(V_FULL + prev), ((k - 1) / KV_STAGES) & 1);
-                named_barrier_sync(my_turn, CONSUMER_THREADS);
-                wgmma_fence();
-                wgmma_scores<BLOCK_M, BLOCK_N, HEAD_DIM>(s, shared.q_tile(), shared.k_slot(stage), consumer);
-                wgmma_commit();
-                wgmma_pv<BLOCK_N, HEAD_DIM>(o_acc, p, shared.v_slot(prev));
-                wgmma_commit();
-                named_barrier_arrive(other_turn, CONSUMER_THREADS);
-
-                wgmma_wait<1>();  // S_j is ready (P·V may still run)
-                fence_registers(s);
-                mbarrier_arrive(shared.barrier(K_EMPTY + stage));
-                if (tile == num_tiles - 1) mbarrier_arrive(shared.barrier(Q_EMPTY));  // Q's last use is done
+                issue_scores_and_pv<BLOCK_M, BLOCK_N, HEAD_DIM>(s, o_acc, p, shared.q_tile(), shared.k_slot(stage),
+                                                                shared.v_slot(prev), consumer, turns);
+                wait_scores<1>(s, shared, stage, tile == num_tiles - 1);  // S_j is ready (P·V may still run)
                 const int n0 = tile * BLOCK_N;
                 if (n0 + BLOCK_N > seq_kv || (CAUSAL && n0 + BLOCK_N - 1 > warp_m0))
                     apply_mask(s, n0, warp_m0 + lane / 4, seq_kv, CAUSAL, lane);
                 softmax_to_p(s, row_max, row_sum, correction, scale_log2);
-
-                wgmma_wait<0>();  // P_{j-1}·V_{j-1} is done: O may be rescaled, P overwritten
-                fence_registers(o_acc);
-                fence_registers(p);
-                mbarrier_arrive(shared.barrier(V_EMPTY + prev));
+                wait_pv(o_acc, p, shared, prev);  // P_{j-1}·V_{j-1} is done: O may be rescaled, P overwritten
                 rescale_accumulator(o_acc, correction);
                 p_operands(s, p);
             }
@@ -282,16 +267,10 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const Schedu
             // Last round: P·V of the last tile.
             const int k = ring + num_tiles - 1, last = k % KV_STAGES;
             mbarrier_wait(shared.barrier(V_FULL + last), (k / KV_STAGES) & 1);
-            named_barrier_sync(my_turn, CONSUMER_THREADS);
-            wgmma_fence();
-            wgmma_pv<BLOCK_N, HEAD_DIM>(o_acc, p, shared.v_slot(last));
-            wgmma_commit();
+            issue_last_pv<BLOCK_N, HEAD_DIM>(o_acc, p, shared.v_slot(last), turns);
             // After the block's last turn of consumer 1, consumer 0 will not sync again: 1 does not arrive.
-            if (consumer == 0 || !block_done) named_barrier_arrive(other_turn, CONSUMER_THREADS);
-            wgmma_wait<0>();
-            fence_registers(o_acc);
-            fence_registers(p);
-            mbarrier_arrive(shared.barrier(V_EMPTY + last));
+            if (consumer == 0 || !block_done) turns.pass();
+            wait_pv(o_acc, p, shared, last);
             ring += num_tiles;
 
             // While this consumer writes its rows, the other one's P·V runs, and the producer is
