@@ -3,13 +3,19 @@
 // into such a tile, the one home of both: stage 3 teaches them, stage 8 copies its Q, dO, K and V tiles
 // with them, and stage 6's mma_sync rung lays out its operands with the swizzle. Hopper's TMA and
 // wgmma apply the same XOR in hardware, the 128-byte swizzle of stages 4, 6 and 9; where stages 6 and
-// 9 store into such a tile themselves, they address it with swizzle<128>. A kernel's own tile shapes
+// 9 store into such a tile themselves, they address it with swizzle<SWIZZLE_BYTES>. A kernel's own tile shapes
 // come in as template parameters: the bytes of a row, the rows of a tile, the threads that share the
 // copies.
 #pragma once
 #include "cp_async.cuh"
 
 // --8<-- [start:swizzle]
+// The swizzle's span: a line of shared memory (32 banks × 4 bytes), the 8 16-byte chunks the XOR
+// permutes -- and the row of TMA's and wgmma's 128-byte swizzle. The XOR takes row % 8, so the
+// pattern repeats every 8 rows: an "atom" of 8 such rows, which a swizzled tile must be aligned to.
+constexpr int SWIZZLE_BYTES = 128;
+constexpr int SWIZZLE_ATOM_BYTES = 8 * SWIZZLE_BYTES;  // 1024
+
 // Byte offset of 16-byte chunk `chunk` (elements 8·chunk .. 8·chunk+7 of 16-bit elements) of row
 // `row` of a tile whose rows are ROW_BYTES long.
 //
@@ -32,7 +38,7 @@
 // lines and the XOR, on the low 3 bits of the chunk index, permutes within each line.
 template <int ROW_BYTES>
 __device__ __forceinline__ unsigned swizzle(int row, int chunk) {
-    static_assert(ROW_BYTES % 128 == 0, "the swizzle permutes the 8 chunks of each 128-byte line");
+    static_assert(ROW_BYTES % SWIZZLE_BYTES == 0, "the swizzle permutes the 8 chunks of each 128-byte line");
     return row * ROW_BYTES + ((chunk ^ (row % 8)) * 16);
 }
 // --8<-- [end:swizzle]

@@ -7,6 +7,7 @@
 //                          "full" barriers say a tile has landed, "empty" barriers that it may be refilled
 //   setmaxnreg, bar.sync   hand registers from the producer warpgroup to the consumers; named barriers
 #pragma once
+#include "swizzle.cuh"  // SWIZZLE_BYTES: the rows of the tiles TMA writes with the 128-byte swizzle
 
 // --8<-- [start:tensor_map]
 // The 128-byte, 64-byte-aligned opaque tensor map (the driver's CUtensorMap, which NVRTC does not
@@ -102,8 +103,8 @@ __device__ __forceinline__ void load_tile(unsigned tile, const TmaMap& map, unsi
     for (int b = 0; b < COLUMNS / 64; ++b)
 #pragma unroll
         for (int r = 0; r < ROWS / TILE_BOX_ROWS; ++r)
-            tma_load_4d(tile + (b * ROWS + r * TILE_BOX_ROWS) * 128, map, full_barrier, b * 64, row0 + r * TILE_BOX_ROWS,
-                        head, batch);
+            tma_load_4d(tile + (b * ROWS + r * TILE_BOX_ROWS) * SWIZZLE_BYTES, map, full_barrier, b * 64,
+                        row0 + r * TILE_BOX_ROWS, head, batch);
 }
 // --8<-- [end:tile]
 

@@ -15,6 +15,8 @@
 
 typedef unsigned long long u64;
 
+constexpr int WARPGROUP_THREADS = 128;  // 4 warps: the threads that issue one wgmma together
+
 // --8<-- [start:wgmma_ptx]
 // A shared-memory operand of wgmma is a 64-bit matrix descriptor (PTX ISA, "Matrix Descriptor Format"):
 //   bits  0-13  start address >> 4

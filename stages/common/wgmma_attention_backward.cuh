@@ -13,7 +13,7 @@
 #include "mma.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
-#include "swizzle.cuh"             // swizzle<128>: TMA's 128-byte swizzle, for the dSᵀ stores
+#include "swizzle.cuh"             // swizzle<SWIZZLE_BYTES>: TMA's 128-byte swizzle, for the dSᵀ stores
 #include "attention_backward.cuh"  // the preprocess, the dQ conversion, probabilities()
 
 constexpr int BLOCK_N = 128;                          // keys per block
@@ -23,10 +23,10 @@ constexpr int CONSUMER_KEYS = BLOCK_N / CONSUMERS;    // = wgmma's M
 constexpr int Q_STAGES = 2;                           // buffers of the query-side ring
 constexpr int DS_STAGES = 2;                          // buffers of dSᵀ
 constexpr int DQ_STAGES = BLOCK_M == 64 ? 2 : 1;      // buffers of a query tile's fp32 dQ (1 of 32 KB at D = 64)
-constexpr int NUM_THREADS = (1 + CONSUMERS) * 128;    // + the producer warpgroup
-constexpr int CONSUMER_THREADS = CONSUMERS * 128;
+constexpr int NUM_THREADS = (1 + CONSUMERS) * WARPGROUP_THREADS;  // + the producer warpgroup
+constexpr int CONSUMER_THREADS = CONSUMERS * WARPGROUP_THREADS;
 constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
-constexpr int ATOM_COLS = 64;                         // elements in a 128-byte swizzle row
+constexpr int ATOM_COLS = SWIZZLE_BYTES / 2;          // elements in a 128-byte swizzle row
 constexpr int KV_TILE_BYTES = BLOCK_N * HEAD_DIM * 2;
 constexpr int Q_TILE_BYTES = BLOCK_M * HEAD_DIM * 2;
 constexpr int DS_TILE_BYTES = BLOCK_N * BLOCK_M * 2;  // dSᵀ [key][query]: column blocks of 64 queries, 128-byte rows
@@ -52,13 +52,14 @@ constexpr int DELTA_RING = LSE_RING + Q_STAGES * VECTOR_BYTES;
 constexpr int BARRIERS = DELTA_RING + Q_STAGES * VECTOR_BYTES;  // then 8-byte mbarriers:
 constexpr int KV_FULL = 0, Q_FULL = 1, Q_EMPTY = Q_FULL + Q_STAGES, DQ_FULL = Q_EMPTY + Q_STAGES,
               DQ_EMPTY = DQ_FULL + DQ_STAGES, NUM_BARRIERS = DQ_EMPTY + DQ_STAGES;
-constexpr int SHARED_BYTES = BARRIERS + 8 * NUM_BARRIERS + 1024;  // + 1 KB to align the base to 1024 bytes
+constexpr int SHARED_BYTES = BARRIERS + 8 * NUM_BARRIERS + SWIZZLE_ATOM_BYTES;  // + room to align the base to an atom
 static_assert(SHARED_BYTES <= 227 * 1024, "an H100 block has at most 227 KB of shared memory");
 static_assert(DQ_TILE_BYTES % 16 == 0 && (HEAD_DIM * 4) % 16 == 0, "bulk copies move whole 16-byte units");
 static_assert(sizeof(elem_t) == 2, "16-bit elements");
 static_assert(HEAD_DIM % ATOM_COLS == 0, "D is a whole number of 128-byte column blocks");
 static_assert(CONSUMERS * 64 * DQ_COLS == BLOCK_M * HEAD_DIM, "the consumers' 64 × 64 dQ parts cover the tile");
-static_assert(BLOCK_M % ATOM_COLS == 0 && Q_TILE_BYTES % 1024 == 0 && DS_TILE_BYTES % 1024 == 0,
+static_assert(BLOCK_M % ATOM_COLS == 0 && Q_TILE_BYTES % SWIZZLE_ATOM_BYTES == 0 &&
+                  DS_TILE_BYTES % SWIZZLE_ATOM_BYTES == 0,
               "dSᵀ rows are whole 128-byte swizzle rows; every tile starts on a 1024-byte boundary");
 
 // The block's dynamic shared memory from its 1024-byte-aligned base, as shared addresses, and the
@@ -150,8 +151,8 @@ __device__ __forceinline__ void issue_rows_times_queries(float (&acc)[M_FRAGS][4
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
         const unsigned column = kk / 4, offset = (kk % 4) * 32;
-        const u64 a = make_smem_desc(rows + column * BLOCK_N * 128 + offset, 16, 1024);
-        const u64 b = make_smem_desc(queries + column * BLOCK_M * 128 + offset, 16, 1024);
+        const u64 a = make_smem_desc(rows + column * BLOCK_N * SWIZZLE_BYTES + offset, 16, SWIZZLE_ATOM_BYTES);
+        const u64 b = make_smem_desc(queries + column * BLOCK_M * SWIZZLE_BYTES + offset, 16, SWIZZLE_ATOM_BYTES);
         wgmma_ss<elem_t, BLOCK_M, K_MAJOR>(acc, a, b, kk > 0);
     }
 }
@@ -163,8 +164,10 @@ __device__ __forceinline__ void issue_rows_times_queries(float (&acc)[M_FRAGS][4
 __device__ __forceinline__ void issue_accumulate(float (&acc)[D_FRAGS][4], const unsigned (&x)[M_STEPS][4],
                                                  unsigned queries) {
 #pragma unroll
-    for (int ks = 0; ks < M_STEPS; ++ks)
-        wgmma_rs<elem_t, HEAD_DIM, MN_MAJOR>(acc, x[ks], make_smem_desc(queries + ks * 16 * 128, BLOCK_M * 128, 1024), 1);
+    for (int ks = 0; ks < M_STEPS; ++ks) {
+        const u64 b = make_smem_desc(queries + ks * 16 * SWIZZLE_BYTES, BLOCK_M * SWIZZLE_BYTES, SWIZZLE_ATOM_BYTES);
+        wgmma_rs<elem_t, HEAD_DIM, MN_MAJOR>(acc, x[ks], b, 1);
+    }
 }
 
 
@@ -184,7 +187,7 @@ __device__ __forceinline__ void score_gradients(float (&dp)[M_FRAGS][4], const f
 // The warp's 16 rows of dSᵀ (keys row0 .. row0+15 of the block) into the dSᵀ tile, rounded to elem_t:
 // column blocks of 64 queries (BLOCK_N rows of 128 bytes each), in a block row = key, 16-byte chunk c
 // at c ^ (row % 8) -- the 128-byte swizzle that TMA writes and the wgmma descriptor describes (the tile
-// is 1024-byte aligned), stage 3's swizzle<128>. Fragment n holds queries 8n .. 8n+7.
+// is 1024-byte aligned), stage 3's swizzle<SWIZZLE_BYTES>. Fragment n holds queries 8n .. 8n+7.
 __device__ __forceinline__ void store_score_gradients(unsigned ds_tile, const float (&ds)[M_FRAGS][4], int row0,
                                                       int lane) {
 #pragma unroll
@@ -193,8 +196,8 @@ __device__ __forceinline__ void store_score_gradients(unsigned ds_tile, const fl
         for (int r = 0; r < 2; ++r) {
             const int row = row0 + lane / 4 + 8 * r;
             const unsigned pair = pack_pair<elem_t>(ds[n][2 * r], ds[n][2 * r + 1]);
-            const unsigned block = ds_tile + (n / 8) * BLOCK_N * 128;
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(block + swizzle<128>(row, n % 8) + 4 * (lane % 4)),
+            const unsigned block = ds_tile + (n / 8) * BLOCK_N * SWIZZLE_BYTES;
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(block + swizzle<SWIZZLE_BYTES>(row, n % 8) + 4 * (lane % 4)),
                          "r"(pair)
                          : "memory");
         }

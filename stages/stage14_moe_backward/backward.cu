@@ -58,7 +58,8 @@ struct SwigluGrad {
 // buffer (zeroing the accumulator instead, on a path beside the wgmmas', made ptxas spill it).
 __device__ __forceinline__ void stage_zeros(unsigned char* buffer) {
     uint4* out = reinterpret_cast<uint4*>(buffer);
-    for (int i = threadIdx.x % 128; i < EPILOGUE_BYTES / 16; i += 128) out[i] = make_uint4(0, 0, 0, 0);
+    for (int i = threadIdx.x % WARPGROUP_THREADS; i < EPILOGUE_BYTES / 16; i += WARPGROUP_THREADS)
+        out[i] = make_uint4(0, 0, 0, 0);
 }
 
 // A tile of any kind: the expert, the output's row tile (DATA: the first permuted row; WEIGHT: m, in
@@ -96,12 +97,14 @@ __device__ __forceinline__ void grad_mainloop(float (&acc)[ACC_FRAGS][4], unsign
 #pragma unroll
         for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
             if (KIND == WEIGHT) {
-                const u64 a = make_smem_desc(a_tile + consumer * A_BOX_BYTES + kk * 16 * 128, A_BOX_BYTES, 1024);
-                const u64 b = make_smem_desc(b_tile + kk * 16 * 128, B_BOX_BYTES, 1024);
+                const u64 a = make_smem_desc(a_tile + consumer * A_BOX_BYTES + kk * 16 * SWIZZLE_BYTES, A_BOX_BYTES,
+                                             SWIZZLE_ATOM_BYTES);
+                const u64 b = make_smem_desc(b_tile + kk * 16 * SWIZZLE_BYTES, B_BOX_BYTES, SWIZZLE_ATOM_BYTES);
                 wgmma_ss_a_mn<elem_t, BLOCK_N, MN_MAJOR>(acc, a, b, kb > 0 || kk > 0);
             } else {
-                const u64 a = make_smem_desc(a_tile + consumer * CONSUMER_ROWS * 128 + kk * 32, 16, 1024);
-                const u64 b = make_smem_desc(b_tile + kk * 32, 16, 1024);
+                const u64 a = make_smem_desc(a_tile + consumer * CONSUMER_ROWS * SWIZZLE_BYTES + kk * 32, 16,
+                                             SWIZZLE_ATOM_BYTES);
+                const u64 b = make_smem_desc(b_tile + kk * 32, 16, SWIZZLE_ATOM_BYTES);
                 wgmma_ss<elem_t, BLOCK_N, K_MAJOR>(acc, a, b, kb > 0 || kk > 0);
             }
         }
@@ -127,8 +130,8 @@ constexpr int GU_BOX_BYTES = CONSUMER_ROWS * BOX_COLS * 2;  // 64 rows × 64 col
 constexpr int GU_SLOT_BYTES = 2 * GU_BOX_BYTES;           // a box of G, then the same box of U
 static_assert(2 * GU_SLOT_BYTES == EPILOGUE_BYTES, "two slots fill a consumer's epilogue buffer");
 // Each consumer's box of w·h on its way out, past stage 6's layout (dG and dU take G's and U's places).
-constexpr int HW_STAGING = (BARRIERS + 8 * 2 * STAGES + 127) / 128 * 128;
-constexpr int SWIGLU_SHARED_BYTES = HW_STAGING + CONSUMERS * GU_BOX_BYTES + 1024;  // + 1 KB to align the base
+constexpr int HW_STAGING = (BARRIERS + 8 * 2 * STAGES + SWIZZLE_BYTES - 1) / SWIZZLE_BYTES * SWIZZLE_BYTES;
+constexpr int SWIGLU_SHARED_BYTES = HW_STAGING + CONSUMERS * GU_BOX_BYTES + SWIZZLE_ATOM_BYTES;  // + room to align the base
 static_assert(SWIGLU_SHARED_BYTES <= 227 * 1024, "an H100 block has at most 227 KB of shared memory");
 
 // Box `box` of G and U for this consumer's 64 rows, into slot box % 2 (rows of 128 bytes, swizzled), as
@@ -136,11 +139,11 @@ static_assert(SWIGLU_SHARED_BYTES <= 227 * 1024, "an H100 block has at most 227 
 __device__ __forceinline__ void load_gate_up(const SwigluGrad& p, unsigned char* buffer, int row0, int n, int box) {
     const unsigned slot = shared_address(buffer) + (box % 2) * GU_SLOT_BYTES;
     const int col0 = n * BLOCK_N + box * BOX_COLS;
-    for (int i = threadIdx.x % 128; i < 2 * CONSUMER_ROWS * 8; i += 128) {
+    for (int i = threadIdx.x % WARPGROUP_THREADS; i < 2 * CONSUMER_ROWS * 8; i += WARPGROUP_THREADS) {
         const int half = i / (CONSUMER_ROWS * 8), row = i / 8 % CONSUMER_ROWS, chunk = i % 8;  // half 0: G, 1: U
         const int col = col0 + 8 * chunk;
         const elem_t* from = p.h1 + (size_t)(row0 + row) * 2 * p.inter + half * p.inter + col;
-        cp_async_16(slot + half * GU_BOX_BYTES + swizzle<128>(row, chunk), from, col < p.inter);
+        cp_async_16(slot + half * GU_BOX_BYTES + swizzle<SWIZZLE_BYTES>(row, chunk), from, col < p.inter);
     }
     cp_async_commit();
 }
@@ -161,11 +164,12 @@ template <bool FULL>
 __device__ __forceinline__ void store_box(const SwigluGrad& p, const unsigned char* slot, const unsigned char* staging,
                                           int row0, int col) {
 #pragma unroll 1  // the accumulator holds the other boxes' values: no registers for more loads in flight
-    for (int i = threadIdx.x % 128; i < 3 * CONSUMER_ROWS * 8; i += 128) {
+    for (int i = threadIdx.x % WARPGROUP_THREADS; i < 3 * CONSUMER_ROWS * 8; i += WARPGROUP_THREADS) {
         const int which = i / (CONSUMER_ROWS * 8), row = i / 8 % CONSUMER_ROWS, chunk = i % 8;  // dG, dU, w·h
         const int at = col + 8 * chunk;
         if (!FULL && at >= p.inter) continue;
-        const unsigned char* from = (which < 2 ? slot + which * GU_BOX_BYTES : staging) + swizzle<128>(row, chunk);
+        const unsigned char* from = (which < 2 ? slot + which * GU_BOX_BYTES : staging) +
+                                   swizzle<SWIZZLE_BYTES>(row, chunk);
         elem_t* to = which < 2 ? p.dgu + (size_t)(row0 + row) * 2 * p.inter + which * p.inter + at
                                : p.hw + (size_t)(row0 + row) * p.inter + at;
         *reinterpret_cast<uint4*>(to) = *reinterpret_cast<const uint4*>(from);
@@ -185,7 +189,7 @@ __device__ __forceinline__ void swiglu_grad_tile(const float (&acc)[ACC_FRAGS][4
     for (int box = 0; box < GU_BOXES; ++box) {
         if (box + 1 < GU_BOXES) cp_async_wait<1>();  // this box's group is in; the next may still load
         else cp_async_wait<0>();
-        named_barrier_sync(my_barrier, 128);         // ... and every thread's copies of it
+        named_barrier_sync(my_barrier, WARPGROUP_THREADS);  // ... and every thread's copies of it
         unsigned char* slot = buffer + (box % 2) * GU_SLOT_BYTES;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -194,7 +198,7 @@ __device__ __forceinline__ void swiglu_grad_tile(const float (&acc)[ACC_FRAGS][4
             for (int chunk = 0; chunk < 8; ++chunk) {
                 // Columns past inter hold zeros (load_gate_up's): computed harmlessly, not stored. No branch
                 // around the arithmetic, so that the compiler can interleave many elements' latencies.
-                const int j = box * 8 + chunk, place = swizzle<128>(local_rows[half], chunk) + (lane % 4) * 4;
+                const int j = box * 8 + chunk, place = swizzle<SWIZZLE_BYTES>(local_rows[half], chunk) + (lane % 4) * 4;
                 unsigned char* at = slot + place;
                 const unsigned gate_bits = *reinterpret_cast<const unsigned*>(at);
                 const unsigned up_bits = *reinterpret_cast<const unsigned*>(at + GU_BOX_BYTES);
@@ -226,9 +230,9 @@ __device__ __forceinline__ void swiglu_grad_tile(const float (&acc)[ACC_FRAGS][4
                 *reinterpret_cast<unsigned*>(staging + place) = padding ? 0u : pack_pair<elem_t>(hw[0], hw[1]);
             }
         }
-        named_barrier_sync(my_barrier, 128);  // the box's outputs are staged
+        named_barrier_sync(my_barrier, WARPGROUP_THREADS);  // the box's outputs are staged
         store_box<FULL>(p, slot, staging, row0, n * BLOCK_N + box * BOX_COLS);
-        named_barrier_sync(my_barrier, 128);  // the slot and staging are read: box + 2 may load into the slot
+        named_barrier_sync(my_barrier, WARPGROUP_THREADS);  // the slot and staging are read: box + 2 may load into the slot
         if (box + 2 < GU_BOXES) load_gate_up(p, buffer, row0, n, box + 2);
     }
 #pragma unroll
@@ -250,8 +254,8 @@ template <int KIND>
 __device__ void grad_gemm(const TmaMap& a_map, const TmaMap& b_map, const TmaMap& out_map, const SwigluGrad& swiglu,
                           const int* __restrict__ offsets, const int* __restrict__ counts, int experts, int n_out,
                           int k) {
-    extern __shared__ __align__(1024) unsigned char shared_raw[];
-    const unsigned base = (shared_address(shared_raw) + 1023) & ~1023u;
+    extern __shared__ __align__(SWIZZLE_ATOM_BYTES) unsigned char shared_raw[];
+    const unsigned base = (shared_address(shared_raw) + SWIZZLE_ATOM_BYTES - 1) & ~(SWIZZLE_ATOM_BYTES - 1u);
     unsigned char* aligned = shared_raw + (base - shared_address(shared_raw));
     int* expert_offsets = reinterpret_cast<int*>(aligned + OFFSETS);
     auto barrier = [&](int index) { return base + BARRIERS + 8 * index; };
@@ -274,7 +278,7 @@ __device__ void grad_gemm(const TmaMap& a_map, const TmaMap& b_map, const TmaMap
         const Tile tile = scheduler.tile(t);
         return {tile.expert, tile.row0, tile.n, (k + BLOCK_K - 1) / BLOCK_K};
     };
-    const int warpgroup = threadIdx.x / 128;
+    const int warpgroup = threadIdx.x / WARPGROUP_THREADS;
     int it = 0;
 
     if (warpgroup == 0) {
@@ -313,7 +317,7 @@ __device__ void grad_gemm(const TmaMap& a_map, const TmaMap& b_map, const TmaMap
     } else {
         setmaxnreg_inc<CONSUMER_REGS>();
         const int consumer = warpgroup - 1, lane = threadIdx.x % 32, warp_in_group = threadIdx.x / 32 % 4;
-        const bool storer = threadIdx.x % 128 == 0;
+        const bool storer = threadIdx.x % WARPGROUP_THREADS == 0;
         const int my_barrier = 1 + consumer;
         unsigned char* buffer = aligned + EPILOGUE + consumer * EPILOGUE_BYTES;
         float acc[ACC_FRAGS][4];
@@ -334,11 +338,11 @@ __device__ void grad_gemm(const TmaMap& a_map, const TmaMap& b_map, const TmaMap
                 continue;
             }
             if (storer) tma_store_wait_read();
-            named_barrier_sync(my_barrier, 128);
+            named_barrier_sync(my_barrier, WARPGROUP_THREADS);
             if (tile.k_blocks > 0) stage_tile<false>(acc, buffer, warp_in_group, lane);
             else stage_zeros(buffer);
             fence_async_shared();
-            named_barrier_sync(my_barrier, 128);
+            named_barrier_sync(my_barrier, WARPGROUP_THREADS);
             if (storer) {
                 // DATA: rows row0 + 64·consumer of the permuted output; WEIGHT: rows of dW[e].
                 const int out_batch = KIND == DATA ? 0 : tile.expert;

@@ -224,7 +224,7 @@ decode_split(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cache, c
     // [K ring: KV_STAGES tiles][V ring: KV_STAGES tiles], swizzled (tiles of 128-byte multiples), then
     // each warp's running max and sum per row; after the loop, the merge's o_s over the rings. All of it
     // dynamic, one amount: the launch's SHARED_BYTES.
-    extern __shared__ __align__(128) unsigned char shared_bytes[];
+    extern __shared__ __align__(SWIZZLE_BYTES) unsigned char shared_bytes[];
     float (*max_s)[ROWS] = reinterpret_cast<float (*)[ROWS]>(shared_bytes + RING_BYTES);
     float (*sum_s)[ROWS] = max_s + NUM_WARPS;
     const unsigned k_ring = shared_address(shared_bytes), v_ring = k_ring + KV_STAGES * KV_TILE_BYTES;

@@ -40,7 +40,7 @@
 #include "tma.cuh"
 #include "wgmma.cuh"
 #include "moe.cuh"
-#include "swizzle.cuh"  // swizzle<128>: TMA's 128-byte swizzle, for the epilogue's stores
+#include "swizzle.cuh"  // swizzle<SWIZZLE_BYTES>: TMA's 128-byte swizzle, for the epilogue's stores
 #include "stage6_grouped_gemm/schedule.cuh"  // BLOCK_M = 128 rows per tile (2 consumer warpgroups × 64), Scheduler
 
 constexpr int BLOCK_N = 256;                            // B columns per tile: one wgmma n256
@@ -48,9 +48,9 @@ constexpr int BLOCK_K = 64;                             // K per stage: one 128-
 constexpr int STAGES = 3;                               // ring slots (4 ran no faster)
 constexpr int CONSUMERS = 2;
 constexpr int CONSUMER_ROWS = BLOCK_M / CONSUMERS;      // a consumer warpgroup's rows: one wgmma m64
-constexpr int NUM_THREADS = (1 + CONSUMERS) * 128;      // + the producer warpgroup
+constexpr int NUM_THREADS = (1 + CONSUMERS) * WARPGROUP_THREADS;  // + the producer warpgroup
 constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
-constexpr int BOX_COLS = 64;                            // a 128-byte-swizzled TMA box is 64 elements wide
+constexpr int BOX_COLS = SWIZZLE_BYTES / 2;             // a 128-byte-swizzled TMA box is 64 elements wide
 constexpr int B_BOXES = BLOCK_N / BOX_COLS;
 constexpr int A_BYTES = BLOCK_M * BLOCK_K * 2;          // 16 KB
 constexpr int B_BOX_BYTES = BLOCK_K * BOX_COLS * 2;     // 8 KB
@@ -63,7 +63,7 @@ constexpr int EPILOGUE = STAGES * STAGE_BYTES;          // each consumer's outpu
 constexpr int OFFSETS = EPILOGUE + CONSUMERS * EPILOGUE_BYTES;  // the experts' row offsets, E+1 ints
 constexpr int BARRIERS = OFFSETS + 4 * (MAX_EXPERTS + 2);
 constexpr int FULL = 0, EMPTY = STAGES;                 // mbarriers: full[s], empty[s]
-constexpr int SHARED_BYTES = BARRIERS + 8 * 2 * STAGES + 1024;  // + 1 KB to align the base to 1024 bytes
+constexpr int SHARED_BYTES = BARRIERS + 8 * 2 * STAGES + SWIZZLE_ATOM_BYTES;  // + room to align the base to an atom
 static_assert(SHARED_BYTES <= 227 * 1024, "an H100 block has at most 227 KB of shared memory");
 static_assert(BARRIERS % 8 == 0, "mbarriers are 8-byte aligned");
 static_assert(sizeof(elem_t) == 2, "16-bit elements");
@@ -94,9 +94,10 @@ __device__ __forceinline__ void mainloop(float (&acc)[ACC_FRAGS][4], unsigned ba
 #pragma unroll
         for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
             // A (K-major): this consumer's 64 rows, 8-row groups 1024 bytes apart.
-            const u64 a = make_smem_desc(a_tile + consumer * CONSUMER_ROWS * 128 + kk * 32, 16, 1024);
+            const u64 a =
+                make_smem_desc(a_tile + consumer * CONSUMER_ROWS * SWIZZLE_BYTES + kk * 32, 16, SWIZZLE_ATOM_BYTES);
             // B (MN-major): k runs down the 128-byte rows; the 64-column boxes are LBO apart.
-            const u64 b = make_smem_desc(b_tile + kk * 16 * 128, B_BOX_BYTES, 1024);
+            const u64 b = make_smem_desc(b_tile + kk * 16 * SWIZZLE_BYTES, B_BOX_BYTES, SWIZZLE_ATOM_BYTES);
             wgmma_ss<elem_t, BLOCK_N, MN_MAJOR>(acc, a, b, kb > 0 || kk > 0);
         }
         wgmma_commit();
@@ -112,7 +113,7 @@ __device__ __forceinline__ void mainloop(float (&acc)[ACC_FRAGS][4], unsigned ba
 // --8<-- [start:epilogue]
 // A consumer's 64 × OUT_COLS results into its shared-memory buffer, as the 64-column boxes the TMA
 // store copies out: 64 rows of 128 bytes each, 16-byte chunk c of row r at position c ^ (r % 8) (the
-// 128-byte swizzle, stage 3's swizzle<128>). Entry j of a warp's float[32][4] is rows g, g+8 ×
+// 128-byte swizzle, stage 3's swizzle<SWIZZLE_BYTES>). Entry j of a warp's float[32][4] is rows g, g+8 ×
 // columns 8j + 2t, +1 of its 16 rows (g = lane / 4, t = lane % 4): for one j the 8 rows g land in 8
 // different chunks, so the 32 lanes' 4-byte stores hit 32 different banks. SwiGLU: entry j (j < 16) holds gate columns and entry
 // j + 16 the up columns of the same outputs.
@@ -135,7 +136,7 @@ __device__ __forceinline__ void stage_tile(const float (&acc)[ACC_FRAGS][4], uns
                 // END EXERCISE
             }
             const int row = warp_in_group * 16 + lane / 4 + 8 * half;
-            unsigned char* at = buffer + box * OUT_BOX_BYTES + swizzle<128>(row, chunk) + (lane % 4) * 4;
+            unsigned char* at = buffer + box * OUT_BOX_BYTES + swizzle<SWIZZLE_BYTES>(row, chunk) + (lane % 4) * 4;
             *reinterpret_cast<unsigned*>(at) = pack_pair<elem_t>(v0, v1);
         }
     }
@@ -152,10 +153,10 @@ __device__ __forceinline__ void store_h1(const float (&acc)[ACC_FRAGS][4], unsig
                                          unsigned buffer_address, const TmaMap& h1_map, const Tile& tile, int consumer,
                                          int up, int my_barrier, bool storer, int warp_in_group, int lane) {
     if (storer) tma_store_wait_read();  // the previous tile's stores must have read the buffer
-    named_barrier_sync(my_barrier, 128);
+    named_barrier_sync(my_barrier, WARPGROUP_THREADS);
     stage_tile<false>(acc, buffer, warp_in_group, lane);
     fence_async_shared();
-    named_barrier_sync(my_barrier, 128);
+    named_barrier_sync(my_barrier, WARPGROUP_THREADS);
     if (storer) {
         for (int box = 0; box < B_BOXES; ++box)
             tma_store_3d(h1_map, buffer_address + box * OUT_BOX_BYTES, b_column<true>(tile.n, box, up),
@@ -174,9 +175,9 @@ __device__ void grouped_gemm(const TmaMap& a_map, const TmaMap& b_map, const Tma
                              const int* __restrict__ offsets, int experts, int n_out, int k, int up,
                              const TmaMap* h1_map = nullptr) {
     static_assert(SWIGLU || !SAVE_H1, "h1 is the up GEMM's product");
-    extern __shared__ __align__(1024) unsigned char shared_raw[];
+    extern __shared__ __align__(SWIZZLE_ATOM_BYTES) unsigned char shared_raw[];
     // TMA's 128-byte swizzle and the descriptors' base offset 0 assume 1024-byte-aligned tiles.
-    const unsigned base = (shared_address(shared_raw) + 1023) & ~1023u;
+    const unsigned base = (shared_address(shared_raw) + SWIZZLE_ATOM_BYTES - 1) & ~(SWIZZLE_ATOM_BYTES - 1u);
     unsigned char* aligned = shared_raw + (base - shared_address(shared_raw));
     int* expert_offsets = reinterpret_cast<int*>(aligned + OFFSETS);
     auto barrier = [&](int index) { return base + BARRIERS + 8 * index; };
@@ -194,7 +195,7 @@ __device__ void grouped_gemm(const TmaMap& a_map, const TmaMap& b_map, const Tma
     constexpr int OUT_COLS = SWIGLU ? BLOCK_N / 2 : BLOCK_N;  // output columns per tile
     const Scheduler scheduler{expert_offsets, experts, (n_out + OUT_COLS - 1) / OUT_COLS};
     const int num_tiles = scheduler.num_tiles(), k_blocks = (k + BLOCK_K - 1) / BLOCK_K;
-    const int warpgroup = threadIdx.x / 128;
+    const int warpgroup = threadIdx.x / WARPGROUP_THREADS;
     int it = 0;  // stages filled (producer) or consumed (consumers) by this block, across its tiles
 
     if (warpgroup == 0) {
@@ -224,7 +225,7 @@ __device__ void grouped_gemm(const TmaMap& a_map, const TmaMap& b_map, const Tma
     } else {
         setmaxnreg_inc<CONSUMER_REGS>();
         const int consumer = warpgroup - 1, lane = threadIdx.x % 32, warp_in_group = threadIdx.x / 32 % 4;
-        const bool storer = threadIdx.x % 128 == 0;            // issues this consumer's TMA stores
+        const bool storer = threadIdx.x % WARPGROUP_THREADS == 0;  // issues this consumer's TMA stores
         const int my_barrier = 1 + consumer;                    // named barrier of this warpgroup
         unsigned char* buffer = aligned + EPILOGUE + consumer * EPILOGUE_BYTES;
         float acc[ACC_FRAGS][4];
@@ -237,10 +238,10 @@ __device__ void grouped_gemm(const TmaMap& a_map, const TmaMap& b_map, const Tma
             // --8<-- [start:store]
             // The previous tile's stores must have read the buffer before it is overwritten.
             if (storer) tma_store_wait_read();
-            named_barrier_sync(my_barrier, 128);
+            named_barrier_sync(my_barrier, WARPGROUP_THREADS);
             stage_tile<SWIGLU>(acc, buffer, warp_in_group, lane);
             fence_async_shared();  // the buffer's ordinary stores, visible to TMA
-            named_barrier_sync(my_barrier, 128);
+            named_barrier_sync(my_barrier, WARPGROUP_THREADS);
             if (storer) {
                 for (int box = 0; box < OUT_COLS / BOX_COLS; ++box)
                     tma_store_3d(out_map, base + EPILOGUE + consumer * EPILOGUE_BYTES + box * OUT_BOX_BYTES,

@@ -104,8 +104,8 @@ __device__ __forceinline__ void add_dq_tiles(const SharedMemory& shared, const B
 // dq[64 queries × 64 columns] = dS K for consumer `consumer`'s share over all 128 keys (see the header:
 // at D = 128 the columns 64·consumer .., at D = 64 the queries 64·consumer ..).
 __device__ __forceinline__ void issue_dq(float (&dq)[DQ_FRAGS][4], unsigned ds_tile, unsigned k_tile, int consumer) {
-    const unsigned ds_queries = ds_tile + (DQ_SPLIT_BY_QUERIES ? consumer : 0) * BLOCK_N * 128;  // its column block of dSᵀ
-    const unsigned k_columns = k_tile + (DQ_SPLIT_BY_QUERIES ? 0 : consumer) * BLOCK_N * 128;    // its column block of K
+    const unsigned ds_queries = ds_tile + (DQ_SPLIT_BY_QUERIES ? consumer : 0) * BLOCK_N * SWIZZLE_BYTES;  // its column block of dSᵀ
+    const unsigned k_columns = k_tile + (DQ_SPLIT_BY_QUERIES ? 0 : consumer) * BLOCK_N * SWIZZLE_BYTES;    // its column block of K
     // EXERCISE: issue dQ = dS K, BLOCK_N / 16 wgmmas of 16 keys each. Shared memory holds dSᵀ --
     // [key][query], column blocks of 64 queries, a 128-byte row per key -- so the A operand dS
     // [query][key] is MN-major: wgmma_ss_a_mn reads it transposed, from the column block at ds_queries.
@@ -116,9 +116,10 @@ __device__ __forceinline__ void issue_dq(float (&dq)[DQ_FRAGS][4], unsigned ds_t
     // STUB: for (auto& f : dq) f[0] = f[1] = f[2] = f[3] = 0.0f;  // dQ comes out 0; dK and dV stay right
 #pragma unroll
     for (int ks = 0; ks < BLOCK_N / 16; ++ks) {
-        const int row = 16 * ks * 128;
-        wgmma_ss_a_mn<elem_t, DQ_COLS, MN_MAJOR>(dq, make_smem_desc(ds_queries + row, BLOCK_N * 128, 1024),
-                                                 make_smem_desc(k_columns + row, BLOCK_N * 128, 1024), ks > 0);
+        const int row = 16 * ks * SWIZZLE_BYTES;
+        const u64 ds = make_smem_desc(ds_queries + row, BLOCK_N * SWIZZLE_BYTES, SWIZZLE_ATOM_BYTES);
+        const u64 k = make_smem_desc(k_columns + row, BLOCK_N * SWIZZLE_BYTES, SWIZZLE_ATOM_BYTES);
+        wgmma_ss_a_mn<elem_t, DQ_COLS, MN_MAJOR>(dq, ds, k, ks > 0);
     }
     // END EXERCISE
 }
@@ -134,8 +135,8 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const BlockW
     const int lane = threadIdx.x % 32, warp_in_group = threadIdx.x / 32 % 4;
     const int row0 = consumer * CONSUMER_KEYS + warp_in_group * 16;  // the warp's first key in the block
     const int key0 = work.n0() + row0;
-    const unsigned k_rows = shared.k_tile() + consumer * CONSUMER_KEYS * 128;  // this consumer's keys
-    const unsigned v_rows = shared.v_tile() + consumer * CONSUMER_KEYS * 128;
+    const unsigned k_rows = shared.k_tile() + consumer * CONSUMER_KEYS * SWIZZLE_BYTES;  // this consumer's keys
+    const unsigned v_rows = shared.v_tile() + consumer * CONSUMER_KEYS * SWIZZLE_BYTES;
     const float scale_log2 = scale * LOG2E;
     float dk[D_FRAGS][4], dv[D_FRAGS][4];
 #pragma unroll
@@ -185,9 +186,9 @@ attention_bwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaM
               elem_t* __restrict__ dv, long long dv_batch_stride, long long dv_head_stride, int dv_row_stride,
               int kv_heads, int seq_q, int seq_kv, int seq_q_padded, float scale, int causal, int group, int kv_pairs,
               int chunk_pairs) {
-    extern __shared__ __align__(1024) unsigned char shared_raw[];
+    extern __shared__ __align__(SWIZZLE_ATOM_BYTES) unsigned char shared_raw[];
     // TMA's 128-byte swizzle and the descriptors' base offset 0 assume 1024-byte-aligned tiles.
-    const unsigned raw = shared_address(shared_raw), base = (raw + 1023) & ~1023u;
+    const unsigned raw = shared_address(shared_raw), base = (raw + SWIZZLE_ATOM_BYTES - 1) & ~(SWIZZLE_ATOM_BYTES - 1u);
     const SharedMemory shared{base, shared_raw + (base - raw)};
     const int2 tile_and_pair = key_tile_and_pair(blockIdx.x, (seq_kv + BLOCK_N - 1) / BLOCK_N, kv_pairs, chunk_pairs);
     const int n0 = tile_and_pair.x * BLOCK_N;  // the block's first key
@@ -197,7 +198,7 @@ attention_bwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaM
     if (threadIdx.x == 0) init_barriers(shared);
     __syncthreads();
 
-    const int warpgroup = threadIdx.x / 128;
+    const int warpgroup = threadIdx.x / WARPGROUP_THREADS;
     if (warpgroup == 0) {
         setmaxnreg_dec<PRODUCER_REGS>();
         if (threadIdx.x == 0) produce(shared, work, q_map, k_map, v_map, do_map, lse_log2, delta, seq_q_padded);

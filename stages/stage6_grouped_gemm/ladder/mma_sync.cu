@@ -159,7 +159,7 @@ __device__ __forceinline__ void write_tile(const float (&acc)[M_TILES][FRAGS<SWI
 template <bool SWIGLU>
 __device__ __forceinline__ void grouped_gemm(const elem_t* a, const elem_t* b, elem_t* out, const int* offsets,
                                              int experts, int n_out, int k) {
-    extern __shared__ __align__(128) unsigned char shared[];  // the ring, then the offsets
+    extern __shared__ __align__(SWIZZLE_BYTES) unsigned char shared[];  // the ring, then the offsets
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int warp_row = WARP_ROWS * (warp / 4), warp_col = WARP_COLS * (warp % 4);
     for_each_tile(reinterpret_cast<int*>(shared + STAGES * STAGE_BYTES<SWIGLU>), offsets, experts, n_out,
