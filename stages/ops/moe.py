@@ -13,12 +13,13 @@ import reference
 from reference import moe
 from reference.moe_experts import BLOCK as MOE_BLOCK
 from reference.moe_layer_backward import Saved
-from stages.common.moe import MAX_EXPERTS, MAX_TOP_K, dims_problem
+from stages.common.moe import MAX_EXPERTS, MAX_TOP_K
 from stages.ops import shared
 
 MOE_LAYER = reference.load("moe_layer")  # the problems the op solves: their dtypes, run_stage
 MOE_LAYER_BACKWARD = reference.load("moe_layer_backward")
 MOE_DTYPES = {getattr(torch, name): name for name in MOE_LAYER.dtypes}
+MOE_MIN_DIM = 64   # hidden and inter: multiples of 8 (16-byte rows, TMA strides), at least a 64-wide tile
 
 
 def moe_layer(x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, top_k: int,
@@ -288,8 +289,8 @@ def moe_layer_input_problem(x, router_weight, router_bias, w1, w2, top_k, saved:
         return f"x, router_weight, w1 and w2 must all be {' or all '.join(MOE_DTYPES.values())}; got {dtypes}"
     if router_bias is not None and (router_bias.shape != (experts,) or router_bias.dtype != torch.float32):
         return f"router_bias must be float32 [E] = [{experts}]; got {router_bias.dtype} {list(router_bias.shape)}"
-    if problem := dims_problem(hidden, inter):
-        return problem
+    if hidden % 8 or inter % 8 or min(hidden, inter) < MOE_MIN_DIM:
+        return f"hidden and I must be multiples of 8, at least {MOE_MIN_DIM}; got hidden {hidden}, I {inter}"
     if experts > MAX_EXPERTS:
         return f"at most {MAX_EXPERTS} experts; got {experts}"
     if isinstance(top_k, bool) or not isinstance(top_k, (int, torch.SymInt)) or \

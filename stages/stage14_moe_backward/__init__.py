@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from stages import Goal, Stage
-from stages.common.moe import MAX_EXPERTS, MAX_TOP_K, dims_problem
+from stages.common.moe import MAX_EXPERTS, MAX_TOP_K
 from stages.stage6_grouped_gemm import BLOCK_K, BLOCK_M, BOX_COLS, CONSUMER_ROWS, GEOMETRY as EXPERTS_GEOMETRY
 from stages.stage6_grouped_gemm import NUM_THREADS, SHARED_BYTES
 
@@ -117,8 +117,8 @@ class HopperKernels:
 
 def check_shapes(experts: int, top_k: int, hidden: int, inter: int) -> None:
     assert experts <= MAX_EXPERTS and top_k <= MAX_TOP_K, (experts, top_k)
-    if problem := dims_problem(hidden, inter):
-        raise ValueError(problem)
+    assert hidden % 8 == 0 and inter % 8 == 0 and min(hidden, inter) >= BLOCK_K, \
+        f"hidden and inter must be multiples of 8 (TMA strides), at least {BLOCK_K}: {hidden}, {inter}"
 
 
 def backward(kernels, x, wr, w1, w2, dy, aux_coef, saved, dx, dwr, dbias, dw1, dw2):

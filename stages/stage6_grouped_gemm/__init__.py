@@ -11,7 +11,7 @@ import torch
 
 from stages import Goal, Stage
 from stages.common.hopper import sm_count, tensor_map
-from stages.common.moe import MAX_EXPERTS, MIN_DIM, dims_problem
+from stages.common.moe import MAX_EXPERTS
 
 # What the launch uses, as experts.cu computes it (the grader checks each value against the kernel):
 BLOCK_M = 128         # rows per tile; expert segments must start at multiples of it (schedule.cuh)
@@ -20,7 +20,6 @@ CONSUMER_ROWS = 64    # a consumer warpgroup's rows of a tile: the rows of a TMA
 BOX_COLS = 64         # a TMA box with the 128-byte swizzle is at most 64 16-bit elements wide
 NUM_THREADS = 384     # a producer warpgroup + 2 consumer warpgroups
 SHARED_BYTES = 215096  # the ring, the consumers' output tiles, the offsets, the mbarriers, 1 KB to align
-assert BLOCK_K <= MIN_DIM, "the smallest hidden and inter the experts take hold a k-step"
 GEOMETRY = {"BLOCK_M": BLOCK_M, "BLOCK_K": BLOCK_K, "CONSUMER_ROWS": CONSUMER_ROWS, "BOX_COLS": BOX_COLS,
             "NUM_THREADS": NUM_THREADS, "SHARED_BYTES": SHARED_BYTES, "MAX_EXPERTS": MAX_EXPERTS}
 
@@ -34,8 +33,8 @@ def run_experts(kernels, x_perm, expert_offsets, w1, w2, h, y_perm, spare_sms=0,
     kernel, for the backward); its padding rows as the kernel leaves them."""
     experts, hidden, inter = w1.shape[0], w1.shape[1], w2.shape[1]
     assert experts <= MAX_EXPERTS, experts
-    if problem := dims_problem(hidden, inter):
-        raise ValueError(problem)
+    assert hidden % 8 == 0 and inter % 8 == 0 and min(hidden, inter) >= BLOCK_K, \
+        f"hidden and inter must be multiples of 8 (TMA strides), at least {BLOCK_K}: {hidden}, {inter}"
     grid = (sm_count(x_perm.device) - spare_sms,)  # persistent: the kernels find their tiles on the device
     a_box, b_box, out_box = (1, BLOCK_M, BLOCK_K), (1, BLOCK_K, BOX_COLS), (1, CONSUMER_ROWS, BOX_COLS)
     if h1 is None:
