@@ -4,7 +4,8 @@ A few new tokens a sequence against its whole cache, read through a block table 
 cache, bound by memory bandwidth. Each block takes one (sequence, KV head, split of the keys) with the
 group's query heads packed as its 16 rows, so K and V are read once per KV head; a ring of cp.async copies
 keeps tiles in flight, and each warp runs the products on its own keys with mma.sync; the splits' partial
-outputs are combined by their log-sum-exps. Tensor cores through mma.sync: sm_80 and newer.
+outputs are combined by their log-sum-exps, by the last split of each row chunk to finish (no second kernel).
+Tensor cores through mma.sync: sm_80 and newer.
 """
 import functools
 
@@ -13,16 +14,14 @@ import torch
 from stages import Goal, Stage
 from stages.common.attention import by_head_dim, kv_group
 from stages.common.hopper import sm_count
+from stages.common.launcher import current_stream_handle
 
 # What the launch uses, per head dimension, as attention.cu computes it (the grader checks each value against
 # the kernel): keys per tile, query rows per block (a group's heads × the new tokens; more rows take more
 # blocks), threads of decode_split, its dynamic shared memory (a ring of 3 K tiles and 3 V tiles, then the
-# warps' row maxes and sums), the blocks of it an SM holds at once (its shared memory's share), and
-# decode_combine's rows per block (a warp each) and threads.
-GEOMETRY = {64: {"BLOCK_N": 64, "ROWS": 16, "NUM_THREADS": 128, "SHARED_BYTES": 49664, "MIN_BLOCKS_PER_SM": 4,
-                 "COMBINE_ROWS": 4, "COMBINE_THREADS": 128},
-            128: {"BLOCK_N": 64, "ROWS": 16, "NUM_THREADS": 128, "SHARED_BYTES": 98816, "MIN_BLOCKS_PER_SM": 2,
-                  "COMBINE_ROWS": 4, "COMBINE_THREADS": 128}}
+# warps' row maxes and sums), and the blocks of it an SM holds at once (its shared memory's share).
+GEOMETRY = {64: {"BLOCK_N": 64, "ROWS": 16, "NUM_THREADS": 128, "SHARED_BYTES": 49664, "MIN_BLOCKS_PER_SM": 4},
+            128: {"BLOCK_N": 64, "ROWS": 16, "NUM_THREADS": 128, "SHARED_BYTES": 98816, "MIN_BLOCKS_PER_SM": 2}}
 # --8<-- [start:launch]
 
 
@@ -43,6 +42,22 @@ def split_keys(units: int, max_len: int, slots: int, block_n: int) -> tuple[int,
     return keys_per_split, -(-max_len // keys_per_split)
 
 
+_ARRIVALS: dict = {}  # (GPU, stream) -> the kernel's arrival counters, which it leaves at zero after each launch
+
+
+def arrival_counters(device: torch.device, units: int) -> torch.Tensor:
+    """An int32 counter of arrived splits for each of `units` row chunks, all zero. Eager launches on one stream
+    run one after another, so they share one buffer, made once; a launch captured in a CUDA graph gets its own,
+    zeroed by the graph at each replay (a buffer made during a capture holds no zeros until then)."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(units, dtype=torch.int32, device=device)
+    key = (device.index, current_stream_handle(device.index))
+    counters = _ARRIVALS.get(key)
+    if counters is None or counters.numel() < units:
+        counters = _ARRIVALS[key] = torch.zeros(units, dtype=torch.int32, device=device)
+    return counters
+
+
 def launch(kernels, q, k_cache, v_cache, block_table, seq_lens, o, lse, scale, max_len):
     batch, heads, seq_q, head_dim = q.shape
     kv_heads = k_cache.shape[2]
@@ -54,12 +69,11 @@ def launch(kernels, q, k_cache, v_cache, block_table, seq_lens, o, lse, scale, m
     rows = batch * heads * seq_q
     o_partial = torch.empty(rows, splits, head_dim, dtype=torch.float32, device=q.device)
     lse_partial = torch.empty(rows, splits, dtype=torch.float32, device=q.device)
-    kernels.decode_split((batch * kv_heads * chunks * splits,), (launched["NUM_THREADS"],), q, k_cache, v_cache,
-                         block_table, seq_lens, o_partial, lse_partial, heads, kv_heads, seq_q, k_cache.shape[1],
-                         block_table.shape[1], keys_per_split, splits, chunks, float(scale),
+    units = batch * kv_heads * chunks
+    kernels.decode_split((units * splits,), (launched["NUM_THREADS"],), q, k_cache, v_cache, block_table, seq_lens,
+                         o_partial, lse_partial, arrival_counters(q.device, units), o, lse, heads, kv_heads, seq_q,
+                         k_cache.shape[1], block_table.shape[1], keys_per_split, splits, chunks, float(scale),
                          smem=launched["SHARED_BYTES"])
-    kernels.decode_combine((-(-rows // launched["COMBINE_ROWS"]),), (launched["COMBINE_THREADS"],), o_partial,
-                           lse_partial, o, lse, rows, splits)
 
 # --8<-- [end:launch]
 
@@ -69,8 +83,7 @@ STAGE = Stage(
     problem="decode_attention",
     source="attention.cu",
     kernels={"decode_split": "const elem_t*, const elem_t*, const elem_t*, const int*, const int*, float*, float*, "
-                             "int, int, int, int, int, int, int, int, float",
-             "decode_combine": "const float*, const float*, elem_t*, float*, int, int"},
+                             "int*, elem_t*, float*, int, int, int, int, int, int, int, int, float"},
     launch=launch,
     specializations={"HEAD_DIM": "D"},  # the head dimension, compiled in
     geometry=by_head_dim(GEOMETRY),

@@ -1,11 +1,11 @@
 // Stage 15 — decode attention over a paged KV cache: split-KV (FlashDecoding) on the tensor cores, and an
-// LSE combine.
+// LSE combine by the last split to finish.
 //
 //   O = softmax(scale · Q Kᵀ [causal among the new tokens]) V, for each sequence over its whole cache
 //
 // A decode step has 1 to 8 new tokens a sequence: each key and value of the cache is used by the few
 // query rows of its KV head and then never again, so the step is a read of the cache, bound by memory
-// bandwidth. Two kernels:
+// bandwidth. One kernel, in two steps:
 //
 // 1. decode_split    one block for each (sequence, KV head, row chunk, split of the keys). Its ROWS = 16
 //                    rows are the query rows that read this KV head (the group's H / H_kv heads × the Sq
@@ -18,8 +18,11 @@
 //                    inside the loop. At the end their (max, sum, O) are merged through shared memory into
 //                    the split's partial O (normalized) and LSE, or O = 0 and LSE = -inf where the split
 //                    holds no key of a row.
-// 2. decode_combine  one warp per output row: O = Σ_s w_s O_s / Σ_s w_s, w_s = exp(lse_s - max lse), and
-//                    the row's LSE = max + log Σ w_s.
+// 2. the combine     the last of a (sequence, KV head, row chunk)'s splits to finish (a counter of
+//                    arrivals says which) combines their partials, a warp per output row:
+//                    O = Σ_s w_s O_s / Σ_s w_s, w_s = exp(lse_s - max lse), and the row's LSE = max + log Σ w_s.
+//                    No second kernel: its launch and its wait for the first were a tenth of the time at
+//                    the shortest shapes.
 //
 // The count, per key of a KV head (fp16 or bf16, D the head dimension):
 //   memory     K and V, 2 · D · 2 bytes (512 at D = 128), read once from HBM; cp.async writes them to
@@ -65,8 +68,6 @@ constexpr int D_STEPS = HEAD_DIM / 16;                // k-steps of Q·Kᵀ (16 
 constexpr int S_FRAGS = KEYS_PER_WARP / 8;            // n8 fragments of a warp's 16 × 16 scores
 constexpr int O_FRAGS = HEAD_DIM / 8;                 // n8 fragments of its 16 × D output
 constexpr int MERGE_STRIDE = HEAD_DIM + 8;            // floats between rows of a warp's O in the merge
-constexpr int COMBINE_ROWS = 4;                       // decode_combine: output rows per block, a warp each
-constexpr int COMBINE_THREADS = COMBINE_ROWS * 32;
 static_assert(sizeof(elem_t) == 2, "ldmatrix, mma and the chunk arithmetic assume 16-bit elements");
 static_assert(COPY_PASSES * KEYS_PER_PASS == KEYS_PER_WARP && KEYS_PER_WARP <= 32, "a lane looks up a key");
 static_assert(NUM_WARPS * ROWS * MERGE_STRIDE * 4 <= RING_BYTES, "the merge fits in the ring");
@@ -215,12 +216,68 @@ __device__ __forceinline__ void write_partial(const float (&o)[O_FRAGS][4], cons
 }
 // --8<-- [end:merge]
 
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+    return x;
+}
+
+// --8<-- [start:combine]
+// One output row from its splits' partials, by one warp. Other blocks wrote most of them: they are read
+// from L2 (__ldcg), where their writes are, never from this SM's L1.
+__device__ __forceinline__ void combine_row(const float* o_partial, const float* lse_partial, elem_t* o, float* lse,
+                                            long long row, int splits, int lane) {
+    const float* lses = lse_partial + row * splits;
+    const float* parts = o_partial + row * splits * HEAD_DIM;
+    // EXERCISE: combine the splits' partial rows into the row's O and LSE. Split s holds
+    // O_s = Σ_j p_j v_j / Σ_j p_j over its keys (in parts[s · HEAD_DIM + d]) and lse_s = log Σ_j p_j
+    // (in lses[s]; -inf where it saw no key). Weigh each O_s by exp(lse_s - max_s lse_s), divide by
+    // the weights' sum, and write o[row · HEAD_DIM + d] (each lane the columns lane, lane + 32, ...)
+    // and lse[row] = max + log(sum). A row no split saw: O = 0, LSE = -inf. Read them with __ldcg.
+    // STUB: (void)lses; (void)parts; (void)lane;
+    float m = -INFINITY;
+    for (int s = lane; s < splits; s += 32) m = fmaxf(m, __ldcg(lses + s));
+    m = warp_max(m);
+    float acc[HEAD_DIM / 32] = {}, total = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+        const float lse_s = __ldcg(lses + s);
+        const float w = lse_s == -INFINITY ? 0.0f : exp2f((lse_s - m) * LOG2E);
+        total += w;
+        if (w == 0.0f) continue;
+#pragma unroll
+        for (int e = 0; e < HEAD_DIM / 32; ++e) acc[e] += w * __ldcg(parts + s * HEAD_DIM + lane + 32 * e);
+    }
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+#pragma unroll
+    for (int e = 0; e < HEAD_DIM / 32; ++e) o[row * HEAD_DIM + lane + 32 * e] = from_float<elem_t>(acc[e] * inv);
+    if (lane == 0) lse[row] = total > 0.0f ? m + logf(total) : -INFINITY;
+    // END EXERCISE
+}
+
+// Whether this block is the last of its unit's `splits` blocks to have written its partials: each thread's
+// writes are made visible to the whole GPU first (__threadfence), then one thread counts the block in.
+// The last one sets the counter back to 0 for the next launch (a CUDA graph's next replay too).
+__device__ __forceinline__ bool last_to_finish(int* arrival, int splits, int* flag_s) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) *flag_s = atomicAdd(arrival, 1) == splits - 1;
+    __syncthreads();
+    const bool last = *flag_s;
+    if (last) {
+        __threadfence();  // the other blocks' partials, counted in before this block's arrival, are seen
+        if (threadIdx.x == 0) *arrival = 0;
+    }
+    return last;
+}
+// --8<-- [end:combine]
+
 // --8<-- [start:split]
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
 decode_split(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cache, const elem_t* __restrict__ v_cache,
              const int* __restrict__ block_table, const int* __restrict__ seq_lens, float* __restrict__ o_partial,
-             float* __restrict__ lse_partial, int heads, int kv_heads, int seq_q, int page_size, int max_pages,
-             int keys_per_split, int splits, int chunks, float scale) {
+             float* __restrict__ lse_partial, int* __restrict__ arrivals, elem_t* __restrict__ o, float* __restrict__ lse,
+             int heads, int kv_heads, int seq_q, int page_size, int max_pages, int keys_per_split, int splits,
+             int chunks, float scale) {
     // [K ring: KV_STAGES tiles][V ring: KV_STAGES tiles], swizzled (tiles of 128-byte multiples), then
     // each warp's running max and sum per row; after the loop, the merge's o_s over the rings. All of it
     // dynamic, one amount: the launch's SHARED_BYTES.
@@ -263,7 +320,7 @@ decode_split(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cache, c
     for (int r = 0; r < 2; ++r) position[r] = seq_len - seq_q + (first_row + lane / 4 + 8 * r) % seq_q;
     const int seen_by_all = min(key_end, seq_len - seq_q + 1);  // keys below it need no mask
 
-    float o[O_FRAGS][4] = {};
+    float o_acc[O_FRAGS][4] = {};
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};  // of rows g and g + 8
     const float scale_log2 = scale * LOG2E;
     for (int tile = 0; tile < num_tiles; ++tile) {
@@ -279,8 +336,8 @@ decode_split(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cache, c
         warp_scores(s, q_frag, k_ring + buffer, key_row0, lane);
         if (first_key + KEYS_PER_WARP > seen_by_all) mask_scores(s, first_key, key_end, position, lane);
         // A row with no visible key so far keeps max = -inf, sum = 0: its p are exp2(-inf) = 0 (mma.cuh).
-        online_softmax(s, o, row_max, row_sum, scale_log2);
-        warp_pv(o, s, v_ring + buffer, key_row0, lane);
+        online_softmax(s, o_acc, row_max, row_sum, scale_log2);
+        warp_pv(o_acc, s, v_ring + buffer, key_row0, lane);
     }
 
     // Each warp publishes its rows' max and sum (the sum of its quad's four partial sums), then the merge.
@@ -294,47 +351,12 @@ decode_split(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cache, c
     }
     cp_async_wait<0>();  // no copy still writes the ring (the last groups are empty) ...
     __syncthreads();     // ... and every warp is done with it and has published its rows
-    write_partial(o, row_max, max_s, sum_s, reinterpret_cast<float*>(shared_bytes), o_partial, lse_partial, first_out,
-                  rows, splits, split, scale);
+    write_partial(o_acc, row_max, max_s, sum_s, reinterpret_cast<float*>(shared_bytes), o_partial, lse_partial,
+                  first_out, rows, splits, split, scale);
+
+    // The unit's last split to finish combines every split's partial rows (the warps' maxes, read by now,
+    // give their first slot for the flag).
+    if (!last_to_finish(arrivals + blockIdx.x / splits, splits, reinterpret_cast<int*>(max_s))) return;
+    for (int r = warp; r < rows; r += NUM_WARPS) combine_row(o_partial, lse_partial, o, lse, first_out + r, splits, lane);
 }
 // --8<-- [end:split]
-
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
-    return x;
-}
-
-// --8<-- [start:combine]
-extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
-decode_combine(const float* __restrict__ o_partial, const float* __restrict__ lse_partial, elem_t* __restrict__ o,
-               float* __restrict__ lse, int rows, int splits) {
-    const int lane = threadIdx.x % 32;
-    const long long row = (long long)blockIdx.x * COMBINE_ROWS + threadIdx.x / 32;
-    if (row >= rows) return;
-    const float* lses = lse_partial + row * splits;
-    const float* parts = o_partial + row * splits * HEAD_DIM;
-    // EXERCISE: combine the splits' partial rows into the row's O and LSE. Split s holds
-    // O_s = Σ_j p_j v_j / Σ_j p_j over its keys (in parts[s · HEAD_DIM + d]) and lse_s = log Σ_j p_j
-    // (in lses[s]; -inf where it saw no key). Weigh each O_s by exp(lse_s - max_s lse_s), divide by
-    // the weights' sum, and write o[row · HEAD_DIM + d] (each lane the columns lane, lane + 32, ...)
-    // and lse[row] = max + log(sum). A row no split saw: O = 0, LSE = -inf.
-    // STUB: (void)lses; (void)parts; (void)lane;
-    float m = -INFINITY;
-    for (int s = lane; s < splits; s += 32) m = fmaxf(m, lses[s]);
-    m = warp_max(m);
-    float acc[HEAD_DIM / 32] = {}, total = 0.0f;
-    for (int s = 0; s < splits; ++s) {
-        const float w = lses[s] == -INFINITY ? 0.0f : exp2f((lses[s] - m) * LOG2E);
-        total += w;
-        if (w == 0.0f) continue;
-#pragma unroll
-        for (int e = 0; e < HEAD_DIM / 32; ++e) acc[e] += w * parts[s * HEAD_DIM + lane + 32 * e];
-    }
-    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-#pragma unroll
-    for (int e = 0; e < HEAD_DIM / 32; ++e) o[row * HEAD_DIM + lane + 32 * e] = from_float<elem_t>(acc[e] * inv);
-    if (lane == 0) lse[row] = total > 0.0f ? m + logf(total) : -INFINITY;
-    // END EXERCISE
-}
-// --8<-- [end:combine]
