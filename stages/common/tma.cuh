@@ -94,16 +94,17 @@ __device__ __forceinline__ void tma_prefetch_map(const TmaMap& map) {
 // rows, one after the other (the swizzle depends on the address only, so they compose into the layout
 // one box would make), which keeps a tensor map's box no longer than a short head's rows.
 constexpr int TILE_BOX_ROWS = 64;  // the rows of the tensor maps' boxes, which the launches build
+constexpr int ATOM_COLS = SWIZZLE_BYTES / 2;  // their columns: the 16-bit elements of a 128-byte swizzle row
 
 template <int ROWS, int COLUMNS>
 __device__ __forceinline__ void load_tile(unsigned tile, const TmaMap& map, unsigned full_barrier, int row0, int head,
                                           int batch) {
-    static_assert(ROWS % TILE_BOX_ROWS == 0 && COLUMNS % 64 == 0, "a tile is whole boxes");
+    static_assert(ROWS % TILE_BOX_ROWS == 0 && COLUMNS % ATOM_COLS == 0, "a tile is whole boxes");
 #pragma unroll
-    for (int b = 0; b < COLUMNS / 64; ++b)
+    for (int b = 0; b < COLUMNS / ATOM_COLS; ++b)
 #pragma unroll
         for (int r = 0; r < ROWS / TILE_BOX_ROWS; ++r)
-            tma_load_4d(tile + (b * ROWS + r * TILE_BOX_ROWS) * SWIZZLE_BYTES, map, full_barrier, b * 64,
+            tma_load_4d(tile + (b * ROWS + r * TILE_BOX_ROWS) * SWIZZLE_BYTES, map, full_barrier, b * ATOM_COLS,
                         row0 + r * TILE_BOX_ROWS, head, batch);
 }
 // --8<-- [end:tile]

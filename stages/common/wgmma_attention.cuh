@@ -21,8 +21,9 @@ __device__ __forceinline__ void wgmma_scores(float (&s)[BLOCK_N / 8][4], unsigne
 #pragma unroll
     for (int kk = 0; kk < DIM / 16; ++kk) {
         const unsigned column = kk / 4, offset = (kk % 4) * 32;
-        const u64 a = make_smem_desc(q_tile + column * BLOCK_M * 128 + consumer * 64 * 128 + offset, 16, 1024);
-        const u64 b = make_smem_desc(k_tile + column * BLOCK_N * 128 + offset, 16, 1024);
+        const u64 a = make_smem_desc(q_tile + column * BLOCK_M * SWIZZLE_BYTES + consumer * 64 * SWIZZLE_BYTES + offset,
+                                     16, SWIZZLE_ATOM_BYTES);
+        const u64 b = make_smem_desc(k_tile + column * BLOCK_N * SWIZZLE_BYTES + offset, 16, SWIZZLE_ATOM_BYTES);
         wgmma_ss<elem_t, BLOCK_N, K_MAJOR>(s, a, b, kk > 0);
     }
 }
@@ -35,7 +36,7 @@ __device__ __forceinline__ void wgmma_pv(float (&o)[DIM / 8][4], const unsigned 
                                          unsigned v_tile) {
 #pragma unroll
     for (int ks = 0; ks < BLOCK_N / 16; ++ks) {
-        const u64 b = make_smem_desc(v_tile + ks * 16 * 128, BLOCK_N * 128, 1024);
+        const u64 b = make_smem_desc(v_tile + ks * 16 * SWIZZLE_BYTES, BLOCK_N * SWIZZLE_BYTES, SWIZZLE_ATOM_BYTES);
         wgmma_rs<elem_t, DIM, MN_MAJOR>(o, p[ks], b, 1);
     }
 }

@@ -26,7 +26,6 @@ constexpr int DQ_STAGES = BLOCK_M == 64 ? 2 : 1;      // buffers of a query tile
 constexpr int NUM_THREADS = (1 + CONSUMERS) * WARPGROUP_THREADS;  // + the producer warpgroup
 constexpr int CONSUMER_THREADS = CONSUMERS * WARPGROUP_THREADS;
 constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
-constexpr int ATOM_COLS = SWIZZLE_BYTES / 2;          // elements in a 128-byte swizzle row
 constexpr int KV_TILE_BYTES = BLOCK_N * HEAD_DIM * 2;
 constexpr int Q_TILE_BYTES = BLOCK_M * HEAD_DIM * 2;
 constexpr int DS_TILE_BYTES = BLOCK_N * BLOCK_M * 2;  // dSᵀ [key][query]: column blocks of 64 queries, 128-byte rows

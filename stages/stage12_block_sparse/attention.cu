@@ -30,10 +30,9 @@ constexpr int BLOCK_M = 128;                          // query rows per query ti
 constexpr int BLOCK_N = 128;                          // keys per K/V tile = the mask's block
 constexpr int KV_STAGES = HEAD_DIM == 64 ? 3 : 2;     // K/V ring slots
 constexpr int CONSUMERS = 2;
-constexpr int NUM_THREADS = (1 + CONSUMERS) * 128;
-constexpr int CONSUMER_THREADS = CONSUMERS * 128;
+constexpr int NUM_THREADS = (1 + CONSUMERS) * WARPGROUP_THREADS;
+constexpr int CONSUMER_THREADS = CONSUMERS * WARPGROUP_THREADS;
 constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
-constexpr int ATOM_COLS = 64;                         // elements in a 128-byte swizzle row
 constexpr int Q_TILE_BYTES = BLOCK_M * HEAD_DIM * 2;
 constexpr int KV_TILE_BYTES = BLOCK_N * HEAD_DIM * 2;
 constexpr int S_FRAGS = BLOCK_N / 8;
@@ -45,7 +44,7 @@ constexpr int V_RING = K_RING + KV_STAGES * KV_TILE_BYTES;
 constexpr int BARRIERS = V_RING + KV_STAGES * KV_TILE_BYTES;
 constexpr int Q_FULL = 0, Q_EMPTY = 1, K_FULL = 2, V_FULL = 2 + KV_STAGES, K_EMPTY = 2 + 2 * KV_STAGES,
               V_EMPTY = 2 + 3 * KV_STAGES, NUM_BARRIERS = 2 + 4 * KV_STAGES;
-constexpr int SHARED_BYTES = BARRIERS + 8 * NUM_BARRIERS + 1024;
+constexpr int SHARED_BYTES = BARRIERS + 8 * NUM_BARRIERS + SWIZZLE_ATOM_BYTES;  // + room to align the base
 static_assert(SHARED_BYTES <= 227 * 1024, "an H100 block has at most 227 KB of shared memory");
 static_assert(sizeof(elem_t) == 2, "16-bit elements");
 static_assert(HEAD_DIM % ATOM_COLS == 0, "D is a whole number of 128-byte swizzle rows");
@@ -256,14 +255,14 @@ block_sparse_attention_fwd(const __grid_constant__ TmaMap q_map, const __grid_co
                            const int* __restrict__ kv_indices, const int* __restrict__ full_num,
                            const int* __restrict__ full_indices, int kv_blocks, const int* __restrict__ order,
                            int num_q_blocks, int window, const int* __restrict__ document_ids) {
-    extern __shared__ __align__(1024) unsigned char shared_raw[];
-    const SharedMemory shared{(shared_address(shared_raw) + 1023) & ~1023u};
+    extern __shared__ __align__(SWIZZLE_ATOM_BYTES) unsigned char shared_raw[];
+    const SharedMemory shared{(shared_address(shared_raw) + SWIZZLE_ATOM_BYTES - 1) & ~(SWIZZLE_ATOM_BYTES - 1u)};
     const Schedule schedule{order, batch_heads, num_q_blocks * batch_heads};
     const Mask mask{kv_num, kv_indices, full_num, full_indices, kv_blocks, window, document_ids};
     if (threadIdx.x == 0) init_barriers(shared);
     __syncthreads();
 
-    const int warpgroup = threadIdx.x / 128;
+    const int warpgroup = threadIdx.x / WARPGROUP_THREADS;
     if (warpgroup == 0) {
         setmaxnreg_dec<PRODUCER_REGS>();
         if (threadIdx.x == 0) produce(shared, schedule, mask, q_map, k_map, v_map, heads, group);

@@ -67,10 +67,9 @@ constexpr int BLOCK_M = 128;                          // query rows per query ti
 constexpr int BLOCK_N = HEAD_DIM == 64 && !CAUSAL ? 192 : 128;  // keys per K/V tile (see above)
 constexpr int KV_STAGES = HEAD_DIM == 64 ? (CAUSAL ? 4 : 3) : 2;  // K/V ring slots: what shared memory allows
 constexpr int CONSUMERS = 2;                          // consumer warpgroups, 64 query rows each
-constexpr int NUM_THREADS = (1 + CONSUMERS) * 128;    // + the producer warpgroup
-constexpr int CONSUMER_THREADS = CONSUMERS * 128;
+constexpr int NUM_THREADS = (1 + CONSUMERS) * WARPGROUP_THREADS;  // + the producer warpgroup
+constexpr int CONSUMER_THREADS = CONSUMERS * WARPGROUP_THREADS;
 constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
-constexpr int ATOM_COLS = 64;                         // elements in a 128-byte swizzle row
 constexpr int COL_BLOCKS = HEAD_DIM / ATOM_COLS;      // 128-byte column blocks of a D-wide row
 constexpr int Q_TILE_BYTES = BLOCK_M * HEAD_DIM * 2;
 constexpr int KV_TILE_BYTES = BLOCK_N * HEAD_DIM * 2;
@@ -84,7 +83,7 @@ constexpr int V_RING = K_RING + KV_STAGES * KV_TILE_BYTES;
 constexpr int BARRIERS = V_RING + KV_STAGES * KV_TILE_BYTES;  // then 8-byte mbarriers:
 constexpr int Q_FULL = 0, Q_EMPTY = 1, K_FULL = 2, V_FULL = 2 + KV_STAGES, K_EMPTY = 2 + 2 * KV_STAGES,
               V_EMPTY = 2 + 3 * KV_STAGES, NUM_BARRIERS = 2 + 4 * KV_STAGES;
-constexpr int SHARED_BYTES = BARRIERS + 8 * NUM_BARRIERS + 1024;  // + 1 KB to align the base to 1024 bytes
+constexpr int SHARED_BYTES = BARRIERS + 8 * NUM_BARRIERS + SWIZZLE_ATOM_BYTES;  // + room to align the base to an atom
 static_assert(SHARED_BYTES <= 227 * 1024, "an H100 block has at most 227 KB of shared memory");
 static_assert(sizeof(elem_t) == 2, "16-bit elements");
 static_assert(HEAD_DIM % ATOM_COLS == 0, "D is a whole number of 128-byte swizzle rows");
@@ -290,14 +289,14 @@ attention_fwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaM
               const __grid_constant__ TmaMap v_map, elem_t* __restrict__ o, long long o_batch_stride,
               long long o_head_stride, int o_row_stride, int heads, float* __restrict__ lse, int seq_q, int seq_kv,
               float scale, int batch_heads, int persistent, int group) {
-    extern __shared__ __align__(1024) unsigned char shared_raw[];
+    extern __shared__ __align__(SWIZZLE_ATOM_BYTES) unsigned char shared_raw[];
     // TMA's 128-byte swizzle and the descriptors' base offset 0 assume 1024-byte-aligned tiles.
-    const SharedMemory shared{(shared_address(shared_raw) + 1023) & ~1023u};
+    const SharedMemory shared{(shared_address(shared_raw) + SWIZZLE_ATOM_BYTES - 1) & ~(SWIZZLE_ATOM_BYTES - 1u)};
     const Schedule schedule(seq_q, batch_heads, persistent);
     if (threadIdx.x == 0) init_barriers(shared);
     __syncthreads();
 
-    const int warpgroup = threadIdx.x / 128;
+    const int warpgroup = threadIdx.x / WARPGROUP_THREADS;
     if (warpgroup == 0) {
         setmaxnreg_dec<PRODUCER_REGS>();  // the producer keeps 24 registers per thread
         if (threadIdx.x == 0) produce(shared, schedule, q_map, k_map, v_map, seq_kv, heads, group);

@@ -23,8 +23,7 @@
 constexpr int BLOCK_M = 128;                          // query rows per block: 2 warpgroups × 64
 constexpr int BLOCK_N = HEAD_DIM == 64 ? 192 : 128;   // keys per K/V tile, attention.cu's
 constexpr int WARPGROUP_ROWS = 64;                    // the M of wgmma.m64nNk16
-constexpr int COMPUTE_THREADS = BLOCK_M / WARPGROUP_ROWS * 128;  // the two warpgroups that multiply
-constexpr int ATOM_COLS = 64;                         // elements in a 128-byte swizzle row
+constexpr int COMPUTE_THREADS = BLOCK_M / WARPGROUP_ROWS * WARPGROUP_THREADS;  // the two warpgroups that multiply
 constexpr int Q_TILE_BYTES = BLOCK_M * HEAD_DIM * 2;
 constexpr int KV_TILE_BYTES = BLOCK_N * HEAD_DIM * 2;
 constexpr int S_FRAGS = BLOCK_N / 8;                  // n8 fragments of a warp's 16 × BLOCK_N scores
@@ -56,7 +55,7 @@ struct SharedTiles {
 // The block's dynamic shared memory, its base rounded up to 1024 bytes (SHARED_BYTES has 1 KB for it).
 template <int SLOTS>
 __device__ __forceinline__ SharedTiles<SLOTS> shared_tiles(unsigned char* shared_raw) {
-    return {(shared_address(shared_raw) + 1023) & ~1023u};
+    return {(shared_address(shared_raw) + SWIZZLE_ATOM_BYTES - 1) & ~(SWIZZLE_ATOM_BYTES - 1u)};
 }
 
 // The block's query tile: rows m0 .. m0 + 127 of (batch, head) pair `pair` = b·H + h, and K/V pair

@@ -17,7 +17,7 @@
 constexpr int SLOTS = 2;  // K/V tiles in shared memory: the one multiplied, the one loading
 constexpr int NUM_THREADS = COMPUTE_THREADS;
 constexpr int NUM_BARRIERS = 1 + 2 * SLOTS;  // Q's, and each buffer's K and V full barriers
-constexpr int SHARED_BYTES = TILES_BYTES<SLOTS> + 8 * NUM_BARRIERS + 1024;  // + 1 KB to align the base
+constexpr int SHARED_BYTES = TILES_BYTES<SLOTS> + 8 * NUM_BARRIERS + SWIZZLE_ATOM_BYTES;  // + room to align the base
 static_assert(SHARED_BYTES <= 227 * 1024, "an H100 block has at most 227 KB of shared memory");
 
 // --8<-- [start:load]
@@ -57,10 +57,10 @@ attention_fwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaM
               const __grid_constant__ TmaMap v_map, elem_t* __restrict__ o, long long o_batch_stride,
               long long o_head_stride, int o_row_stride, int heads, float* __restrict__ lse, int seq_q, int seq_kv,
               float scale, int causal, int group) {
-    extern __shared__ __align__(1024) unsigned char shared_raw[];
+    extern __shared__ __align__(SWIZZLE_ATOM_BYTES) unsigned char shared_raw[];
     const SharedTiles<SLOTS> shared = shared_tiles<SLOTS>(shared_raw);
     const QueryTile query(seq_q, heads, group);
-    const int num_tiles = kv_tiles(query.m0, seq_kv, causal), warpgroup = threadIdx.x / 128;
+    const int num_tiles = kv_tiles(query.m0, seq_kv, causal), warpgroup = threadIdx.x / WARPGROUP_THREADS;
     Rows rows(query.m0 + warpgroup * WARPGROUP_ROWS + threadIdx.x / 32 % 4 * 16);
     unsigned p[P_STEPS][4];
 

@@ -18,11 +18,11 @@
 #include "forward.cuh"
 
 constexpr int KV_STAGES = HEAD_DIM == 64 ? 3 : 2;  // K/V ring slots, attention.cu's
-constexpr int NUM_THREADS = 128 + COMPUTE_THREADS;  // the producer warpgroup + 2 consumer warpgroups
+constexpr int NUM_THREADS = WARPGROUP_THREADS + COMPUTE_THREADS;  // the producer warpgroup + 2 consumer warpgroups
 constexpr int CONSUMER_THREADS = COMPUTE_THREADS;
 constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
 constexpr int NUM_BARRIERS = 1 + 4 * KV_STAGES;  // Q's, each slot's K and V full and empty barriers
-constexpr int SHARED_BYTES = TILES_BYTES<KV_STAGES> + 8 * NUM_BARRIERS + 1024;  // + 1 KB to align the base
+constexpr int SHARED_BYTES = TILES_BYTES<KV_STAGES> + 8 * NUM_BARRIERS + SWIZZLE_ATOM_BYTES;  // + room to align
 static_assert(SHARED_BYTES <= 227 * 1024, "an H100 block has at most 227 KB of shared memory");
 using Shared = SharedTiles<KV_STAGES>;
 
@@ -96,13 +96,13 @@ attention_fwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaM
               const __grid_constant__ TmaMap v_map, elem_t* __restrict__ o, long long o_batch_stride,
               long long o_head_stride, int o_row_stride, int heads, float* __restrict__ lse, int seq_q, int seq_kv,
               float scale, int causal, int group) {
-    extern __shared__ __align__(1024) unsigned char shared_raw[];
+    extern __shared__ __align__(SWIZZLE_ATOM_BYTES) unsigned char shared_raw[];
     const Shared shared = shared_tiles<KV_STAGES>(shared_raw);
     const QueryTile query(seq_q, heads, group);
     if (threadIdx.x == 0) init_barriers(shared);
     __syncthreads();
 
-    const int warpgroup = threadIdx.x / 128;
+    const int warpgroup = threadIdx.x / WARPGROUP_THREADS;
     if (warpgroup == 0) {
         setmaxnreg_dec<PRODUCER_REGS>();  // the producer keeps 24 registers per thread
         if (threadIdx.x == 0) produce(shared, query, q_map, k_map, v_map, seq_kv, causal);

@@ -25,7 +25,7 @@
 
 constexpr int SLOTS = 2;  // K/V tiles in shared memory: the one multiplied, the one loading
 constexpr int NUM_THREADS = COMPUTE_THREADS;
-constexpr int SHARED_BYTES = TILES_BYTES<SLOTS> + 1024;  // + 1 KB to align the base to 1024 bytes
+constexpr int SHARED_BYTES = TILES_BYTES<SLOTS> + SWIZZLE_ATOM_BYTES;  // + room to align the base to an atom
 static_assert(SHARED_BYTES <= 227 * 1024, "an H100 block has at most 227 KB of shared memory");
 
 // --8<-- [start:copy]
@@ -34,7 +34,7 @@ static_assert(SHARED_BYTES <= 227 * 1024, "an H100 block has at most 227 KB of s
 // each an array of 128-byte rows with stage 3's swizzle.
 template <int ROWS>
 __device__ __forceinline__ unsigned tile_offset(int row, int chunk) {
-    return (chunk / 8) * ROWS * 128 + swizzle<128>(row, chunk % 8);
+    return (chunk / 8) * ROWS * SWIZZLE_BYTES + swizzle<SWIZZLE_BYTES>(row, chunk % 8);
 }
 
 // Every thread's cp.async copies of rows row0 .. row0 + ROWS - 1 of a dense [rows, D] head into `tile`;
@@ -66,12 +66,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 attention_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
               elem_t* __restrict__ o, long long o_batch_stride, long long o_head_stride, int o_row_stride, int heads,
               float* __restrict__ lse, int seq_q, int seq_kv, float scale, int causal, int group) {
-    extern __shared__ __align__(1024) unsigned char shared_raw[];
+    extern __shared__ __align__(SWIZZLE_ATOM_BYTES) unsigned char shared_raw[];
     const SharedTiles<SLOTS> shared = shared_tiles<SLOTS>(shared_raw);
     const QueryTile query(seq_q, heads, group);
     const elem_t* k_head = k + (size_t)query.kv_pair * seq_kv * HEAD_DIM;
     const elem_t* v_head = v + (size_t)query.kv_pair * seq_kv * HEAD_DIM;
-    const int num_tiles = kv_tiles(query.m0, seq_kv, causal), warpgroup = threadIdx.x / 128;
+    const int num_tiles = kv_tiles(query.m0, seq_kv, causal), warpgroup = threadIdx.x / WARPGROUP_THREADS;
     Rows rows(query.m0 + warpgroup * WARPGROUP_ROWS + threadIdx.x / 32 % 4 * 16);
     unsigned p[P_STEPS][4];
 
