@@ -104,6 +104,19 @@ def kept_copy(kernel: Path) -> Path:
     return copy
 
 
+def compiles_as_graded(stage, kernel: Path, arch: str):
+    """A copy of a stage's kernel (an exercise, a mutation) compiled at `arch` as the grader compiles it (its
+    signature and geometry checks appended), for the first of its variants only: the copy's edit is in its text,
+    which every variant compiles, and the GPU tests compile each copy's every variant (gpu_kernels.py), as
+    tests/test_compile.py does the stage's own kernel's for every arch. Every variant of every copy is 182
+    compiles; their first variants, 36."""
+    from grader.run import stage_builds
+    from stages.common.compiler import compile_cubin
+
+    defines, checks = stage_builds(stage)[0]
+    return compile_cubin(kept_copy(kernel), arch, defines, checks)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def compiled_up_front(request):
     """Where GPU tests run, every kernel they compile, compiled first over all CPU cores (gpu_kernels.py):
