@@ -68,7 +68,22 @@ def pytest_configure(config):
         torch.set_num_threads(share)
 
 
+# With -n, the modules whose tests take longest (minutes of NVRTC's compiles with an empty compile cache, or a grader
+# or a model run in a new process), sent first, in this order: each worker takes the next test as it frees, so that a
+# long test sent last would leave the other cores idle while it ends the run. ONE_WORKER's modules go first anyway
+# (pytest-xdist sends the groups of most tests first).
+LONG_FIRST = ("tests/test_cli.py", "tests/test_training.py", "tests/test_gpu_kernels.py", "tests/test_compile.py",
+              "tests/test_sass_identity.py", "tests/test_mutations.py", "tests/test_exercise.py", "tests/test_geometry.py")
+
+
+def sending_order(nodeid: str) -> int:
+    """Where the test `nodeid` comes in -n's order: its module's place in LONG_FIRST, after them the others'."""
+    module = nodeid.split("::", 1)[0]
+    return LONG_FIRST.index(module) if module in LONG_FIRST else len(LONG_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: sending_order(item.nodeid))  # stable: in a module, the tests' own order
     found, why = gpu()
     if found is None:
         skip = pytest.mark.skip(reason=f"needs an NVIDIA GPU: {why}")
