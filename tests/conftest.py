@@ -71,8 +71,11 @@ def pytest_configure(config):
 # With -n, the modules whose tests take longest (minutes of NVRTC's compiles with an empty compile cache, or a grader
 # or a model run in a new process), sent first, in this order: each worker takes the next test as it frees, so that a
 # long test sent last would leave the other cores idle while it ends the run. ONE_WORKER's modules go first anyway
-# (pytest-xdist sends the groups of most tests first).
-LONG_FIRST = ("tests/test_cli.py", "tests/test_training.py", "tests/test_gpu_kernels.py", "tests/test_compile.py",
+# (pytest-xdist sends the groups of most tests first). test_compile.py's first: its tests compile every stage for
+# every arch, each (stage, arch) once, side by side; the others' compiles then find most of their cubins in the
+# cache, where sent first they waited on each other's (`grader list`, run by two tests of test_cli.py, compiles
+# every stage at sm_90a: both at once, one waited on the other's lock files).
+LONG_FIRST = ("tests/test_compile.py", "tests/test_gpu_kernels.py", "tests/test_cli.py", "tests/test_training.py",
               "tests/test_sass_identity.py", "tests/test_mutations.py", "tests/test_exercise.py", "tests/test_geometry.py")
 
 

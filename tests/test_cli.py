@@ -255,7 +255,7 @@ def test_with_n_the_modules_whose_fixtures_are_costly_run_in_one_worker():
     from conftest import LONG_FIRST, ONE_WORKER, scope_of, sending_order
 
     assert all((REPO / module).is_file() for module in ONE_WORKER + LONG_FIRST)
-    assert sending_order("tests/test_cli.py::test_unknown_stage") < sending_order("tests/test_compile.py::x") \
+    assert sending_order("tests/test_compile.py::x") < sending_order("tests/test_cli.py::test_unknown_stage") \
         < sending_order("tests/test_problem.py::x") == sending_order("tests/test_reference.py::x")
     assert scope_of("tests/test_docs.py::test_site_builds_strictly") == "tests/test_docs.py"
     assert scope_of("tests/test_expert_parallel.py::test_x[2 ranks-counts]") == "tests/test_expert_parallel.py"
