@@ -174,17 +174,22 @@ def drawn_again(stage, path: Path, arch: str, variant: str, digest: str) -> bool
 
 
 def fresh_code_digest(stage, path: Path, arch: str, variant: str) -> str:
+    """The code digest of one variant compiled in a new process with an empty compile cache. The process is given
+    the compile itself (compiled_job), not the stage: loading a stage imports its launch and with it PyTorch,
+    seconds of each draw's time, which the compile does not need."""
+    defines, checks = next(build for build in stage_builds(stage) if variant_key(build[0]) == variant)
+    job = json.dumps([str(path), arch, defines, checks])
     with tempfile.TemporaryDirectory() as cache:
-        command = [sys.executable, "-m", "grader.runs_digest", stage.key, str(path), arch, variant]
+        command = [sys.executable, "-m", "grader.runs_digest", job]
         return subprocess.run(command, cwd=REPO, env=dict(os.environ, FLASHMOE_CACHE=cache), check=True,
                               capture_output=True, text=True).stdout.strip()
 
 
-def compiled_variant(key: str, path: str, arch: str, variant: str) -> str:
-    """The code digest of one variant of a stage, compiled as its grade compiles it (fresh_code_digest's)."""
-    defines, checks = next(build for build in stage_builds(stages.load(key)) if variant_key(build[0]) == variant)
+def compiled_job(job: str) -> str:
+    """The code digest of a compile_cubin call given as JSON, [kernel, arch, -D macros, checks] (fresh_code_digest's)."""
+    path, arch, defines, checks = json.loads(job)
     return sass.code_digest(compile_cubin(Path(path), arch, defines, checks))
 
 
-if __name__ == "__main__":  # STAGE KERNEL ARCH VARIANT: one variant compiled, for fresh_code_digest
-    print(compiled_variant(*sys.argv[1:]))
+if __name__ == "__main__":  # a compile as JSON, [KERNEL, ARCH, DEFINES, CHECKS]: for fresh_code_digest
+    print(compiled_job(sys.argv[1]))

@@ -68,7 +68,25 @@ def pytest_configure(config):
         torch.set_num_threads(share)
 
 
+# With -n, the modules whose tests take longest (minutes of NVRTC's compiles with an empty compile cache, or a grader
+# or a model run in a new process), sent first, in this order: each worker takes the next test as it frees, so that a
+# long test sent last would leave the other cores idle while it ends the run. ONE_WORKER's modules go first anyway
+# (pytest-xdist sends the groups of most tests first). test_compile.py's first: its tests compile every stage for
+# every arch, each (stage, arch) once, side by side; the others' compiles then find most of their cubins in the
+# cache, where sent first they waited on each other's (`grader list`, run by two tests of test_cli.py, compiles
+# every stage at sm_90a: both at once, one waited on the other's lock files).
+LONG_FIRST = ("tests/test_compile.py", "tests/test_gpu_kernels.py", "tests/test_cli.py", "tests/test_training.py",
+              "tests/test_sass_identity.py", "tests/test_mutations.py", "tests/test_exercise.py", "tests/test_geometry.py")
+
+
+def sending_order(nodeid: str) -> int:
+    """Where the test `nodeid` comes in -n's order: its module's place in LONG_FIRST, after them the others'."""
+    module = nodeid.split("::", 1)[0]
+    return LONG_FIRST.index(module) if module in LONG_FIRST else len(LONG_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: sending_order(item.nodeid))  # stable: in a module, the tests' own order
     found, why = gpu()
     if found is None:
         skip = pytest.mark.skip(reason=f"needs an NVIDIA GPU: {why}")
@@ -102,6 +120,19 @@ def kept_copy(kernel: Path) -> Path:
         partial.write_bytes(data)
         partial.replace(copy)  # atomic: a parallel session reads the whole file or none
     return copy
+
+
+def compiles_as_graded(stage, kernel: Path, arch: str):
+    """A copy of a stage's kernel (an exercise, a mutation) compiled at `arch` as the grader compiles it (its
+    signature and geometry checks appended), for the first of its variants only: the copy's edit is in its text,
+    which every variant compiles, and the GPU tests compile each copy's every variant (gpu_kernels.py), as
+    tests/test_compile.py does the stage's own kernel's for every arch. Every variant of every copy is 182
+    compiles; their first variants, 36."""
+    from grader.run import stage_builds
+    from stages.common.compiler import compile_cubin
+
+    defines, checks = stage_builds(stage)[0]
+    return compile_cubin(kept_copy(kernel), arch, defines, checks)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -250,10 +250,13 @@ def test_ci_tests_exactly_as_the_readme_tells_and_that_installs_nothing(tmp_path
 
 def test_with_n_the_modules_whose_fixtures_are_costly_run_in_one_worker():
     """The README's `-n auto`: each test goes to the next free worker, but those of a module in ONE_WORKER go
-    together (its module fixtures built once); a module renamed without ONE_WORKER would lose that silently."""
-    from conftest import ONE_WORKER, scope_of
+    together (its module fixtures built once), and the longest modules' (LONG_FIRST) first; a module renamed without
+    ONE_WORKER or LONG_FIRST would lose that silently."""
+    from conftest import LONG_FIRST, ONE_WORKER, scope_of, sending_order
 
-    assert all((REPO / module).is_file() for module in ONE_WORKER)
+    assert all((REPO / module).is_file() for module in ONE_WORKER + LONG_FIRST)
+    assert sending_order("tests/test_compile.py::x") < sending_order("tests/test_cli.py::test_unknown_stage") \
+        < sending_order("tests/test_problem.py::x") == sending_order("tests/test_reference.py::x")
     assert scope_of("tests/test_docs.py::test_site_builds_strictly") == "tests/test_docs.py"
     assert scope_of("tests/test_expert_parallel.py::test_x[2 ranks-counts]") == "tests/test_expert_parallel.py"
     assert scope_of("tests/test_cli.py::test_unknown_stage") == "tests/test_cli.py::test_unknown_stage"
