@@ -168,8 +168,7 @@ def cmd_list() -> int:
         grades = []
         for data in recorded.values():
             entry = data["stages"].get(stage.key)
-            fresh = entry and is_current(entry, stage)
-            grades.append("—" if not entry else f"{entry.get('grade', '?')}" + ("" if fresh else " (stale: kernel changed)"))
+            grades.append("—" if not entry else f"{entry.get('grade', '?')}" + freshness(entry, stage, is_current))
         rows.append([stage.key, stage.title, ", ".join(stage.archs), *grades])
     show("Stages", ["stage", "title", "architectures", *[f"grade on {gpu}" for gpu in recorded]], rows)
     console.print(f"NVRTC here: {nvrtc_version()}", soft_wrap=True)
@@ -178,6 +177,14 @@ def cmd_list() -> int:
         console.print(f"{gpu}'s results: NVRTC {measured.get('nvrtc', '?')}, torch {measured.get('torch', '?')}",
                       soft_wrap=True)
     return 0
+
+
+def freshness(entry: dict, stage, is_current) -> str:
+    """"" for an entry that holds for the tree; else why not. An entry marked stale is not compiled again to
+    find out (a stale entry's machine code is drawn up to three times a variant: seconds each)."""
+    if entry.get("stale"):
+        return " (stale: marked)"
+    return "" if is_current(entry, stage) else " (stale: kernel changed)"
 
 
 def cmd_init(names: list[str], force: bool) -> int:

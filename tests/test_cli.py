@@ -193,6 +193,18 @@ def test_list_shows_stages_rungs_archs_and_nvrtc_versions():
     at = r.stdout.find("stage6_grouped_gemm:mma_sync")  # the ladders' rungs, each with its archs
     assert at >= 0 and "sm_80" in r.stdout[at:at + 300]
     assert "stage7_moe_layer:mma_sync" in r.stdout and "stage6_grouped_gemm:simt" in r.stdout
+    marked = [key for data in results.load_all().values() for key, entry in data["stages"].items() if entry.get("stale")]
+    assert not marked or "(stale: marked)" in r.stdout
+
+
+def test_a_record_marked_stale_is_not_compiled_again_to_be_judged():
+    from grader.__main__ import freshness
+
+    def compiled(entry, stage):
+        raise AssertionError("compiled to judge a record marked stale")
+    assert freshness({"stale": "measured before ..."}, None, compiled) == " (stale: marked)"
+    assert freshness({}, None, lambda entry, stage: True) == ""
+    assert freshness({}, None, lambda entry, stage: False) == " (stale: kernel changed)"
 
 
 def test_an_80_column_report_shows_every_figure_in_full():
