@@ -103,3 +103,10 @@ __device__ __forceinline__ void load_tile_from_base(unsigned tile, const T* sour
         }
     }
 }
+
+// A shared-memory address rounded up to a whole swizzle atom: TMA's 128-byte swizzle and the wgmma
+// descriptors' base offset 0 assume tiles aligned to SWIZZLE_ATOM_BYTES, which a kernel's dynamic shared
+// memory is not promised to be (its launch asks for one atom more).
+__device__ __forceinline__ unsigned atom_aligned(unsigned address) {
+    return (address + SWIZZLE_ATOM_BYTES - 1) & ~(SWIZZLE_ATOM_BYTES - 1u);
+}

@@ -256,7 +256,7 @@ block_sparse_attention_fwd(const __grid_constant__ TmaMap q_map, const __grid_co
                            const int* __restrict__ full_indices, int kv_blocks, const int* __restrict__ order,
                            int num_q_blocks, int window, const int* __restrict__ document_ids) {
     extern __shared__ __align__(SWIZZLE_ATOM_BYTES) unsigned char shared_raw[];
-    const SharedMemory shared{(shared_address(shared_raw) + SWIZZLE_ATOM_BYTES - 1) & ~(SWIZZLE_ATOM_BYTES - 1u)};
+    const SharedMemory shared{atom_aligned(shared_address(shared_raw))};
     const Schedule schedule{order, batch_heads, num_q_blocks * batch_heads};
     const Mask mask{kv_num, kv_indices, full_num, full_indices, kv_blocks, window, document_ids};
     if (threadIdx.x == 0) init_barriers(shared);

@@ -212,7 +212,7 @@ block_sparse_attention_bwd(const __grid_constant__ TmaMap q_map, const __grid_co
                            int window, const int* __restrict__ document_ids) {
     extern __shared__ __align__(SWIZZLE_ATOM_BYTES) unsigned char shared_raw[];
     // TMA's 128-byte swizzle and the descriptors' base offset 0 assume 1024-byte-aligned tiles.
-    const unsigned raw = shared_address(shared_raw), base = (raw + SWIZZLE_ATOM_BYTES - 1) & ~(SWIZZLE_ATOM_BYTES - 1u);
+    const unsigned raw = shared_address(shared_raw), base = atom_aligned(raw);
     const SharedMemory shared{base, shared_raw + (base - raw)};
     const int n_block = blockIdx.x, full = full_q_num[n_block];
     const QueryLists lists{q_num, q_indices, full_q_num, full_q_indices, q_blocks};

@@ -255,7 +255,7 @@ __device__ void grad_gemm(const TmaMap& a_map, const TmaMap& b_map, const TmaMap
                           const int* __restrict__ offsets, const int* __restrict__ counts, int experts, int n_out,
                           int k) {
     extern __shared__ __align__(SWIZZLE_ATOM_BYTES) unsigned char shared_raw[];
-    const unsigned base = (shared_address(shared_raw) + SWIZZLE_ATOM_BYTES - 1) & ~(SWIZZLE_ATOM_BYTES - 1u);
+    const unsigned base = atom_aligned(shared_address(shared_raw));
     unsigned char* aligned = shared_raw + (base - shared_address(shared_raw));
     int* expert_offsets = reinterpret_cast<int*>(aligned + OFFSETS);
     auto barrier = [&](int index) { return base + BARRIERS + 8 * index; };

@@ -291,7 +291,7 @@ attention_fwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaM
               float scale, int batch_heads, int persistent, int group) {
     extern __shared__ __align__(SWIZZLE_ATOM_BYTES) unsigned char shared_raw[];
     // TMA's 128-byte swizzle and the descriptors' base offset 0 assume 1024-byte-aligned tiles.
-    const SharedMemory shared{(shared_address(shared_raw) + SWIZZLE_ATOM_BYTES - 1) & ~(SWIZZLE_ATOM_BYTES - 1u)};
+    const SharedMemory shared{atom_aligned(shared_address(shared_raw))};
     const Schedule schedule(seq_q, batch_heads, persistent);
     if (threadIdx.x == 0) init_barriers(shared);
     __syncthreads();

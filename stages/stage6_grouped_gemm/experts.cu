@@ -177,7 +177,7 @@ __device__ void grouped_gemm(const TmaMap& a_map, const TmaMap& b_map, const Tma
     static_assert(SWIGLU || !SAVE_H1, "h1 is the up GEMM's product");
     extern __shared__ __align__(SWIZZLE_ATOM_BYTES) unsigned char shared_raw[];
     // TMA's 128-byte swizzle and the descriptors' base offset 0 assume 1024-byte-aligned tiles.
-    const unsigned base = (shared_address(shared_raw) + SWIZZLE_ATOM_BYTES - 1) & ~(SWIZZLE_ATOM_BYTES - 1u);
+    const unsigned base = atom_aligned(shared_address(shared_raw));
     unsigned char* aligned = shared_raw + (base - shared_address(shared_raw));
     int* expert_offsets = reinterpret_cast<int*>(aligned + OFFSETS);
     auto barrier = [&](int index) { return base + BARRIERS + 8 * index; };

@@ -188,7 +188,7 @@ attention_bwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaM
               int chunk_pairs) {
     extern __shared__ __align__(SWIZZLE_ATOM_BYTES) unsigned char shared_raw[];
     // TMA's 128-byte swizzle and the descriptors' base offset 0 assume 1024-byte-aligned tiles.
-    const unsigned raw = shared_address(shared_raw), base = (raw + SWIZZLE_ATOM_BYTES - 1) & ~(SWIZZLE_ATOM_BYTES - 1u);
+    const unsigned raw = shared_address(shared_raw), base = atom_aligned(raw);
     const SharedMemory shared{base, shared_raw + (base - raw)};
     const int2 tile_and_pair = key_tile_and_pair(blockIdx.x, (seq_kv + BLOCK_N - 1) / BLOCK_N, kv_pairs, chunk_pairs);
     const int n0 = tile_and_pair.x * BLOCK_N;  // the block's first key

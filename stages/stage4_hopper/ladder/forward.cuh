@@ -55,7 +55,7 @@ struct SharedTiles {
 // The block's dynamic shared memory, its base rounded up to 1024 bytes (SHARED_BYTES has 1 KB for it).
 template <int SLOTS>
 __device__ __forceinline__ SharedTiles<SLOTS> shared_tiles(unsigned char* shared_raw) {
-    return {(shared_address(shared_raw) + SWIZZLE_ATOM_BYTES - 1) & ~(SWIZZLE_ATOM_BYTES - 1u)};
+    return {atom_aligned(shared_address(shared_raw))};
 }
 
 // The block's query tile: rows m0 .. m0 + 127 of (batch, head) pair `pair` = b·H + h, and K/V pair
