@@ -226,9 +226,13 @@ def gathered(inputs: dict, dtype: torch.dtype | None = None) -> tuple[torch.Tens
         out = out.masked_fill(~in_sequence[:, :, None, None], 0)
         return out.transpose(1, 2).contiguous().to(dtype or cache.dtype)
 
-    position = seq_lens[:, None] - Sq + torch.arange(Sq, device=q.device)[None, :]  # [B, Sq]
-    visible = j[None, None, :] <= position[:, :, None]
-    return gather(inputs["k_cache"]), gather(inputs["v_cache"]), visible[:, None]
+    return gather(inputs["k_cache"]), gather(inputs["v_cache"]), visible_keys(seq_lens, Sq, S)
+
+
+def visible_keys(seq_lens: torch.Tensor, new_tokens: int, keys: int) -> torch.Tensor:
+    """Boolean [B, 1, Sq, keys]: key j is seen by new token i of sequence b where j <= seq_lens[b] - Sq + i."""
+    position = seq_lens[:, None] - new_tokens + torch.arange(new_tokens, device=seq_lens.device)[None, :]  # [B, Sq]
+    return (torch.arange(keys, device=seq_lens.device)[None, None, :] <= position[:, :, None])[:, None]
 
 
 def attention_over(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> dict:
@@ -254,14 +258,10 @@ def paged_sdpa(inputs: dict, masked: bool, backend=None) -> torch.Tensor:
     """PyTorch's way on a paged cache: K and V of every sequence's pages gathered by the block table into
     [B, H_kv, max_pages·page_size, D] views (one index a cache; a -1 entry reads page 0, masked), then SDPA,
     `masked` where a sequence ends before its last page does or Sq > 1."""
-    q, seq_lens = inputs["q"], inputs["seq_lens"]
+    q = inputs["q"]
     table = inputs["block_table"].clamp(min=0)
     k, v = (cache[table].flatten(1, 2).transpose(1, 2) for cache in (inputs["k_cache"], inputs["v_cache"]))
-    mask = None
-    if masked:
-        Sq = q.shape[2]
-        position = seq_lens[:, None] - Sq + torch.arange(Sq, device=q.device)[None, :]  # [B, Sq]
-        mask = (torch.arange(k.shape[2], device=q.device)[None, None, :] <= position[:, :, None])[:, None]
+    mask = visible_keys(inputs["seq_lens"], q.shape[2], k.shape[2]) if masked else None
     return sdpa_over(q, k, v, mask, inputs["scale"], backend)
 
 
