@@ -109,8 +109,8 @@ MUTATIONS = {
     # of the splits' O, and LSE = max + log(their count). The last new token of sequence 0 sees all its S keys:
     # with S >= 100 they span 2 splits or more (split_keys, on any GPU of 48 SMs or more), whose LSEs differ;
     # with S <= 50 one split (64 keys or more) holds them, and nothing changes
-    "decode_combine_unweighted": Mutation("stage15", (("const float w = lse_s == -INFINITY ? 0.0f : exp2f((lse_s - m) * LOG2E);",
-                                                       "const float w = lse_s == -INFINITY ? 0.0f : 1.0f;"),),
+    "decode_combine_unweighted": Mutation("stage15", (("const float weight = lse_s == -INFINITY ? 0.0f : exp2f((lse_s - m) * LOG2E);",
+                                                       "const float weight = lse_s == -INFINITY ? 0.0f : 1.0f;"),),
                                           r"S\d{3}"),
     # stage 15's merge of a split's warps weighs each warp that saw a key alike, its sum and O taken against
     # its own max: wrong wherever a row sees keys of two warps (16 keys each) of one split: the last new token

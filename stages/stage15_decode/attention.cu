@@ -81,25 +81,30 @@ __device__ __forceinline__ unsigned cache_slot(const int* pages, unsigned key, u
     return pages[page] * page_size + (key - page * page_size);
 }
 
+// Lane j's key of a warp's KEYS_PER_WARP keys first_key .. : its slot, read from the block table. Keys
+// past the table's row (table_keys of them) read its last entry instead; past the sequence's end the
+// entry may be -1 (no page), and load_warp_keys copies nothing from such a key.
+__device__ __forceinline__ unsigned lane_key_slot(const int* pages, int first_key, int table_keys, int page_size,
+                                                  int lane) {
+    return cache_slot(pages, min(first_key + lane % KEYS_PER_WARP, table_keys - 1), page_size);
+}
+
 // Issues a warp's copies of K and V of its keys first_key .. first_key + KEYS_PER_WARP - 1 into rows
-// key_row0 .. of the swizzled tiles. Lane j looks up key first_key + j in the block table, once, and the
-// lanes that copy its row take its slot by a shuffle: a pass copies KEYS_PER_PASS whole rows (2 of 256
+// key_row0 .. of the swizzled tiles, lane j's `slot` that of key first_key + j (lane_key_slot): the lanes
+// that copy a key's row take its slot by a shuffle, and a pass copies KEYS_PER_PASS whole rows (2 of 256
 // bytes at D = 128, 4 of 128 at D = 64), contiguous in the cache. Keys at or past key_end are zero-filled
-// (a copy of source size 0 reads nothing) and take the address of key key_end - 1, one that exists:
-// their own entry of the table may be -1, or past the table's row.
+// (a copy of source size 0 reads nothing) from the cache's first row, an address that exists.
 __device__ __forceinline__ void load_warp_keys(unsigned k_tile, unsigned v_tile, const elem_t* k_cache,
-                                               const elem_t* v_cache, const int* pages, int first_key,
-                                               int key_end, int page_size, int kv_heads, int kv_head, int key_row0,
-                                               int lane) {
-    const unsigned slot = cache_slot(pages, min(first_key + lane % KEYS_PER_WARP, key_end - 1), page_size);
+                                               const elem_t* v_cache, unsigned slot, int first_key, int key_end,
+                                               int kv_heads, int kv_head, int key_row0, int lane) {
     const int chunk = lane % CHUNKS_PER_ROW;
 #pragma unroll
     for (int pass = 0; pass < COPY_PASSES; ++pass) {
         const int key = pass * KEYS_PER_PASS + lane / CHUNKS_PER_ROW;  // of the warp's: a chunk of its row
         const unsigned key_slot = __shfl_sync(0xffffffffu, slot, key);
-        const size_t from = ((size_t)key_slot * kv_heads + kv_head) * HEAD_DIM + chunk * 8;
-        const unsigned to = swizzle<ROW_BYTES>(key_row0 + key, chunk);
         const bool valid = first_key + key < key_end;
+        const size_t from = valid ? ((size_t)key_slot * kv_heads + kv_head) * HEAD_DIM + chunk * 8 : 0;
+        const unsigned to = swizzle<ROW_BYTES>(key_row0 + key, chunk);
         cp_async_16(k_tile + to, k_cache + from, valid);
         cp_async_16(v_tile + to, v_cache + from, valid);
     }
@@ -222,31 +227,47 @@ __device__ __forceinline__ float warp_max(float x) {
     return x;
 }
 
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+    return x;
+}
+
 // --8<-- [start:combine]
 // One output row from its splits' partials, by one warp. Other blocks wrote most of them: they are read
-// from L2 (__ldcg), where their writes are, never from this SM's L1.
+// from L2 (__ldcg), where their writes are, never from this SM's L1. Lane j holds the weight of split
+// first + j, and each lane takes the others' by a shuffle: no load of a partial row waits for another
+// load, so the warp keeps many in flight (a walk that read each split's LSE before its row would wait
+// on L2 twice a split, 33 splits in a row at B1 S65536).
 __device__ __forceinline__ void combine_row(const float* o_partial, const float* lse_partial, elem_t* o, float* lse,
                                             long long row, int splits, int lane) {
     const float* lses = lse_partial + row * splits;
     const float* parts = o_partial + row * splits * HEAD_DIM;
     // EXERCISE: combine the splits' partial rows into the row's O and LSE. Split s holds
-    // O_s = Σ_j p_j v_j / Σ_j p_j over its keys (in parts[s · HEAD_DIM + d]) and lse_s = log Σ_j p_j
-    // (in lses[s]; -inf where it saw no key). Weigh each O_s by exp(lse_s - max_s lse_s), divide by
-    // the weights' sum, and write o[row · HEAD_DIM + d] (each lane the columns lane, lane + 32, ...)
-    // and lse[row] = max + log(sum). A row no split saw: O = 0, LSE = -inf. Read them with __ldcg.
+    // O_s = Σ_j p_j v_j / Σ_j p_j over its keys (in parts[s · HEAD_DIM + d]; zeros where it saw no key)
+    // and lse_s = log Σ_j p_j (in lses[s]; -inf where it saw no key). Weigh each O_s by
+    // exp(lse_s - max_s lse_s), divide by the weights' sum, and write o[row · HEAD_DIM + d] (each lane the
+    // columns lane, lane + 32, ...) and lse[row] = max + log(sum). A row no split saw: O = 0, LSE = -inf.
+    // Read them with __ldcg, and let no load wait on another: lane j computes split j's weight, the
+    // others take it with __shfl_sync.
     // STUB: (void)lses; (void)parts; (void)lane;
     float m = -INFINITY;
     for (int s = lane; s < splits; s += 32) m = fmaxf(m, __ldcg(lses + s));
     m = warp_max(m);
     float acc[HEAD_DIM / 32] = {}, total = 0.0f;
-    for (int s = 0; s < splits; ++s) {
-        const float lse_s = __ldcg(lses + s);
-        const float w = lse_s == -INFINITY ? 0.0f : exp2f((lse_s - m) * LOG2E);
-        total += w;
-        if (w == 0.0f) continue;
+    for (int first = 0; first < splits; first += 32) {
+        const float lse_s = first + lane < splits ? __ldcg(lses + first + lane) : -INFINITY;
+        const float weight = lse_s == -INFINITY ? 0.0f : exp2f((lse_s - m) * LOG2E);  // of split first + lane
+        total += weight;
+        const float* part = parts + first * HEAD_DIM + lane;
+#pragma unroll 8
+        for (int j = 0; j < min(32, splits - first); ++j) {
+            const float w = __shfl_sync(0xffffffffu, weight, j);
 #pragma unroll
-        for (int e = 0; e < HEAD_DIM / 32; ++e) acc[e] += w * __ldcg(parts + s * HEAD_DIM + lane + 32 * e);
+            for (int e = 0; e < HEAD_DIM / 32; ++e) acc[e] += w * __ldcg(part + j * HEAD_DIM + 32 * e);
+        }
     }
+    total = warp_sum(total);
     const float inv = total > 0.0f ? 1.0f / total : 0.0f;
 #pragma unroll
     for (int e = 0; e < HEAD_DIM / 32; ++e) o[row * HEAD_DIM + lane + 32 * e] = from_float<elem_t>(acc[e] * inv);
@@ -292,25 +313,34 @@ decode_split(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cache, c
     const int pair = blockIdx.x / splits / chunks, b = pair / kv_heads, kv_head = pair % kv_heads;
     const int group = heads / kv_heads, first_row = chunk * ROWS;
     const int rows = min(ROWS, group * seq_q - first_row);
-    const int seq_len = seq_lens[b];
-    const int key_begin = split * keys_per_split, key_end = min(seq_len, key_begin + keys_per_split);
-    const int num_tiles = key_end > key_begin ? (key_end - key_begin + BLOCK_N - 1) / BLOCK_N : 0;
+    const int key_begin = split * keys_per_split, key_row0 = warp * KEYS_PER_WARP;  // the warp's rows of a tile
     const int* pages = block_table + (long long)b * max_pages;
+    auto slot_of = [&](int tile) {  // this lane's slot of the warp's keys of `tile`
+        return lane_key_slot(pages, key_begin + tile * BLOCK_N + key_row0, max_pages * page_size, page_size, lane);
+    };
+    // The first tiles' entries of the block table are read before the sequence's length is known, so
+    // that the two reads from memory overlap instead of following one another.
+    unsigned first_slots[KV_STAGES - 1];
+#pragma unroll
+    for (int tile = 0; tile < KV_STAGES - 1; ++tile) first_slots[tile] = slot_of(tile);
+    const int seq_len = seq_lens[b];
+    const int key_end = min(seq_len, key_begin + keys_per_split);
+    const int num_tiles = key_end > key_begin ? (key_end - key_begin + BLOCK_N - 1) / BLOCK_N : 0;
     // Row r of the block is row first_row + r of the group's: row first_out + r of q, o and the LSE.
     const long long first_out = ((long long)b * heads + kv_head * group) * seq_q + first_row;
-    const int key_row0 = warp * KEYS_PER_WARP;  // the warp's keys: these rows of every tile
-    auto load_tile = [&](int tile) {  // the warp's keys of `tile`, into ring buffer tile % KV_STAGES
+    auto load_tile = [&](int tile, unsigned slot) {  // the warp's keys of `tile`, into ring buffer tile % KV_STAGES
         const int first_key = key_begin + tile * BLOCK_N + key_row0;
         const unsigned buffer = (tile % KV_STAGES) * KV_TILE_BYTES;
         if (first_key < key_end)
-            load_warp_keys(k_ring + buffer, v_ring + buffer, k_cache, v_cache, pages, first_key, key_end, page_size,
+            load_warp_keys(k_ring + buffer, v_ring + buffer, k_cache, v_cache, slot, first_key, key_end,
                            kv_heads, kv_head, key_row0, lane);
     };
 
     // Prologue: the first KV_STAGES - 1 tiles, each its own commit group (empty ones too, so that the
     // count of groups in flight stays uniform). Q goes to registers meanwhile.
+#pragma unroll
     for (int tile = 0; tile < KV_STAGES - 1; ++tile) {
-        if (tile < num_tiles) load_tile(tile);
+        if (tile < num_tiles) load_tile(tile, first_slots[tile]);
         cp_async_commit();
     }
     unsigned q_frag[D_STEPS][4];
@@ -326,7 +356,8 @@ decode_split(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cache, c
     for (int tile = 0; tile < num_tiles; ++tile) {
         cp_async_wait<KV_STAGES - 2>();  // this lane's copies of `tile` have landed ...
         __syncwarp();                    // ... and the warp's; the warp is done with tile - 1's buffer
-        if (tile + KV_STAGES - 1 < num_tiles) load_tile(tile + KV_STAGES - 1);  // into that buffer
+        const int next = tile + KV_STAGES - 1;  // into that buffer
+        if (next < num_tiles) load_tile(next, slot_of(next));
         cp_async_commit();
 
         const int first_key = key_begin + tile * BLOCK_N + key_row0;
