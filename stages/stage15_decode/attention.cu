@@ -182,10 +182,10 @@ __device__ __forceinline__ float warp_weight(float warp_max, float merged_max, f
     return merged_max == -INFINITY ? 0.0f : fast_exp2((warp_max - merged_max) * scale_log2);
 }
 
-__device__ __forceinline__ void write_partial(const float (&o)[O_FRAGS][4], const float (&row_max)[2],
-                                              const float (*max_s)[ROWS], const float (*sum_s)[ROWS], float* o_s,
-                                              float* o_partial, float* lse_partial, long long first_out, int rows,
-                                              int splits, int split, float scale) {
+__device__ __forceinline__ void write_split(const float (&o_acc)[O_FRAGS][4], const float (&row_max)[2],
+                                            const float (*max_s)[ROWS], const float (*sum_s)[ROWS], float* o_s,
+                                            float* o_partial, float* lse_partial, elem_t* o, float* lse,
+                                            long long first_out, int rows, int splits, int split, float scale) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const float scale_log2 = scale * LOG2E;
 #pragma unroll
@@ -200,10 +200,12 @@ __device__ __forceinline__ void write_partial(const float (&o)[O_FRAGS][4], cons
         float* o_row = o_s + (warp * ROWS + row) * MERGE_STRIDE + 2 * (lane % 4);
 #pragma unroll
         for (int d = 0; d < O_FRAGS; ++d)
-            *reinterpret_cast<float2*>(o_row + 8 * d) = make_float2(o[d][2 * r] * mine, o[d][2 * r + 1] * mine);
-        if (warp == 0 && lane % 4 == 0 && row < rows)
-            lse_partial[(first_out + row) * splits + split] =
-                merged_sum > 0.0f ? merged_max * scale + logf(merged_sum) : -INFINITY;
+            *reinterpret_cast<float2*>(o_row + 8 * d) = make_float2(o_acc[d][2 * r] * mine, o_acc[d][2 * r + 1] * mine);
+        if (warp == 0 && lane % 4 == 0 && row < rows) {
+            const float row_lse = merged_sum > 0.0f ? merged_max * scale + logf(merged_sum) : -INFINITY;
+            if (splits == 1) lse[first_out + row] = row_lse;
+            else lse_partial[(first_out + row) * splits + split] = row_lse;
+        }
     }
     __syncthreads();
     // The sum over the warps, 4 columns a thread, rows past `rows` (the padding) not written.
@@ -216,7 +218,13 @@ __device__ __forceinline__ void write_partial(const float (&o)[O_FRAGS][4], cons
             const float4 part = *reinterpret_cast<const float4*>(o_s + (w * ROWS + row) * MERGE_STRIDE + column);
             sum.x += part.x, sum.y += part.y, sum.z += part.z, sum.w += part.w;
         }
-        *reinterpret_cast<float4*>(o_partial + ((first_out + row) * splits + split) * HEAD_DIM + column) = sum;
+        if (splits == 1) {  // the row's O itself
+            elem_t* out = o + (first_out + row) * HEAD_DIM + column;
+            out[0] = from_float<elem_t>(sum.x), out[1] = from_float<elem_t>(sum.y);
+            out[2] = from_float<elem_t>(sum.z), out[3] = from_float<elem_t>(sum.w);
+        } else {
+            *reinterpret_cast<float4*>(o_partial + ((first_out + row) * splits + split) * HEAD_DIM + column) = sum;
+        }
     }
 }
 // --8<-- [end:merge]
@@ -382,12 +390,12 @@ decode_split(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cache, c
     }
     cp_async_wait<0>();  // no copy still writes the ring (the last groups are empty) ...
     __syncthreads();     // ... and every warp is done with it and has published its rows
-    write_partial(o_acc, row_max, max_s, sum_s, reinterpret_cast<float*>(shared_bytes), o_partial, lse_partial,
-                  first_out, rows, splits, split, scale);
+    write_split(o_acc, row_max, max_s, sum_s, reinterpret_cast<float*>(shared_bytes), o_partial, lse_partial, o, lse,
+                first_out, rows, splits, split, scale);
 
     // The unit's last split to finish combines every split's partial rows (the warps' maxes, read by now,
-    // give their first slot for the flag).
-    if (!last_to_finish(arrivals + blockIdx.x / splits, splits, reinterpret_cast<int*>(max_s))) return;
+    // give their first slot for the flag). A lone split has written O and the LSE already.
+    if (splits == 1 || !last_to_finish(arrivals + blockIdx.x / splits, splits, reinterpret_cast<int*>(max_s))) return;
     for (int r = warp; r < rows; r += NUM_WARPS) combine_row(o_partial, lse_partial, o, lse, first_out + r, splits, lane);
 }
 // --8<-- [end:split]
