@@ -107,8 +107,8 @@ MUTATIONS = {
                                                                "const double term = g[j] - weighted;"),), None),
     # stage 15's combine weighs every split that saw a key alike, without exp(lse_s - max): O is the plain mean
     # of the splits' O, and LSE = max + log(their count). The last new token of sequence 0 sees all its S keys:
-    # with S >= 100 they span 2 splits or more (split_keys, on any GPU of 48 SMs or more), whose LSEs differ;
-    # with S <= 50 one split (64 keys or more) holds them, and nothing changes
+    # with S >= 130 they span 2 splits or more (split_keys, on any GPU of 48 SMs or more), whose LSEs differ;
+    # one split (64 keys or more at D = 128, 128 at D = 64) holds S <= 50 and S = 100 at D = 64: no change
     "decode_combine_unweighted": Mutation("stage15", (("const float weight = lse_s == -INFINITY ? 0.0f : exp2f((lse_s - m) * LOG2E);",
                                                        "const float weight = lse_s == -INFINITY ? 0.0f : 1.0f;"),),
                                           r"S\d{3}"),

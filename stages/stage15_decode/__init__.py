@@ -20,7 +20,7 @@ from stages.common.launcher import current_stream_handle
 # the kernel): keys per tile, query rows per block (a group's heads × the new tokens; more rows take more
 # blocks), threads of decode_split, its dynamic shared memory (a ring of 3 K tiles and 3 V tiles, then the
 # warps' row maxes and sums), and the blocks of it an SM holds at once (its shared memory's share).
-GEOMETRY = {64: {"BLOCK_N": 64, "ROWS": 16, "NUM_THREADS": 128, "SHARED_BYTES": 49664, "MIN_BLOCKS_PER_SM": 4},
+GEOMETRY = {64: {"BLOCK_N": 128, "ROWS": 16, "NUM_THREADS": 256, "SHARED_BYTES": 99328, "MIN_BLOCKS_PER_SM": 2},
             128: {"BLOCK_N": 64, "ROWS": 16, "NUM_THREADS": 128, "SHARED_BYTES": 98816, "MIN_BLOCKS_PER_SM": 2}}
 # --8<-- [start:launch]
 

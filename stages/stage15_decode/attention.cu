@@ -17,9 +17,9 @@
 //                    O += P·V). A warp reads only what it copied, so the warps never wait for each other
 //                    inside the loop. At the end their (max, sum, O) are merged through shared memory into
 //                    the split's partial O (normalized) and LSE, or O = 0 and LSE = -inf where the split
-//                    holds no key of a row.
-// 2. the combine     the last of a (sequence, KV head, row chunk)'s splits to finish (a counter of
-//                    arrivals says which) combines their partials, a warp per output row:
+//                    holds no key of a row. A lone split (splits = 1) writes the row's O and LSE instead.
+// 2. the combine     where there are splits, the last of a (sequence, KV head, row chunk)'s to finish (a
+//                    counter of arrivals says which) combines their partials, a warp per output row:
 //                    O = Σ_s w_s O_s / Σ_s w_s, w_s = exp(lse_s - max lse), and the row's LSE = max + log Σ w_s.
 //                    No second kernel: its launch and its wait for the first were a tenth of the time at
 //                    the shortest shapes.
@@ -35,9 +35,12 @@
 // the kernel stays bound by HBM with room to spare, whatever the padding costs (4 of the 16 rows are real
 // at Llama-3-8B's 4 query heads a KV head and one new token).
 // Bytes in flight: an SM has to keep bandwidth × latency in flight, 4.8 TB/s / 132 SMs × about 1 µs ≈
-// 36 KB. The ring holds 3 tiles of 64 keys and keeps two in flight while the third is computed: at D = 128
-// a tile is 32 KB, a block 96 KB, an H200's SM (228 KB) holds 2 blocks: 128 KB in flight; at D = 64 a
-// tile is 16 KB, a block 48 KB, 4 blocks an SM: 128 KB too. (An A100's SM, 164 KB, holds one D = 128 block.)
+// 36 KB. The ring holds 3 tiles and keeps two in flight while the third is computed: at D = 128 a tile of
+// 64 keys (4 warps) is 32 KB, a block 96 KB, an H200's SM (228 KB) holds 2 blocks: 128 KB in flight; at
+// D = 64 a tile of 128 keys (8 warps) is 32 KB too, and so is the rest. (An A100's SM, 164 KB, holds one
+// block.) D = 64 takes 8 warps rather than 4 warps and 4 blocks an SM: half the blocks, so that a batch of
+// 32 sequences fills the GPU with one split each, no combine (37.1 against 39.1 µs at B32 H32/8 S2048 on
+// the H200, 2026-11-29).
 // Precision: Q enters the products as given, and scale · log2(e) multiplies the fp32 scores (stages 2 and
 // 3 do the same); P is rounded to 16 bits for P·V, as FlashAttention does, which the check's tolerance
 // allows for. A scaled Q rounded back to 16 bits would add an error of its own to every score.
@@ -52,11 +55,11 @@
 
 constexpr int ROWS = 16;                              // query rows per block: mma.m16n8k16's M
 constexpr int KEYS_PER_WARP = 16;                     // a warp's keys of each tile: P·V's k
-constexpr int NUM_WARPS = 4;
+constexpr int NUM_WARPS = HEAD_DIM == 64 ? 8 : 4;    // a tile of 32 KB either way
 constexpr int NUM_THREADS = NUM_WARPS * 32;
 constexpr int BLOCK_N = NUM_WARPS * KEYS_PER_WARP;    // keys per tile
 constexpr int KV_STAGES = 3;                          // tiles in the ring: two load while one is computed
-constexpr int MIN_BLOCKS_PER_SM = HEAD_DIM == 64 ? 4 : 2;  // what an H200's SM holds (shared memory)
+constexpr int MIN_BLOCKS_PER_SM = 2;                  // what an H200's SM holds (shared memory)
 constexpr int ROW_BYTES = HEAD_DIM * 2;               // a key's K (or V) row; unpadded, swizzled
 constexpr int CHUNKS_PER_ROW = ROW_BYTES / 16;        // 16-byte copies per row
 constexpr int KV_TILE_BYTES = BLOCK_N * ROW_BYTES;
