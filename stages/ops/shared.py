@@ -93,15 +93,20 @@ def ops_stage_on(problem: str, device_index: int) -> tuple[stages.Stage, str]:
 
 
 def _load(key: tuple, problem, device_index: int, variant: dict) -> tuple:
-    """The kernels of the stage the ops run, for one variant's -D macros, compiled (or read from the disk cache) and
-    loaded on one GPU."""
+    """The kernels of the stage the ops run, for one variant, on one GPU (load_kernels), kept."""
+    stage, arch = ops_stage_on(problem.name, device_index)
+    _LOADED[key] = stage, load_kernels(stage, arch, variant, device_index)
+    return _LOADED[key]
+
+
+def load_kernels(stage: stages.Stage, arch: str, variant: dict, device_index: int) -> KernelSet:
+    """A stage's kernels for one variant's -D macros (stage.defines), compiled for `arch` (or read from the disk
+    cache) and loaded on one GPU."""
     from cuda.core import Device
 
-    stage, arch = ops_stage_on(problem.name, device_index)
     cubin = compile_cubin(stage.source_path, arch, stage.defines(variant))
     Device(device_index).set_current()  # as the grader's worker does: PyTorch's own (primary) context
-    _LOADED[key] = stage, KernelSet(cubin.path, stage.kernels)
-    return _LOADED[key]
+    return KernelSet(cubin.path, stage.kernels)
 
 
 _RUNS_HERE: dict = {}  # (problem, GPU) -> why no course stage solves it there, or None

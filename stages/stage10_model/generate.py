@@ -67,6 +67,7 @@ from reference.decode_attention import PROBLEM as DECODE
 from reference.decode_attention import pages_of
 from reference.model import CONFIGS, DIMENSIONS, model_shape, rope_cos_sin, shape_label, transformers_model
 from stages import arch_for, ops
+from stages.ops.shared import load_kernels
 from stages.stage10_model import STAGE, capture, causal_attention, check_widths, forward, records
 from stages.stage10_model.train import SEED, VOCAB, clock, compiled_counts, fresh_compiler, initial_weights, \
     one_line, source
@@ -255,19 +256,11 @@ class Generator:
 
 
 def stage_kernels(dtype: torch.dtype, head_dim: int, device: torch.device):
-    """Stage 10's kernels (model.cu) for this dtype and head dimension, compiled (or read from the compile
-    cache) and loaded on `device`'s GPU, as stages.ops loads its stages'."""
-    from cuda.core import Device
-
-    from stages.common.compiler import compile_cubin
-    from stages.common.launcher import KernelSet
-
+    """Stage 10's kernels (model.cu) for this dtype and head dimension on `device`'s GPU, loaded as stages.ops
+    loads its stages'."""
     index = torch.cuda.current_device() if device.index is None else device.index
     arch = arch_for(torch.cuda.get_device_properties(index), STAGE.archs)
-    cubin = compile_cubin(STAGE.source_path, arch, STAGE.defines({"dtype": str(dtype).removeprefix("torch."),
-                                                                  "D": head_dim}))
-    Device(index).set_current()  # PyTorch's own (primary) context, as the ops load theirs
-    return KernelSet(cubin.path, STAGE.kernels)
+    return load_kernels(STAGE, arch, {"dtype": str(dtype).removeprefix("torch."), "D": head_dim}, index)
 
 
 def model_weights(shape: dict, dtype: torch.dtype, device) -> tuple[dict, dict]:
