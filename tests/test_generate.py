@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from conftest import REPO
 from reference import decode_attention as decode_problem
 from reference.model import forward as reference_forward
+from stages.stage10_model.train import loss_function
 from reference.model import model_shape
 from stages import ops
 from stages.ops import shared
@@ -210,6 +211,29 @@ def test_the_cache_holds_the_models_keys_after_rope_at_their_positions(on_cpu):
 
 
 # ---------------------------------------------------------------- the comparison, the report, the records
+
+def test_the_prompts_are_windows_of_the_course_s_text():
+    text = bytes(G.course_text())
+    prompts = G.prompts_for(3, 40, "cpu")
+    assert prompts.shape == (3, 40) and prompts.dtype == torch.int64
+    assert all(bytes(row.tolist()) in text for row in prompts)
+    assert not torch.equal(prompts[0], prompts[1])
+
+
+def test_fit_trains_the_masters_in_place_and_lowers_the_loss_on_the_course_s_text(monkeypatch):
+    """A few steps of train.py's PyTorch way (fp32 on the CPU) at a high learning rate: every weight moves, and
+    the cross-entropy of the first batch falls."""
+    monkeypatch.setitem(G.TRAINING, "batch", 2)
+    monkeypatch.setitem(G.TRAINING, "seq", 32)
+    masters = G.initial_weights(TINY, G.SEED, "cpu")
+    before = {name: w.detach().clone() for name, w in masters.items()}
+    first = G.batches(G.tokens_of(G.course_text()), 2, 32, 1, G.SEED, "cpu")[0]
+    loss = loss_function(G.ways()["pytorch"], dict(TINY, B=2, S=32), torch.float32)
+    start = float(loss(masters, *first)[0].detach())
+    G.fit(masters, TINY, 8, "cpu")
+    assert all(not torch.equal(before[name], w) for name, w in masters.items())
+    assert float(loss(masters, *first)[0].detach()) < start
+
 
 def test_agreement_counts_the_leading_equal_tokens_and_gives_the_margin_where_a_sequence_parts():
     ours = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]])

@@ -1,12 +1,15 @@
 """python -m stages.stage10_model.generate [--model NAME [NAME ...]] [--batch B [B ...]] [--prompt P] [--new N]
-[--dtype DTYPE] [--repeat R] [--transformers] [--json PATH]
+[--dtype DTYPE] [--repeat R] [--trained STEPS] [--transformers] [--json PATH]
 
 Greedy generation with stage 10's model and the course's kernels, and (--transformers) the same weights in
 Hugging Face's LlamaForCausalLM, generating with its static cache and compiled, timed beside it.
 
 The model: stage 10's dense decoder (reference/model.py; small, medium or large) with train.py's seeded
-initialization, its embedding [256, hidden] and its untied LM head [hidden, 256], in bf16 (or fp16). The
-prompts: B sequences of P tokens drawn by a seeded generator, all of one length (no padding).
+initialization, its embedding [256, hidden] and its untied LM head [hidden, 256], then trained for --trained
+steps (300 unless told) on the course's text as train.py's PyTorch way trains (fit), in bf16 (or fp16). Random
+weights would do for timing, but their next-token logits sit within the dtype's rounding of one another, so
+two correct generations part at the first near-tie; a trained model's next byte is mostly clear. The prompts:
+B windows of P bytes of the course's text at offsets drawn by a seeded generator (no padding).
 
 How the course generates (Generator):
   prefill   stage 10's forward over the prompts (stages/stage10_model: its kernels add_rmsnorm, rope_split,
@@ -69,12 +72,14 @@ from reference.model import CONFIGS, DIMENSIONS, model_shape, rope_cos_sin, shap
 from stages import arch_for, ops
 from stages.ops.shared import load_kernels
 from stages.stage10_model import STAGE, capture, causal_attention, check_widths, forward, records
-from stages.stage10_model.train import SEED, VOCAB, clock, compiled_counts, fresh_compiler, initial_weights, \
-    one_line, source
+from stages.stage10_model.train import SEED, batches, clock, compiled_counts, course_text, fresh_compiler, \
+    initial_weights, next_batch, one_line, source, tokens_of, train, ways
 
 PAGE_SIZE = 64        # tokens a page of the KV cache holds (stage 15's benchmarks')
 COMPARED_STEPS = 32   # the first generated tokens compared with transformers'
 REPEATS = 5           # timed generations after the warm-up (--repeat)
+TRAINING = dict(batch=8, seq=256, lr=1e-3)  # fit's batches and learning rate: train.py's small model's (records.TRAINED)
+TRAINED_STEPS = 300   # steps of fit before generating (--trained)
 MODELS = tuple(name for name, c in CONFIGS.items() if not c["experts"])  # the dense models
 DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = DECODE.parameters["D"]  # what ops.decode_attention (and ops.attention) take
@@ -263,21 +268,33 @@ def stage_kernels(dtype: torch.dtype, head_dim: int, device: torch.device):
     return load_kernels(STAGE, arch, {"dtype": str(dtype).removeprefix("torch."), "D": head_dim}, index)
 
 
-def model_weights(shape: dict, dtype: torch.dtype, device) -> tuple[dict, dict]:
+def model_weights(shape: dict, dtype: torch.dtype, device, trained_steps: int = 0) -> tuple[dict, dict]:
     """(weights, config): the model of `shape` (reference/model.py's model_shape) with train.py's initialization
-    (seeded with its SEED: the decoder's, the embedding [256, hidden], the LM head [hidden, 256]), cast to
-    `dtype`; config its dimensions."""
+    (seeded with its SEED: the decoder's, the embedding [256, hidden], the LM head [hidden, 256]), trained for
+    `trained_steps` steps on the course's text (fit), cast to `dtype`; config its dimensions."""
+    masters = initial_weights(shape, SEED, device)
+    if trained_steps:
+        fit(masters, shape, trained_steps, device)
     with torch.no_grad():
-        weights = {n: w.detach().to(dtype) for n, w in initial_weights(shape, SEED, device).items()}
+        weights = {n: w.detach().to(dtype) for n, w in masters.items()}
     return weights, {k: shape[k] for k in DIMENSIONS}
 
 
+def fit(masters: dict, shape: dict, steps: int, device) -> None:
+    """Trains `masters` in place as train.py's PyTorch way does (AdamW, bf16 on the GPU), TRAINING's batches of
+    the course's text: a model whose next byte is often clear, unlike random weights' near-ties."""
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    steps_batches = batches(tokens_of(course_text()), TRAINING["batch"], TRAINING["seq"], steps, SEED, device)
+    train(ways()["pytorch"], dict(shape, B=TRAINING["batch"], S=TRAINING["seq"]), steps_batches, TRAINING["lr"],
+          dtype, every=steps, weights=masters)
+
+
 def prompts_for(batch: int, prompt_len: int, device, seed: int = SEED) -> torch.Tensor:
-    """int64 [batch, prompt_len] tokens < VOCAB, drawn by a generator seeded with `seed`."""
-    return torch.randint(0, VOCAB, (batch, prompt_len), generator=torch.Generator().manual_seed(seed)).to(device)
+    """int64 [batch, prompt_len]: windows of the course's text (one token a byte) at offsets drawn by a
+    generator seeded with `seed`."""
+    windows, _ = next_batch(tokens_of(course_text()), batch, prompt_len, torch.Generator().manual_seed(seed))
+    return windows.to(device)
 
-
-# ---------------------------------------------------------------- transformers' generation, and the comparison
 
 def transformers_generate(model, cache, prompts: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, Timing]:
     """transformers' greedy generate of new_tokens for the prompts with this StaticCache (reset first):
@@ -339,6 +356,7 @@ class Request(NamedTuple):
     new: int
     dtype: str
     repeat: int
+    trained: int = 0  # steps of fit
 
 
 def run_course(request: Request, weights: dict, config: dict, prompts: torch.Tensor) -> tuple:
@@ -374,7 +392,8 @@ def run_transformers(request: Request, weights: dict, config: dict, prompts: tor
 def run_request(request: Request, with_transformers: bool, device) -> dict:
     """One model at one batch: the course's figures, and transformers' with the tokens compared and the
     speedup (decode tokens/s, the course's over transformers'), or why that failed."""
-    weights, config = model_weights(model_shape(request.model, 1, 1), getattr(torch, request.dtype), device)
+    weights, config = model_weights(model_shape(request.model, 1, 1), getattr(torch, request.dtype), device,
+                                    request.trained)
     prompts = prompts_for(request.batch, request.prompt, device)
     course, ours, margins = run_course(request, weights, config, prompts)
     found = dict(course=course)
@@ -425,7 +444,8 @@ def record(request: Request, found: dict, gpu: str, argv: list[str]) -> dict:
     except ImportError:
         version = None
     return dict(model=request.model, label=shape_label(model_shape(request.model, request.batch, request.prompt)),
-                dtype=request.dtype, batch=request.batch, prompt=request.prompt, new=request.new, page_size=PAGE_SIZE,
+                dtype=request.dtype, batch=request.batch, prompt=request.prompt, new=request.new,
+                trained=request.trained, page_size=PAGE_SIZE,
                 repeat=request.repeat, gpu=gpu, torch=torch.__version__, transformers_version=version, **source(),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 command=shlex.join(["python", "-m", "stages.stage10_model.generate", *argv]), **found)
@@ -443,18 +463,20 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--new", type=int, default=64, help="tokens generated for each prompt")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     parser.add_argument("--repeat", type=int, default=REPEATS, help="timed generations after the warm-up")
+    parser.add_argument("--trained", type=int, default=TRAINED_STEPS,
+                        help="steps of training on the course's text before generating (0: random weights)")
     parser.add_argument("--transformers", action="store_true",
                         help="also transformers' generate on the same weights (static cache, compiled), compared")
     parser.add_argument("--json", type=Path, help=f"write each run into this records file ({FOLDER.name}/<gpu>.json)")
     args = parser.parse_args(argv)
-    if min(*args.batch, args.prompt, args.new, args.repeat) < 1:
-        parser.error("--batch, --prompt, --new and --repeat must be at least 1")
+    if min(*args.batch, args.prompt, args.new, args.repeat) < 1 or args.trained < 0:
+        parser.error("--batch, --prompt, --new and --repeat must be at least 1, --trained at least 0")
     return args
 
 
 def requests(args: argparse.Namespace) -> list[Request]:
     """Each model at each batch, in that order; ValueError in one line for a size the kernels do not take."""
-    found = [Request(name, batch, args.prompt, args.new, args.dtype, args.repeat)
+    found = [Request(name, batch, args.prompt, args.new, args.dtype, args.repeat, args.trained)
              for name in args.model for batch in args.batch]
     for r in found:
         check_request({k: CONFIGS[r.model][k] for k in DIMENSIONS}, r.batch, r.prompt, r.new)

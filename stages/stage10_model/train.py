@@ -221,14 +221,15 @@ def compiled_counts() -> dict:
     return dict(graphs=counters["stats"]["unique_graphs"], cudagraph_skips=counters["inductor"]["cudagraph_skips"])
 
 
-def train(way: Way, shape: dict, steps_batches: list[tuple], lr: float, dtype: torch.dtype, every: int) -> dict:
+def train(way: Way, shape: dict, steps_batches: list[tuple], lr: float, dtype: torch.dtype, every: int,
+          weights: dict | None = None) -> dict:
     """{"losses": the cross-entropy at steps 0, every, 2·every, ... and the last, "tokens_per_s": over the
     steps after the warm-up, "warmup_s": the warm-up's time; compiled, compiled_counts}: AdamW from
-    initial_weights(SEED), one step a batch."""
+    initial_weights(SEED), or from `weights` (fp32 leaves, trained in place), one step a batch."""
     device = steps_batches[0][0].device
     if way.compile_options is not None:
         fresh_compiler()
-    weights = initial_weights(shape, SEED, device)
+    weights = initial_weights(shape, SEED, device) if weights is None else weights
     optimizer = torch.optim.AdamW(weights.values(), lr=lr, fused=device.type == "cuda", **ADAMW)
     loss = loss_function(way, shape, dtype)
     warmup = min(WARMUP_STEPS, len(steps_batches) // 2)
