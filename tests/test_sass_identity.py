@@ -12,9 +12,13 @@ mismatch is not the verdict: both sides are then compiled again, each in fresh p
 machine code counts as unchanged when some compile of the current source equals some compile of the base.
 
 Where the kernel and every header it includes are at the base what they are now, byte for byte, NVRTC is
-given the same input: nothing is compiled. Elsewhere the base's variants are compiled at once, on every core,
-and compared with the current ones first by the digests of their machine code (grader/sass.py's code_digest),
-kept beside each cubin (the current ones' by tests/test_compile.py): kernel by kernel only where they differ.
+given the same input: nothing is compiled. Elsewhere each current variant's machine code is compared with the
+base's as RECORD keeps it: the digest (grader/sass.py's) of the machine code a compile of the base made, written
+by `python tests/test_sass_identity.py record` for the BASES and the NVRTC version it names. The current
+variant's digest is kept beside its cubin (tests/test_compile.py made it), so an unchanged variant takes no
+compile and no nvdisasm. A variant that differs from the record, or that the record lacks (another NVRTC
+version, a base moved since), is compared with a compile of the base made here, as before the record: its
+variants compiled at once, on every core, then compared kernel by kernel.
 
 The base's kernels are compared: a kernel added since (stage 6's saving up GEMM, in every cubin that
 includes experts.cu) has no base, as a stage written later has none. Its labels and internal functions
@@ -22,12 +26,13 @@ are numbered across the cubin, so it shifts the numbers of the kernels after it:
 renumbered in its own order of appearance, which leaves its machine code as it is.
 
 When a later change alters a stage's machine code on purpose, move that stage's entry in BASES to the
-commit that did, or drop it.
+commit that did, or drop it, and write RECORD again.
 """
 from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import io
 import json
 import os
@@ -88,6 +93,7 @@ BASES["stage4_hopper"] = "1be0ba3"
 BASES.update({name: "4dc0f38" for name in ("stage9_hopper_backward", "stage13_block_sparse_backward")})
 LADDER = {"ladder/simt.cu": "stage6_grouped_gemm", "ladder/mma_sync.cu": "stage6_grouped_gemm"}
 FRESH_COMPILES = 3  # per side, after a mismatch
+RECORD = Path(__file__).with_name("fixtures") / "base_machine_code.json"
 
 
 def archs(stage) -> tuple[str, ...]:
@@ -166,6 +172,50 @@ def fresh_machine_code(tree: Path, source: Path, arch: str, defines: dict, cache
     return json.loads(out)
 
 
+# ---------------------------------------------------------------- the record of the bases' machine code
+
+def record_key(relative: Path, arch: str) -> str:
+    return f"{relative.as_posix()} {arch}"
+
+
+@functools.cache
+def recorded() -> dict:
+    """RECORD: {"nvrtc": version, "sources": {"<kernel file> <arch>": {"base": commit, "variants": {variant:
+    {"digest": of the base's machine code, "kernels": the base's}}}}}."""
+    return json.loads(RECORD.read_text()) if RECORD.is_file() else {"nvrtc": None, "sources": {}}
+
+
+def recorded_variants(name: str, relative: Path, arch: str) -> dict:
+    """The record's variants of `relative` at `arch`, where it was made by this NVRTC from the base BASES names;
+    else none."""
+    entry = recorded()["sources"].get(record_key(relative, arch), {})
+    if recorded()["nvrtc"] != compiler.nvrtc_version() or entry.get("base") != BASES[name]:
+        return {}
+    return entry["variants"]
+
+
+def matches_record(current: compiler.Cubin, base: dict) -> bool:
+    """Whether `current`'s machine code, of the kernels the base has, is the base's as recorded."""
+    if sass.code_digest(current) == base["digest"]:
+        return True  # the whole cubin's, kept beside it: no nvdisasm
+    code = of_base_kernels(sass.machine_code(current), {"sass": dict.fromkeys(base["kernels"])})
+    return sass.digest_of(code) == base["digest"]
+
+
+def record_bases() -> None:
+    """Writes RECORD: every base's variants of every kernel file and arch checked, compiled here."""
+    sources = {}
+    for name, source, arch in SOURCES:
+        stage, relative = stages.load(name), relative_path(name, source)
+        cubins = compile_each_in(base_tree(BASES[name]), relative, arch, variants(stage))
+        sources[record_key(relative, arch)] = {"base": BASES[name], "variants": {
+            variant_key(defines): {"digest": sass.code_digest(cubin),
+                                   "kernels": sorted(sass.machine_code(cubin)["sass"])}
+            for defines, cubin in zip(variants(stage), cubins)}}
+    record = {"nvrtc": compiler.nvrtc_version(), "sources": sources}
+    RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+
+
 def difference(before: dict, after: dict) -> str:
     after = of_base_kernels(after, before)
     for kernel in sorted(set(before["sass"]) | set(after["sass"])):
@@ -209,20 +259,26 @@ def current_cubins(stage, source: str, arch: str) -> dict:
     return compile_stage(graded, graded.source_path, arch, with_sass=False)
 
 
+def relative_path(name: str, source: str) -> Path:
+    """A stage's kernel file, relative to the repository (as in the base trees)."""
+    return stages.load(name).folder.relative_to(REPO) / source
+
+
 def variants(stage) -> list[dict]:
     return [stage.defines(variant) for variant in stage.variants(reference.load(stage.problem))]
 
 
 @pytest.mark.parametrize("name,source,arch", SOURCES, ids=[f"{n}-{s}-{a}" for n, s, a in SOURCES])
 def test_machine_code_is_unchanged(name, source, arch, tmp_path):
-    stage = stages.load(name)
-    relative = stage.folder.relative_to(REPO) / source
+    stage, relative = stages.load(name), relative_path(name, source)
     base = base_tree(BASES[name])
     if same_sources(base, relative):
         return  # the same source and headers: the same machine code
     current = current_cubins(stage, source, arch)
-    based = compile_each_in(base, relative, arch, variants(stage))
-    for defines, base_cubin in zip(variants(stage), based):
+    record = recorded_variants(name, relative, arch)
+    unmatched = [defines for defines in variants(stage) if variant_key(defines) not in record
+                 or not matches_record(current[variant_key(defines)], record[variant_key(defines)])]
+    for defines, base_cubin in zip(unmatched, compile_each_in(base, relative, arch, unmatched)):
         current_cubin = current[variant_key(defines)]
         if sass.code_digest(current_cubin) == sass.code_digest(base_cubin):
             continue  # the same machine code, kernel for kernel
@@ -237,7 +293,20 @@ def test_machine_code_is_unchanged(name, source, arch, tmp_path):
             f"{len(befores)} × {len(afters)} compiles; the first difference, " + difference(befores[0], afters[0]))
 
 
-if __name__ == "__main__":  # one compile, for fresh_machine_code: TREE SOURCE ARCH DEFINES_JSON
-    tree_arg, source_arg, arch_arg, defines_arg = sys.argv[1:]
-    cubin_arg = compile_in(Path(tree_arg), Path(source_arg), arch_arg, json.loads(defines_arg))
-    print(json.dumps(sass.machine_code(cubin_arg)))
+def test_the_record_holds_every_variant_checked_at_its_base():
+    """RECORD has each kernel file and arch checked, every variant, made from the base BASES names now: a base moved
+    without writing it again would leave the test above compiling that base on every run."""
+    expected = {record_key(relative_path(name, source), arch): (BASES[name], {variant_key(defines) for defines in
+                                                                           variants(stages.load(name))})
+                for name, source, arch in SOURCES}
+    found = {key: (entry["base"], set(entry["variants"])) for key, entry in recorded()["sources"].items()}
+    assert found == expected, f"{RECORD.relative_to(REPO)} is not the bases': python tests/test_sass_identity.py record"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["record"]:  # python tests/test_sass_identity.py record: writes RECORD
+        record_bases()
+    else:  # one compile, for fresh_machine_code: TREE SOURCE ARCH DEFINES_JSON
+        tree_arg, source_arg, arch_arg, defines_arg = sys.argv[1:]
+        cubin_arg = compile_in(Path(tree_arg), Path(source_arg), arch_arg, json.loads(defines_arg))
+        print(json.dumps(sass.machine_code(cubin_arg)))
