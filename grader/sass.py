@@ -69,10 +69,12 @@ def code_digest(cubin) -> str:
     """The sha256 of a Cubin's machine_code. Two cubins with one digest run the same instructions with the same
     registers and shared memory, whatever the comments and the layout of the sources they came from. Kept
     beside the cubin (<key>.code<N>.json), as its instruction mix is; N, CODE_FORMAT, changes with kernel_code."""
-    def digest():
-        return hashlib.sha256(json.dumps(machine_code(cubin), sort_keys=True).encode()).hexdigest()
+    return kept_beside(cubin.path, f".code{CODE_FORMAT}.json", lambda: digest_of(machine_code(cubin)))
 
-    return kept_beside(cubin.path, f".code{CODE_FORMAT}.json", digest)
+
+def digest_of(code: dict) -> str:
+    """The sha256 of a machine_code (or of part of one: tests/test_sass_identity.py's kernels of a base)."""
+    return hashlib.sha256(json.dumps(code, sort_keys=True).encode()).hexdigest()
 
 
 def machine_code(cubin) -> dict:

@@ -1,4 +1,6 @@
 """The command line, as a learner meets it: one-line errors, non-zero exits, compile-only without a GPU."""
+import contextlib
+import io
 import os
 import re
 import shutil
@@ -7,18 +9,43 @@ import sys
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 import stages
 from conftest import REPO
-from grader import results
+from grader import report, results
+from grader.__main__ import main
 from grader.report import variant_label
 from grader.run import compile_stage, resources
 from stages.common.compiler import nvrtc_version
 
 
-def grader(*args, env_extra=None, columns=160):
-    env = dict(os.environ, FLASHMOE_NO_GPU="1", COLUMNS=str(columns), **(env_extra or {}))
+def command_env(env_extra: dict | None, columns: int) -> dict:
+    """The variables a run of the grader here has beyond the tests' own: no GPU, a terminal `columns` wide."""
+    return dict(FLASHMOE_NO_GPU="1", COLUMNS=str(columns), **(env_extra or {}))
+
+
+def grader_command(*args, env_extra=None, columns=160) -> subprocess.CompletedProcess:
+    """`python -m grader ARGS`, run as a learner runs it: a new Python."""
+    env = dict(os.environ, **command_env(env_extra, columns))
     return subprocess.run([sys.executable, "-m", "grader", *args], cwd=REPO, env=env, capture_output=True, text=True)
+
+
+def grader(*args, env_extra=None, columns=160) -> subprocess.CompletedProcess:
+    """What grader_command returns, from the command's main() run in this process, with its environment, its folder
+    and a console made as grader/report.py makes it, what it prints caught: a new Python imports PyTorch again
+    (seconds a run). Tests that run grader_command itself check that the command is this main()."""
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        for name, value in command_env(env_extra, columns).items():
+            patch.setenv(name, value)
+        patch.chdir(REPO)
+        patch.setattr(report, "console", Console(highlight=False))  # its width from COLUMNS, as in a new process
+        try:
+            status = main(list(args))
+        except SystemExit as exit:  # argparse's --help, and its errors (the grader's Parser.error)
+            status = exit.code
+    return subprocess.CompletedProcess(["python", "-m", "grader", *args], status, out.getvalue(), err.getvalue())
 
 
 def assert_one_line_error(r, *fragments):
@@ -29,7 +56,7 @@ def assert_one_line_error(r, *fragments):
 
 
 def test_unknown_stage():
-    assert_one_line_error(grader("stage42"), "unknown stage 'stage42'")
+    assert_one_line_error(grader_command("stage42"), "unknown stage 'stage42'")
 
 
 def test_missing_kernel_file():
@@ -45,7 +72,7 @@ def test_rekey_without_a_results_file_is_one_line(args, said):
 
 def test_no_gpu_compiles_only_and_says_so(tmp_path):
     out = tmp_path / "r.json"
-    r = grader("stage0", "--json", str(out))
+    r = grader_command("stage0", "--json", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "compiling only" in r.stdout and "attention_softmax" in r.stdout and "SHFL" in r.stdout
     assert not out.exists()
@@ -364,7 +391,7 @@ def test_a_mistyped_option_is_one_line(args, fragment):
 
 
 def test_help_names_the_environment_variables():
-    r = grader("--help")
+    r = grader_command("--help")
     assert r.returncode == 0 and r.stdout.startswith("usage: python -m grader STAGE"), r.stdout + r.stderr
     for variable in ("FLASHMOE_WORKSPACE", "FLASHMOE_CACHE", "FLASHMOE_NO_GPU"):
         assert variable in r.stdout

@@ -1044,12 +1044,6 @@ def served_with_search(fake_site):
         yield url
 
 
-@pytest.fixture
-def served_site(site):
-    with serve(site) as url:
-        yield url
-
-
 @pytest.mark.browser
 def test_pages_in_a_browser(browser, served_with_search):
     from selenium.webdriver.common.by import By
@@ -1080,19 +1074,27 @@ OVERFLOWING_TABLES = """return Array.from(document.querySelectorAll('.fm-results
     .map(t => t.rows[0].innerText.replace(/\\s+/g, ' '))"""
 
 
-@pytest.mark.browser
-def test_results_tables_fit_a_1400_pixel_window(browser, served_site):
-    """The recorded results, as CI builds them: at 1400 px, with the nav and the table of contents
-    beside it, no visible results table scrolls sideways, so its key columns are on screen."""
+def results_tables(browser) -> dict | None:
+    """A page's results tables as they first show: None where it has none; else whether the table of contents shows
+    beside them, and the heading rows of those that scroll sideways."""
     from selenium.webdriver.common.by import By
 
-    browser.set_window_size(1400, 1000)
+    if not browser.find_elements(By.CSS_SELECTOR, ".fm-results"):
+        return None
+    return {"toc": browser.find_element(By.CSS_SELECTOR, ".md-sidebar--secondary").is_displayed(),
+            "overflowing": browser.execute_script(OVERFLOWING_TABLES)}
+
+
+@pytest.mark.browser
+def test_results_tables_fit_a_1400_pixel_window(site_loaded):
+    """The recorded results, as CI builds them: at 1400 px, with the nav and the table of contents
+    beside it, no visible results table scrolls sideways, so its key columns are on screen."""
+    found = site_loaded(1400)
     # the home page's grades, each stage's results, the ops' figures
-    for page in [""] + [stage_page(d) + "/" for d in STAGE_DIRS] + ["pytorch/"]:
-        browser.get(f"{served_site}/{page}")
-        if browser.find_elements(By.CSS_SELECTOR, ".fm-results"):
-            assert browser.find_element(By.CSS_SELECTOR, ".md-sidebar--secondary").is_displayed()
-            assert browser.execute_script(OVERFLOWING_TABLES) == [], f"/{page}: a results table scrolls sideways"
+    for page in [""] + [stage_page(d) for d in STAGE_DIRS] + ["pytorch"]:
+        if (tables := found[page]["tables"]) is not None:
+            assert tables["toc"], f"/{page}: no table of contents beside the results"
+            assert tables["overflowing"] == [], f"/{page}: a results table scrolls sideways"
 
 
 CLICK_TAB = """const label = Array.from(document.querySelectorAll('.fm-gpus .tabbed-labels label'))
@@ -1170,16 +1172,14 @@ def pages_with_charts(site: Path) -> list[str]:
 
 @pytest.mark.browser
 @pytest.mark.parametrize("width", [1400, 400])
-def test_chart_text_is_inside_and_legible(browser, served_site, site, width):
+def test_chart_text_is_inside_and_legible(site_loaded, site, width):
     """At 1400 px (the nav and the table of contents beside the page) and at 400 px (a phone), on
     every page with a chart or diagram: no text clipped or overlapping, none under 11 px."""
     pages = pages_with_charts(site)
     assert "stages/stage10" in pages and "stages/stage11" in pages and "" in pages
-    browser.set_window_size(width, 1000)
     problems = []
     for page in pages:
-        browser.get(f"{served_site}/{page}/" if page else served_site + "/")
-        found = browser.execute_script(CHART_TEXT)
+        found = site_loaded(width)[page]["charts"]
         assert found["charts"], f"/{page}: no chart drawn"
         problems += [f"/{page} at {width} px, {kind}: {item}" for kind in ("outside", "small", "overlapping", "shrunk")
                      for item in found[kind]]
@@ -1242,20 +1242,41 @@ def site_pages(site: Path) -> list[str]:
     return sorted(str(p.parent.relative_to(site)).replace(".", "") for p in site.rglob("index.html"))
 
 
+# What the tests of the site as CI builds it read of each page, in this order on one load: the results tables as
+# they first show, then the charts' text (which opens every <details>), then the layout (every tab shown too).
+PAGE_CHECKS = {"tables": results_tables, "charts": lambda browser: browser.execute_script(CHART_TEXT),
+               "layout": lambda browser: browser.execute_script(LAYOUT)}
+
+
+@pytest.fixture(scope="module")
+def site_loaded(chromium, site):
+    """site_loaded(width): {page: {check: what it found}} of every page of the site as CI builds it, each loaded once
+    at that width (on a port of its own) for all of PAGE_CHECKS: each page's load and drawing is most of a browser
+    test's time, and three tests read the same pages at the same widths."""
+    @functools.cache
+    def loaded(width: int) -> dict:
+        chromium.set_window_size(width, 1000)
+        found = {}
+        with serve(site) as url:
+            for page in site_pages(site):
+                chromium.get(f"{url}/{page}/" if page else url + "/")
+                found[page] = {check: read(chromium) for check, read in PAGE_CHECKS.items()}
+        return found
+    return loaded
+
+
 @pytest.mark.browser
 @pytest.mark.parametrize("width", [1400, 400])
-def test_pages_fit_a_phone_and_a_desktop(browser, served_site, site, width):
+def test_pages_fit_a_phone_and_a_desktop(site_loaded, site, width):
     """At 400 px (a phone) and at 1400 px, every page of the site: no sideways scroll of the page, every
     diagram in its figure with its arrowheads, every chart within its figure with its bars visible."""
     pages = site_pages(site)
     expected = ["", "setup", "grading", "pytorch", "glossary", "notebook/grading"] + [
         page for d in STAGE_DIRS for page in (stage_page(d), stage_page(d).replace("stages/", "notebook/"))]
     assert not set(expected) - set(pages), f"pages not built: {sorted(set(expected) - set(pages))}"
-    browser.set_window_size(width, 1000)
     problems, arrows, charts = [], 0, 0
     for page in pages:
-        browser.get(f"{served_site}/{page}/" if page else served_site + "/")
-        found = browser.execute_script(LAYOUT)
+        found = site_loaded(width)[page]["layout"]
         arrows, charts = arrows + found["arrows"], charts + found["charts"]
         problems += [f"/{page} at {width} px, {kind}: {item}" for kind in ("scroll", "bare", "headless", "cut")
                      for item in found[kind]]

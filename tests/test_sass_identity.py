@@ -12,9 +12,13 @@ mismatch is not the verdict: both sides are then compiled again, each in fresh p
 machine code counts as unchanged when some compile of the current source equals some compile of the base.
 
 Where the kernel and every header it includes are at the base what they are now, byte for byte, NVRTC is
-given the same input: nothing is compiled. Elsewhere the base's variants are compiled at once, on every core,
-and compared with the current ones first by the digests of their machine code (grader/sass.py's code_digest),
-kept beside each cubin (the current ones' by tests/test_compile.py): kernel by kernel only where they differ.
+given the same input: nothing is compiled. Elsewhere each current variant's machine code is compared with the
+base's as RECORD keeps it: the digests (grader/sass.py's) of the machine code of RECORD_DRAWS compiles of the
+base, written by `python tests/test_sass_identity.py record` for the BASES and the NVRTC version it names. The
+current variant's digest is kept beside its cubin (tests/test_compile.py made it), so an unchanged variant takes
+no compile and no nvdisasm; one that is another draw is compiled again in new processes first. A variant still
+unlike the record, or one the record lacks (another NVRTC version, a base moved since), is compared with
+compiles of the base made here: its variants compiled at once, on every core, then kernel by kernel.
 
 The base's kernels are compared: a kernel added since (stage 6's saving up GEMM, in every cubin that
 includes experts.cu) has no base, as a stage written later has none. Its labels and internal functions
@@ -22,12 +26,12 @@ are numbered across the cubin, so it shifts the numbers of the kernels after it:
 renumbered in its own order of appearance, which leaves its machine code as it is.
 
 When a later change alters a stage's machine code on purpose, move that stage's entry in BASES to the
-commit that did, or drop it.
+commit that did, or drop it, and write RECORD again.
 """
 from __future__ import annotations
 
-import contextlib
 import difflib
+import functools
 import io
 import json
 import os
@@ -35,12 +39,19 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+if __name__ == "__main__":  # run as a script (record): this checkout's packages, before any installed copy's
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import checkout_compile
 import reference
 import stages
+from checkout_compile import headers_of
 from grader import sass
 from grader.parallel_compile import compile_each
 from grader.run import compile_stage
@@ -88,6 +99,8 @@ BASES["stage4_hopper"] = "1be0ba3"
 BASES.update({name: "4dc0f38" for name in ("stage9_hopper_backward", "stage13_block_sparse_backward")})
 LADDER = {"ladder/simt.cu": "stage6_grouped_gemm", "ladder/mma_sync.cu": "stage6_grouped_gemm"}
 FRESH_COMPILES = 3  # per side, after a mismatch
+RECORD_DRAWS = 4  # compiles of each base variant whose machine code the record keeps
+RECORD = Path(__file__).with_name("fixtures") / "base_machine_code.json"
 
 
 def archs(stage) -> tuple[str, ...]:
@@ -109,28 +122,8 @@ SOURCES = sources()
 
 # ---------------------------------------------------------------- compiling and reading machine code
 
-@contextlib.contextmanager
-def headers_of(tree: Path):
-    """The compiler resolving #includes in `tree`'s stages/ (a checkout of another commit)."""
-    search = (tree / "stages" / "common", tree / "stages")
-    toolkit = tuple(d for d in compiler.include_dirs() if not d.startswith(str(REPO / "stages")))
-    saved = compiler.SEARCH_DIRS, compiler.include_dirs
-    compiler.SEARCH_DIRS, compiler.include_dirs = search, lambda: (*map(str, search), *toolkit)
-    try:
-        yield
-    finally:
-        compiler.SEARCH_DIRS, compiler.include_dirs = saved
-
-
-def compile_in(tree: Path, source: Path, arch: str, defines: dict) -> compiler.Cubin:
-    """compile_cubin for `source` (relative to the repository) of the checkout at `tree`: its
-    #includes resolve in that tree's stages/."""
-    with headers_of(tree):
-        return compiler.compile_cubin(tree / source, arch, defines)
-
-
 def compile_each_in(tree: Path, source: Path, arch: str, variants: list[dict]) -> list[compiler.Cubin]:
-    """compile_in for every variant at once, on every CPU core (grader/parallel_compile.py)."""
+    """checkout_compile.compile_in for every variant at once, on every CPU core (grader/parallel_compile.py)."""
     with headers_of(tree):
         found = [cubin for cubin, _ in compile_each([(tree / source, arch, defines, "") for defines in variants])]
     for failure in (f for f in found if isinstance(f, Exception)):
@@ -161,9 +154,78 @@ def fresh_machine_code(tree: Path, source: Path, arch: str, defines: dict, cache
     """sass.machine_code of a compile in a new process, with an empty cache: another draw of NVRTC."""
     cache.mkdir(parents=True, exist_ok=True)
     environment = dict(os.environ, FLASHMOE_CACHE=str(cache), PYTHONPATH=str(REPO))
-    out = subprocess.run([sys.executable, __file__, str(tree), str(source), arch, json.dumps(defines)], check=True,
-                         capture_output=True, text=True, env=environment).stdout
+    out = subprocess.run([sys.executable, checkout_compile.__file__, str(tree), str(source), arch, json.dumps(defines)],
+                         check=True, capture_output=True, text=True, env=environment).stdout
     return json.loads(out)
+
+
+# ---------------------------------------------------------------- the record of the bases' machine code
+
+def record_key(relative: Path, arch: str) -> str:
+    return f"{relative.as_posix()} {arch}"
+
+
+@functools.cache
+def recorded() -> dict:
+    """RECORD: {"nvrtc": version, "sources": {"<kernel file> <arch>": {"base": commit, "variants": {variant:
+    {"digests": the machine code's of RECORD_DRAWS compiles of the base, each other one once, "kernels": the
+    base's}}}}}."""
+    return json.loads(RECORD.read_text()) if RECORD.is_file() else {"nvrtc": None, "sources": {}}
+
+
+def recorded_variants(name: str, relative: Path, arch: str) -> dict:
+    """The record's variants of `relative` at `arch`, where it was made by this NVRTC from the base BASES names;
+    else none."""
+    entry = recorded()["sources"].get(record_key(relative, arch), {})
+    if recorded()["nvrtc"] != compiler.nvrtc_version() or entry.get("base") != BASES[name]:
+        return {}
+    return entry["variants"]
+
+
+def is_recorded(current: compiler.Cubin, base: dict | None, source: Path, arch: str, defines: dict, tmp_path) -> bool:
+    """Whether the current source's machine code, of the kernels the base has, is one the record has of the base
+    (`base`; None where it has none): the current cubin's, or, NVRTC drawing other machine code now and then, a
+    compile's in a new process."""
+    if base is None:
+        return False
+    if sass.code_digest(current) in base["digests"]:
+        return True  # the whole cubin's, kept beside it: no nvdisasm
+    for draw in range(FRESH_COMPILES + 1):
+        code = sass.machine_code(current) if draw == 0 else \
+            fresh_machine_code(REPO, source, arch, defines, tmp_path / f"recorded{draw}")
+        if sass.digest_of(of_base_kernels(code, {"sass": dict.fromkeys(base["kernels"])})) in base["digests"]:
+            return True
+    return False
+
+
+def record_bases() -> None:
+    """Writes RECORD's entries that are not the bases' (a base moved, a kernel file checked since, another NVRTC),
+    keeping the others; an entry for a kernel file no longer checked is dropped."""
+    nvrtc = compiler.nvrtc_version()
+    sources = dict(recorded()["sources"]) if recorded()["nvrtc"] == nvrtc else {}
+    for name, source, arch in SOURCES:
+        relative = relative_path(name, source)
+        if not recorded_variants(name, relative, arch):
+            sources[record_key(relative, arch)] = {"base": BASES[name], "variants": base_draws(name, relative, arch)}
+    checked = {record_key(relative_path(name, source), arch) for name, source, arch in SOURCES}
+    record = {"nvrtc": nvrtc, "sources": {key: entry for key, entry in sources.items() if key in checked}}
+    RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+
+
+def base_draws(name: str, relative: Path, arch: str) -> dict:
+    """{variant: {"digests", "kernels"}} of RECORD_DRAWS compiles of each variant of the base's `relative` at `arch`:
+    the first in this process, all at once, the others each in a new process, on every core."""
+    tree, every = base_tree(BASES[name]), variants(stages.load(name))
+    codes = {variant_key(defines): [sass.machine_code(cubin)]
+             for defines, cubin in zip(every, compile_each_in(tree, relative, arch, every))}
+    later = [defines for defines in every for _ in range(RECORD_DRAWS - 1)]
+    with tempfile.TemporaryDirectory() as caches, ThreadPoolExecutor(os.cpu_count()) as pool:
+        drawn = pool.map(lambda job: fresh_machine_code(tree, relative, arch, job[1], Path(caches) / str(job[0])),
+                         enumerate(later))
+        for defines, code in zip(later, drawn):
+            codes[variant_key(defines)].append(code)
+    return {variant: {"digests": sorted({sass.digest_of(code) for code in drawn_codes}),
+                      "kernels": sorted(drawn_codes[0]["sass"])} for variant, drawn_codes in codes.items()}
 
 
 def difference(before: dict, after: dict) -> str:
@@ -209,20 +271,26 @@ def current_cubins(stage, source: str, arch: str) -> dict:
     return compile_stage(graded, graded.source_path, arch, with_sass=False)
 
 
+def relative_path(name: str, source: str) -> Path:
+    """A stage's kernel file, relative to the repository (as in the base trees)."""
+    return stages.load(name).folder.relative_to(REPO) / source
+
+
 def variants(stage) -> list[dict]:
     return [stage.defines(variant) for variant in stage.variants(reference.load(stage.problem))]
 
 
 @pytest.mark.parametrize("name,source,arch", SOURCES, ids=[f"{n}-{s}-{a}" for n, s, a in SOURCES])
 def test_machine_code_is_unchanged(name, source, arch, tmp_path):
-    stage = stages.load(name)
-    relative = stage.folder.relative_to(REPO) / source
+    stage, relative = stages.load(name), relative_path(name, source)
     base = base_tree(BASES[name])
     if same_sources(base, relative):
         return  # the same source and headers: the same machine code
     current = current_cubins(stage, source, arch)
-    based = compile_each_in(base, relative, arch, variants(stage))
-    for defines, base_cubin in zip(variants(stage), based):
+    record = recorded_variants(name, relative, arch)
+    unmatched = [defines for defines in variants(stage) if not is_recorded(
+        current[variant_key(defines)], record.get(variant_key(defines)), relative, arch, defines, tmp_path)]
+    for defines, base_cubin in zip(unmatched, compile_each_in(base, relative, arch, unmatched)):
         current_cubin = current[variant_key(defines)]
         if sass.code_digest(current_cubin) == sass.code_digest(base_cubin):
             continue  # the same machine code, kernel for kernel
@@ -237,7 +305,17 @@ def test_machine_code_is_unchanged(name, source, arch, tmp_path):
             f"{len(befores)} × {len(afters)} compiles; the first difference, " + difference(befores[0], afters[0]))
 
 
-if __name__ == "__main__":  # one compile, for fresh_machine_code: TREE SOURCE ARCH DEFINES_JSON
-    tree_arg, source_arg, arch_arg, defines_arg = sys.argv[1:]
-    cubin_arg = compile_in(Path(tree_arg), Path(source_arg), arch_arg, json.loads(defines_arg))
-    print(json.dumps(sass.machine_code(cubin_arg)))
+def test_the_record_holds_every_variant_checked_at_its_base():
+    """RECORD has each kernel file and arch checked, every variant, made from the base BASES names now: a base moved
+    without writing it again would leave the test above compiling that base on every run."""
+    expected = {record_key(relative_path(name, source), arch): (BASES[name], {variant_key(defines) for defines in
+                                                                           variants(stages.load(name))})
+                for name, source, arch in SOURCES}
+    found = {key: (entry["base"], set(entry["variants"])) for key, entry in recorded()["sources"].items()}
+    assert found == expected, f"{RECORD.relative_to(REPO)} is not the bases': python tests/test_sass_identity.py record"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["record"]:
+        sys.exit(f"usage: python tests/test_sass_identity.py record   (writes {RECORD.relative_to(REPO)})")
+    record_bases()

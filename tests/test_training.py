@@ -122,7 +122,9 @@ def test_four_ways_eager_first_the_compiled_ones_with_cuda_graphs_and_no_graph_b
 
 def pytorch_ops(calls: list, checked: bool = False):
     """ops.attention and ops.moe_layer computed by PyTorch as the pytorch way computes them, counting calls;
-    where `checked`, after the ops' own checks of their inputs."""
+    where `checked`, after the ops' own checks of their inputs, the MoE layer in fp32 (cast back to its input's
+    dtype): a CPU multiplies bf16 slowly (a 1B-like layer's experts took seconds a call), and what is checked
+    there is what the ops are handed, not what they return."""
     def attention(q, k, v, causal):
         calls.append("attention")
         assert causal is True
@@ -132,9 +134,11 @@ def pytorch_ops(calls: list, checked: bool = False):
 
     def moe_layer(x, router_weight, w1, w2, top_k):
         calls.append("moe_layer")
-        if checked:
-            ops.refuse("ops.moe_layer", ops.moe_layer_input_problem(x, router_weight, None, w1, w2, top_k))
-        return moe.layer_grouped_mm(dict(x=x, wr=router_weight, w1=w1, w2=w2), top_k)
+        layer = dict(x=x, wr=router_weight, w1=w1, w2=w2)
+        if not checked:
+            return moe.layer_grouped_mm(layer, top_k)
+        ops.refuse("ops.moe_layer", ops.moe_layer_input_problem(x, router_weight, None, w1, w2, top_k))
+        return moe.layer_grouped_mm({name: w.float() for name, w in layer.items()}, top_k).to(x.dtype)
     return attention, moe_layer
 
 
