@@ -78,7 +78,7 @@ from stages.stage10_model.train import SEED, batches, clock, compiled_counts, co
 PAGE_SIZE = 64        # tokens a page of the KV cache holds (stage 15's benchmarks')
 COMPARED_STEPS = 32   # the first generated tokens compared with transformers'
 REPEATS = 5           # timed generations after the warm-up (--repeat)
-TRAINING = dict(batch=8, seq=256, lr=1e-3)  # fit's batches and learning rate: train.py's small model's (records.TRAINED)
+TRAINING = {k: records.TRAINED["small"][k] for k in ("batch", "seq", "lr")}  # fit's: train.py's small model's
 TRAINED_STEPS = 300   # steps of fit before generating (--trained)
 MODELS = tuple(name for name, c in CONFIGS.items() if not c["experts"])  # the dense models
 DTYPES = ("bfloat16", "float16")
@@ -295,6 +295,8 @@ def prompts_for(batch: int, prompt_len: int, device, seed: int = SEED) -> torch.
     windows, _ = next_batch(tokens_of(course_text()), batch, prompt_len, torch.Generator().manual_seed(seed))
     return windows.to(device)
 
+
+# ---------------------------------------------------------------- transformers' generation, and the comparison
 
 def transformers_generate(model, cache, prompts: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, Timing]:
     """transformers' greedy generate of new_tokens for the prompts with this StaticCache (reset first):
