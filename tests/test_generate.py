@@ -14,12 +14,12 @@ import torch.nn.functional as F
 from conftest import REPO
 from reference import decode_attention as decode_problem
 from reference.model import forward as reference_forward
-from stages.stage10_model.train import loss_function
 from reference.model import model_shape
 from stages import ops
 from stages.ops import shared
 from stages.stage10_model import generate as G
 from stages.stage10_model import records
+from stages.stage10_model.train import loss_function
 from test_model import FakeKernels
 
 # Two layers of head dim 64, GQA 2:1: small enough for the CPU and for a float64 recompute at every step.
@@ -221,8 +221,8 @@ def test_the_prompts_are_windows_of_the_course_s_text():
 
 
 def test_fit_trains_the_masters_in_place_and_lowers_the_loss_on_the_course_s_text(monkeypatch):
-    """A few steps of train.py's PyTorch way (fp32 on the CPU) at a high learning rate: every weight moves, and
-    the cross-entropy of the first batch falls."""
+    """A few steps of train.py's PyTorch way (fp32 on the CPU, the small model's learning rate): every weight
+    moves, and the cross-entropy of the first batch falls."""
     monkeypatch.setitem(G.TRAINING, "batch", 2)
     monkeypatch.setitem(G.TRAINING, "seq", 32)
     masters = G.initial_weights(TINY, G.SEED, "cpu")
