@@ -23,14 +23,30 @@ class GraderError(Exception):
     """A one-line problem with what the learner asked for (unknown stage, missing file, ...)."""
 
 
-def signature_checks(kernels: dict[str, str]) -> str:
-    """C++ appended to the kernel's source: each kernel must have the parameter list the stage launches with."""
+def signature_checks(kernels: dict[str, str], param_structs=()) -> str:
+    """C++ appended to the kernel's source: each kernel must have the parameter list the stage launches with,
+    and each parameter struct the layout the launch packs (param_struct_checks)."""
     lines = ["template <class A, class B> struct grader_same_type { static constexpr bool value = false; };",
              "template <class A> struct grader_same_type<A, A> { static constexpr bool value = true; };"]
     for name, params in kernels.items():
         lines.append(f'static_assert(grader_same_type<decltype(&{name}), void (*)({params})>::value, '
                      f'"GRADER-SIGNATURE {name}");')
-    return "\n".join(lines)
+    return "\n".join(lines + param_struct_checks(param_structs))
+
+
+def param_struct_checks(structs) -> list[str]:
+    """The checks that each parameter struct a kernel takes (stage.param_structs) is laid out as the launch
+    packs it (stages/common/launcher.py's ParamStruct): field by field, its type and its offset, then the
+    struct's size."""
+    lines = []
+    for struct in structs:
+        for field, c_type in struct.fields:
+            lines.append(f'static_assert(grader_same_type<decltype({struct.name}::{field}), {c_type}>::value, '
+                         f'"GRADER-PARAMS {struct.name}.{field} type");')
+            lines.append(f'static_assert(__builtin_offsetof({struct.name}, {field}) == {struct.offsets[field]}, '
+                         f'"GRADER-PARAMS {struct.name}.{field} offset");')
+        lines.append(f'static_assert(sizeof({struct.name}) == {struct.size}, "GRADER-PARAMS {struct.name} size");')
+    return lines
 
 
 def geometry_checks(geometry: dict[str, int]) -> str:
@@ -43,7 +59,8 @@ def stage_builds(stage) -> list[tuple[dict, str]]:
     """(the -D macros, the checks appended to the source) of each variant compile_stage compiles, in its
     order: what compile_cubin is called with, besides the kernel's path and the arch."""
     problem = reference.load(stage.problem)
-    return [(defines, signature_checks(stage.kernels) + "\n" + geometry_checks(stage.geometry(defines)))
+    signatures = signature_checks(stage.kernels, stage.param_structs)
+    return [(defines, signatures + "\n" + geometry_checks(stage.geometry(defines)))
             for defines in map(stage.defines, stage.variants(problem))]
 
 
@@ -62,15 +79,15 @@ def compile_stage(stage, kernel_path: Path, arch: str, with_sass: bool = True) -
                 raise compiled
             cubins[variant_key(defines)] = compiled or compile_cubin(kernel_path, arch, defines, checks)
         except CompileError as error:
-            raise (_explain_signature_error(error, stage, kernel_path)
+            raise (_explain_param_struct_error(error, checks, stage, kernel_path)
+                   or _explain_signature_error(error, stage, kernel_path)
                    or _explain_geometry_error(error, checks, stage.geometry(defines), defines, kernel_path) or error)
     return cubins
 
 
 def _explain_signature_error(error: CompileError, stage, kernel_path) -> GraderError | None:
     """A compile error in the grader's signature check, said in one line; None for the learner's own errors."""
-    own_errors = [l for l in error.log.splitlines() if "): error" in l and not l.startswith("grader-signature-check")]
-    if own_errors:
+    if _learners_own_errors(error):
         return None
     for name, params in stage.kernels.items():
         expected = f'extern "C" __global__ void {name}({params})'
@@ -83,11 +100,53 @@ def _explain_signature_error(error: CompileError, stage, kernel_path) -> GraderE
     return None
 
 
+def _explain_param_struct_error(error: CompileError, checks: str, stage, kernel_path) -> GraderError | None:
+    """A parameter struct laid out otherwise than the launch packs it, in one line: its first field that
+    differs (the fields after it are then often out of place too); None for other errors."""
+    if _learners_own_errors(error):
+        return None
+    said = {}  # line of the checks -> what NVRTC says of it, errors and notes
+    for line, message in re.findall(r"^grader-signature-check\((\d+)\): (?:error|note)[^:]*: (.*)$", error.log,
+                                    re.MULTILINE):
+        said[int(line)] = said.get(int(line), "") + message + "\n"
+    check_lines, structs, found = checks.splitlines(), {s.name: s for s in stage.param_structs}, {}
+    for line, messages in sorted(said.items()):
+        if not (m := re.search(r'"GRADER-PARAMS (\w+)\.?(\w*) (type|offset|size)"', check_lines[line - 1])):
+            continue
+        struct, field, what = structs[m[1]], m[2], m[3]
+        if struct.name not in found:
+            found[struct.name] = _struct_problem(struct, field, what, messages)
+    if not found:
+        return None
+    return GraderError("\n".join(f"{shown(kernel_path)}: {problem}" for problem in found.values()))
+
+
+def _struct_problem(struct, field: str, what: str, messages: str) -> str:
+    """What NVRTC's `messages` on the check of `what` (type, offset, size) of struct.field say, in words."""
+    layout = "{" + " ".join(f"{t} {f};" for f, t in struct.fields) + "}"
+    kernel_says = re.search(r"the final comparison was (\d+) ==", messages)
+    if re.search(r"is undefined|is not a type name|must be a class", messages):
+        return f"no struct {struct.name}: the launch packs {layout}"
+    if "has no member" in messages:
+        return f"struct {struct.name} has no field {field}: the launch packs {layout}"
+    if what == "type":
+        return f"{struct.name}.{field} is not the {dict(struct.fields)[field]} the launch packs: {layout}"
+    if what == "offset":
+        return (f"{struct.name}.{field} is at byte {kernel_says[1]}, the launch packs it at byte "
+                f"{struct.offsets[field]}: {layout}")
+    return f"struct {struct.name} is {kernel_says[1]} bytes, the launch packs {struct.size}: {layout}"
+
+
+def _learners_own_errors(error: CompileError) -> bool:
+    """Whether NVRTC's log has errors outside the grader's checks: NVRTC's log says them best."""
+    return any("): error" in l and not l.startswith("grader-signature-check") for l in error.log.splitlines())
+
+
 def _explain_geometry_error(error: CompileError, checks: str, geometry: dict, defines: dict,
                             kernel_path) -> GraderError | None:
     """A kernel constant that is not what the launch uses, one line each; None for other errors."""
-    if any("): error" in l and not l.startswith("grader-signature-check") for l in error.log.splitlines()):
-        return None  # the learner's own errors: NVRTC's log says them best
+    if _learners_own_errors(error):
+        return None
     check_lines = checks.splitlines()
     failed = {}  # line of the checks -> [constant, what the kernel says]
     for line, message in re.findall(r"^grader-signature-check\((\d+)\): error: (.*)$", error.log, re.MULTILINE):

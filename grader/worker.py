@@ -65,7 +65,7 @@ class Worker:
         if (stage.key, key) not in self._kernel_sets:
             if key not in cubins:
                 raise ValueError(f"{stage.key} was not compiled for {key}")
-            self._kernel_sets[stage.key, key] = KernelSet(cubins[key], stage.kernels)
+            self._kernel_sets[stage.key, key] = KernelSet(cubins[key], stage.kernels, stage.param_structs)
         return self._kernel_sets[stage.key, key]
 
     def run_kernel(self, inputs: dict, outputs: dict):

@@ -10,6 +10,15 @@ file, its home; the launch declares the values it launches with, per variant, in
 grader checks them against the kernel's constants each time it compiles it (grader/run.py), so that
 a kernel and its launch cannot disagree. A stage's launch code never imports grader/.
 
+A kernel with many parameters takes them as one struct: `const __grid_constant__ NameParams p`, after
+its tensor maps, read as `p.heads` in the kernel. The launch builds one per launch from a `ParamStruct`
+(stages/common/launcher.py), the Python description of the C struct's fields in order, with their C types,
+which the stage lists in `param_structs` and names in the kernel's parameter list ("const TmaMap, const
+NameParams"). The fields are written twice, in the `.cu` file and in the ParamStruct, and the grader checks
+that they agree each time it compiles the kernel (each field's type and offset, the struct's size:
+grader/run.py's param_struct_checks), so that a struct packed otherwise than the kernel reads it is a
+compile error of one line, never garbage in the kernel's parameters.
+
 `stages.ops` runs the stages OPS_STAGES lists, the fastest this GPU runs, as PyTorch functions, on a learner's
 own tensors.
 """
@@ -51,6 +60,7 @@ class Stage:
     source: str                     # the .cu file in the folder
     kernels: dict[str, str]         # kernel name -> its C parameter list, checked at compile time
     launch: Callable                # launch(kernels, *problem tensors and parameters)
+    param_structs: tuple = ()       # the ParamStructs (stages/common/launcher.py) the lists name, checked too
     archs: tuple[str, ...] = ALL_ARCHS
     specializations: dict[str, str] = field(default_factory=dict)  # -D macro -> the problem parameter it takes
     goal: Goal = Goal()

@@ -41,7 +41,7 @@ class StageOnGpu:
         cubins, sets = self._loaded[path]
         key = variant_key(self.stage.defines(self.problem.variant(inputs)))
         if key not in sets:
-            sets[key] = KernelSet(cubins[key].path, self.stage.kernels)
+            sets[key] = KernelSet(cubins[key].path, self.stage.kernels, self.stage.param_structs)
         return sets[key]
 
     def check(self, case, path=None, edit=lambda inputs: inputs) -> list:

@@ -3,7 +3,6 @@ limits (grid.y and grid.z stop at 65,535), and a launch beyond them is refused i
 import importlib
 import math
 
-import numpy as np
 import pytest
 import torch
 
@@ -11,6 +10,7 @@ import reference
 import stages
 from stages.common.launcher import GRID_LIMITS, LaunchGeometryError, check_geometry, check_shared_memory
 from stages.common.attention import head_slices
+from test_launcher import assert_arguments_declared
 
 # Stages whose launch runs without a driver (stage 4 builds TMA descriptors, which needs one).
 PLAIN_LAUNCH_STAGES = ["stage0", "stage1", "stage2", "stage3"]
@@ -162,9 +162,9 @@ def test_stage9_launches_a_block_per_key_tile_and_kv_pair_walking_its_group(B, H
 def test_every_launch_passes_the_arguments_its_kernel_declares(name, monkeypatch):
     """A launch gives each kernel as many arguments as its C signature has (KernelSet refuses others), and
     each one is of the declared kind: a tensor or an address for a pointer, an integer for an `int` (within
-    32 bits) or a `long long`, a float for a `float`. Stages 4 and 9 build TMA descriptors and stage 4 asks
-    for the SM count, which need a driver: replaced here."""
-    from stages.common.launcher import parameter_types
+    32 bits) or a `long long`, a float for a `float`, a parameter struct's values (each field of its kind) for
+    a struct. Stages 4 and 9 build TMA descriptors and stage 4 asks for the SM count, which need a driver:
+    replaced here."""
     stage = stages.load(name)
     module = importlib.import_module(f"stages.{stage.name}")
     if hasattr(module, "_tensor_map"):
@@ -183,45 +183,6 @@ def test_every_launch_passes_the_arguments_its_kernel_declares(name, monkeypatch
             stage.launch(kernels, q, k, v, o.contiguous(), lse, d_o, dq, dk, dv, 0.125, causal)
     assert kernels.launches
     for kernel, _, _, args in kernels.launches:
-        types = parameter_types(stage.kernels[kernel])
-        assert len(args) == len(types), f"{kernel}: {len(args)} arguments for {types}"
-        for arg, c_type in zip(args, types):
-            integral = isinstance(arg, (int, np.integer)) and not isinstance(arg, bool)
-            if c_type == "pointer":
-                assert isinstance(arg, torch.Tensor) or integral, f"{kernel}: {arg!r} for a pointer"
-            if c_type == "long long":
-                assert integral, f"{kernel}: {arg!r} for a long long"
-            if c_type == "int":
-                assert integral and -2**31 <= int(arg) < 2**31, f"{kernel}: {arg!r} for an int"
-            if c_type == "float":
-                assert isinstance(arg, float), f"{kernel}: {arg!r} for a float"
+        assert_arguments_declared(stage, kernel, args)
 
 
-def test_c_parameter_lists_are_read_as_the_types_passed():
-    from stages.common.launcher import parameter_types
-    assert parameter_types("const elem_t* __restrict__, long long, int, const TmaMap, float") == \
-        ["pointer", "long long", "int", "TmaMap", "float"]
-
-
-def test_packed_parameters_lay_each_argument_in_its_own_slot():
-    """The launch path's packed buffer (stages/common/launcher.py): 8 bytes per scalar or pointer, 128 per
-    tensor map, each at the address the pointer array gives the driver."""
-    import ctypes
-    import struct
-
-    from stages.common.launcher import PackedParameters, parameter_types
-
-    types = parameter_types("const elem_t*, long long, int, const TmaMap, float, unsigned")
-    packed = PackedParameters(types)
-    tensor = torch.zeros(4)
-    packed.pack((tensor, -5, 7, bytes(range(128)), 0.5, 3))
-    raw = packed.raw()
-    slots = [a - ctypes.c_void_p.from_address(packed.pointers).value
-             for a in (ctypes.c_void_p * 6).from_address(packed.pointers)]
-    assert slots == [0, 8, 16, 24, 152, 160]
-    assert struct.unpack_from("<Q", raw, 0)[0] == tensor.data_ptr()
-    assert struct.unpack_from("<q", raw, 8)[0] == -5 and struct.unpack_from("<i", raw, 16)[0] == 7
-    assert raw[24:152] == bytes(range(128))
-    assert struct.unpack_from("<f", raw, 152)[0] == 0.5 and struct.unpack_from("<I", raw, 160)[0] == 3
-    with pytest.raises(TypeError, match="no way to pass a parameter of type 'double'"):
-        PackedParameters(["double"])

@@ -7,14 +7,15 @@ A stage's launch function receives a `KernelSet` and calls its kernels by name:
 
 Each argument is passed as the C signature the stage declares says (the grader checks those against
 the kernels at compile time): a tensor as its device pointer, a Python int as an `int` or a `long
-long`, a float as a `float`, a TmaMap as its 128 bytes (stages/common/hopper.py's tensor_map); a wrong
-number of arguments is an error before the launch. Launches go to PyTorch's current stream, so CUDA
-events recorded by PyTorch time them, and CUDA graphs capture them.
+long`, a float as a `float`, a TmaMap as its 128 bytes (stages/common/hopper.py's tensor_map), a
+ParamStruct's values as the C struct it describes; a wrong number of arguments is an error before the
+launch. Launches go to PyTorch's current stream, so CUDA events recorded by PyTorch time them, and CUDA
+graphs capture them.
 
 The host cost of a launch is what a model pays on every call, and a small kernel's GPU time is a few
 microseconds, so a launch does only what changed: each kernel keeps one packed parameter buffer (a
-slot of 8 bytes per scalar or pointer, 128 per tensor map) and the array of pointers into it that
-cuLaunchKernel takes; a call writes the arguments into the buffer with one struct.pack_into and makes
+slot of 8 bytes per scalar or pointer, 128 per tensor map, a parameter struct's size rounded up to 8) and
+the array of pointers into it that cuLaunchKernel takes; a call writes the arguments into the buffer with one struct.pack_into and makes
 one driver call, through ctypes (cuda.bindings' wrapper builds a Python object per argument, each
 call). Geometry checks and the LaunchRecord run once per (grid, block, shared memory). A KernelSet
 launches from one thread at a time (its buffers are reused).
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+from collections import namedtuple
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,35 +80,97 @@ def _address(value) -> int:
     return value.data_ptr() if isinstance(value, torch.Tensor) else int(value or 0)
 
 
-# C parameter type -> its slot in the packed buffer, as a struct format. Every slot is 8 bytes, or a tensor
-# map's 128: the driver copies each parameter from its own address.
-SLOTS = {"pointer": "Q", "int": "i4x", "unsigned": "I4x", "long long": "q", "size_t": "Q", "float": "f4x",
-         "TmaMap": f"{TMA_MAP_BYTES}s"}
+# A C scalar type -> its struct format; each is aligned to its size, in a C struct as on the GPU.
+SCALARS = {"pointer": "Q", "int": "i", "unsigned": "I", "long long": "q", "size_t": "Q", "float": "f"}
+SLOT_BYTES = 8
+# A C parameter type -> its slot in the packed buffer, as a struct format: 8 bytes a scalar, a tensor map's
+# 128 (the driver copies each parameter from its own address).
+SLOTS = {c_type: f"{code}{SLOT_BYTES - struct.calcsize(code)}x" for c_type, code in SCALARS.items()} | \
+    {"TmaMap": f"{TMA_MAP_BYTES}s"}
+
+
+class ParamStruct:
+    """A C struct that a kernel takes as one parameter (`const __grid_constant__ Name p`), in place of a long
+    list of them: its name and its fields, in order, as (name, C type) pairs of SCALARS' types, laid out as
+    a C compiler lays them out (each aligned to its size). Calling it with every field by name gives what a
+    launch passes (a named tuple). The grader checks, each time it compiles the kernel, that the C struct
+    has these fields, of these types, at these offsets, and this size (grader/run.py's param_struct_checks)."""
+
+    def __init__(self, name: str, fields: list[tuple[str, str]]):
+        self.name, self.fields = name, tuple(fields)
+        self.values = namedtuple(name, [field for field, _ in fields])
+        kinds = parameter_types(", ".join(c_type for _, c_type in fields))
+        unknown = [t for t in kinds if t not in SCALARS]
+        if unknown:
+            raise TypeError(f"{name}: no way to pack a field of type {unknown[0]!r} (known: {', '.join(SCALARS)})")
+        self.offsets, self.format, end = {}, "", 0
+        for (field, _), kind in zip(fields, kinds):
+            size = struct.calcsize(SCALARS[kind])
+            padding = -end % size
+            self.offsets[field] = end + padding
+            self.format += f"{padding}x{SCALARS[kind]}"
+            end += padding + size
+        alignment = max(struct.calcsize(SCALARS[kind]) for kind in kinds)
+        self.size = end + -end % alignment  # an array of them keeps each field aligned: so does sizeof
+        self.format += f"{self.size - end}x"
+        self.pointer_fields = tuple(i for i, kind in enumerate(kinds) if kind == "pointer")
+
+    def __call__(self, **fields):
+        return self.values(**fields)
+
+    def __repr__(self):
+        return f"ParamStruct({self.name!r})"
 
 
 class PackedParameters:
     """One kernel's parameters, packed for cuLaunchKernel: `pack(args)` writes them, `pointers` is the
-    address of the void* array the driver reads them through."""
+    address of the void* array the driver reads them through. `structs`: the ParamStructs the types may
+    name; a kernel takes at most one, whose fields are packed in its slot, in the same struct.pack_into."""
 
-    def __init__(self, types: list[str]):
-        unknown = [t for t in types if t not in SLOTS]
+    def __init__(self, types: list[str], structs: tuple[ParamStruct, ...] = ()):
+        by_name = {s.name: s for s in structs}
+        unknown = [t for t in types if t not in SLOTS and t not in by_name]
         if unknown:
-            raise TypeError(f"no way to pass a parameter of type {unknown[0]!r} (known: {', '.join(SLOTS)})")
+            known = ", ".join([*SLOTS, *by_name])
+            raise TypeError(f"no way to pass a parameter of type {unknown[0]!r} (known: {known})")
+        taken = [i for i, t in enumerate(types) if t in by_name]
+        if len(taken) > 1:
+            raise TypeError(f"a kernel takes at most one parameter struct; this one takes {len(taken)}")
         self.count = len(types)
-        # struct packs ints, floats and bytes as they are: only pointers need converting (a tensor's address)
-        self._pointer_slots = tuple(i for i, t in enumerate(types) if t == "pointer")
-        self._struct = struct.Struct("<" + "".join(SLOTS[t] for t in types))
+        self._struct_at = taken[0] if taken else None  # the struct's position in the arguments
+        self._struct_values = by_name[types[taken[0]]].values if taken else None
+        # struct packs ints, floats and bytes as they are: only pointers need converting (a tensor's address).
+        # Their positions are in the arguments as packed: the struct's fields in its place.
+        pointers, slots, position = [], [], 0
+        for t in types:
+            if t in by_name:
+                fields = by_name[t]
+                pointers += [position + i for i in fields.pointer_fields]
+                slots.append(fields.format + f"{-fields.size % SLOT_BYTES}x")
+                position += len(fields.fields)
+            else:
+                pointers += [position] if t == "pointer" else []
+                slots.append(SLOTS[t])
+                position += 1
+        self._pointer_slots = tuple(pointers)
+        self._struct = struct.Struct("<" + "".join(slots))
         self._buffer = ctypes.create_string_buffer(max(self._struct.size, 1))
         offsets, offset = [], 0
-        for t in types:
+        for slot in slots:
             offsets.append(offset)
-            offset += struct.calcsize("<" + SLOTS[t])
+            offset += struct.calcsize("<" + slot)
         base = ctypes.addressof(self._buffer)
         self._array = (ctypes.c_void_p * max(self.count, 1))(*(base + o for o in offsets))
         self.pointers = ctypes.addressof(self._array)
 
     def pack(self, args: tuple) -> None:
-        args = list(args)
+        at = self._struct_at
+        if at is None:
+            args = list(args)
+        elif type(args[at]) is self._struct_values:
+            args = [*args[:at], *args[at], *args[at + 1:]]
+        else:
+            raise TypeError(f"argument {at} must be a {self._struct_values.__name__}, made by its ParamStruct")
         for i in self._pointer_slots:  # _address, inlined: this runs for every pointer of every launch
             value = args[i]
             args[i] = value.data_ptr() if type(value) is torch.Tensor else _address(value)
@@ -136,15 +200,17 @@ def current_stream_handle(device_index: int) -> int:
 
 
 class KernelSet:
-    def __init__(self, cubin: Path, kernels: dict[str, str]):
-        """The kernels of a cubin, by name -> C parameter list (a stage's `kernels`), on the current GPU."""
+    def __init__(self, cubin: Path, kernels: dict[str, str], param_structs: tuple[ParamStruct, ...] = ()):
+        """The kernels of a cubin, by name -> C parameter list (a stage's `kernels`), on the current GPU;
+        param_structs: the parameter structs the lists name (a stage's `param_structs`)."""
         from cuda.core import Device, ObjectCode
 
         self._device = Device()
         self._device_index = self._device.device_id  # read once: a property of cuda.core's Device
         module = ObjectCode.from_cubin(Path(cubin).read_bytes())
         self._kernels = {name: module.get_kernel(name) for name in kernels}
-        self._parameters = {name: PackedParameters(parameter_types(signature)) for name, signature in kernels.items()}
+        self._parameters = {name: PackedParameters(parameter_types(signature), param_structs)
+                            for name, signature in kernels.items()}
         self._handles = {name: int(kernel.handle) for name, kernel in self._kernels.items()}  # CUkernel
         self._cu_launch = _driver_launch()
         self._smem_raised: dict[str, int] = {}

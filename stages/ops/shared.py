@@ -106,7 +106,7 @@ def load_kernels(stage: stages.Stage, arch: str, variant: dict, device_index: in
 
     cubin = compile_cubin(stage.source_path, arch, stage.defines(variant))
     Device(device_index).set_current()  # as the grader's worker does: PyTorch's own (primary) context
-    return KernelSet(cubin.path, stage.kernels)
+    return KernelSet(cubin.path, stage.kernels, stage.param_structs)
 
 
 _RUNS_HERE: dict = {}  # (problem, GPU) -> why no course stage solves it there, or None
