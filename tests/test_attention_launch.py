@@ -146,7 +146,8 @@ def test_stage9_launches_a_block_per_key_tile_and_kv_pair_walking_its_group(B, H
     [(grid, args)] = [(grid, args) for kernel, grid, _, args in kernels.launches if kernel == "attention_bwd"]
     for kernel, grid_, block, _ in kernels.launches:
         check_geometry(kernel, grid_, block)
-    q_map, k_map, (launched_group, kv_pairs, chunk_pairs) = args[0], args[1], args[-3:]
+    q_map, k_map, params = args[0], args[1], args[-1]
+    launched_group, kv_pairs, chunk_pairs = params.group, params.kv_pairs, params.chunk_pairs
     assert q_map.shape[:2] == (B, H) and k_map.shape[:2] == (B, Hkv)
     key_tiles = math.ceil(S / 128)
     assert grid == (key_tiles * B * Hkv,) and (launched_group, kv_pairs) == (group, B * Hkv)

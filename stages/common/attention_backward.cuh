@@ -38,35 +38,48 @@ __device__ __forceinline__ void probabilities(float (&s)[M_FRAGS][4], const floa
     }
 }
 
+// The preprocess's parameters (attention_backward.py's PREPROCESS_PARAMS, the launch's copy). O and dO as
+// HeadRows take them ([B, H, S, D], any strides with D contiguous); the fp32 vectors are dense, the LSE
+// [B, H, seq_q], the others padded to seq_q_padded rows per head; `pairs` = B · H.
+// (A pointer in a struct is not __restrict__ to the compiler: what the kernels only read, they read
+// with __ldg, the read-only loads a __restrict__ parameter would get.)
+struct PreprocessParams {
+    const elem_t* o;
+    long long o_batch_stride, o_head_stride;
+    int o_row_stride;
+    const elem_t* d_o;
+    long long d_o_batch_stride, d_o_head_stride;
+    int d_o_row_stride;
+    int heads;
+    const float* lse;
+    float *lse_log2, *delta, *dq_accum;
+    int seq_q, seq_q_padded, pairs;
+};
+
 // Per query row: Δ = rowsum(dO ∘ O) in fp32 (the softmax's term of dS), the LSE times log2(e) (the
 // main kernel's exponentials are exp2), and a zeroed row of the fp32 dQ accumulator. Rows from
 // seq_q to seq_q_padded, the padding of the last query tile, get Δ = 0 and LSE = +inf (p = 0), and
 // their dQ rows are zeroed too: the accumulator has whole query tiles, so that the main kernels add
 // whole tiles to it without testing rows (the padding rows' sums are never converted).
 // HEAD_DIM / 8 threads per row, 8 elements each; a row's threads are consecutive lanes of one warp.
-// O and dO may have any strides (a model's [B, S, H, D] buffers); the fp32 vectors are dense.
 extern "C" __global__ void __launch_bounds__(PREPROCESS_THREADS)
-attention_bwd_preprocess(const elem_t* __restrict__ o, long long o_batch_stride, long long o_head_stride,
-                         int o_row_stride, const elem_t* __restrict__ d_o, long long do_batch_stride,
-                         long long do_head_stride, int do_row_stride, int heads, const float* __restrict__ lse,
-                         float* __restrict__ lse_log2, float* __restrict__ delta, float* __restrict__ dq_accum,
-                         int seq_q, int seq_q_padded, int pairs) {
+attention_bwd_preprocess(const __grid_constant__ PreprocessParams p) {
     constexpr int THREADS_PER_ROW = HEAD_DIM / 8;
     const size_t padded_row = (size_t)blockIdx.x * ROWS_PER_PREPROCESS_BLOCK + threadIdx.x / THREADS_PER_ROW;
     const int part = threadIdx.x % THREADS_PER_ROW;
-    const size_t head = padded_row / seq_q_padded;
-    const int row = (int)(padded_row % seq_q_padded);
-    const bool valid = head < (size_t)pairs && row < seq_q;
-    if (head < (size_t)pairs) {
-        float4* dq8 = reinterpret_cast<float4*>(dq_accum + padded_row * HEAD_DIM + 8 * part);
+    const size_t head = padded_row / p.seq_q_padded;
+    const int row = (int)(padded_row % p.seq_q_padded);
+    const bool valid = head < (size_t)p.pairs && row < p.seq_q;
+    if (head < (size_t)p.pairs) {
+        float4* dq8 = reinterpret_cast<float4*>(p.dq_accum + padded_row * HEAD_DIM + 8 * part);
         dq8[0] = dq8[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
     float sum = 0.0f;
     if (valid) {
-        const HeadRows<const elem_t> o_rows{o, o_batch_stride, o_head_stride, o_row_stride, heads};
-        const HeadRows<const elem_t> do_rows{d_o, do_batch_stride, do_head_stride, do_row_stride, heads};
-        const uint4 o8 = *reinterpret_cast<const uint4*>(o_rows.row((int)head, row) + 8 * part);
-        const uint4 do8 = *reinterpret_cast<const uint4*>(do_rows.row((int)head, row) + 8 * part);
+        const HeadRows<const elem_t> o_rows{p.o, p.o_batch_stride, p.o_head_stride, p.o_row_stride, p.heads};
+        const HeadRows<const elem_t> do_rows{p.d_o, p.d_o_batch_stride, p.d_o_head_stride, p.d_o_row_stride, p.heads};
+        const uint4 o8 = __ldg(reinterpret_cast<const uint4*>(o_rows.row((int)head, row) + 8 * part));
+        const uint4 do8 = __ldg(reinterpret_cast<const uint4*>(do_rows.row((int)head, row) + 8 * part));
         const elem_t* os = reinterpret_cast<const elem_t*>(&o8);
         const elem_t* dos = reinterpret_cast<const elem_t*>(&do8);
 #pragma unroll
@@ -74,31 +87,41 @@ attention_bwd_preprocess(const elem_t* __restrict__ o, long long o_batch_stride,
     }
 #pragma unroll
     for (int offset = THREADS_PER_ROW / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    if (part == 0 && head < (size_t)pairs) {
-        delta[padded_row] = sum;
-        lse_log2[padded_row] = row < seq_q ? lse[head * seq_q + row] * LOG2E : INFINITY;
+    if (part == 0 && head < (size_t)p.pairs) {
+        p.delta[padded_row] = sum;
+        p.lse_log2[padded_row] = row < p.seq_q ? __ldg(p.lse + head * p.seq_q + row) * LOG2E : INFINITY;
     }
 }
 
-// dQ = scale · the fp32 accumulator, rounded to elem_t: 8 elements per thread, `groups` of 8 in the
-// accumulator (seq_q_padded rows per head); the padding rows' groups are skipped. dq has any strides.
+// The dQ conversion's parameters (attention_backward.py's DQ_PARAMS): the fp32 accumulator, `groups` of 8
+// in it (seq_q_padded rows per head), and dQ as HeadRows take it (any strides).
+struct DqParams {
+    const float* dq_accum;
+    elem_t* dq;
+    long long dq_batch_stride, dq_head_stride;
+    int dq_row_stride;
+    int heads;
+    float scale;
+    int groups, seq_q, seq_q_padded;
+};
+
+// dQ = scale · the fp32 accumulator, rounded to elem_t: 8 elements per thread; the padding rows' groups
+// are skipped.
 extern "C" __global__ void __launch_bounds__(CONVERT_THREADS)
-attention_bwd_dq(const float* __restrict__ dq_accum, elem_t* __restrict__ dq, long long dq_batch_stride,
-                 long long dq_head_stride, int dq_row_stride, int heads, float scale, int groups, int seq_q,
-                 int seq_q_padded) {
+attention_bwd_dq(const __grid_constant__ DqParams p) {
     constexpr int GROUPS_PER_ROW = HEAD_DIM / 8;
     const int group = blockIdx.x * CONVERT_THREADS + threadIdx.x;
-    if (group >= groups) return;
+    if (group >= p.groups) return;
     const int padded_row = group / GROUPS_PER_ROW, part = group % GROUPS_PER_ROW;
-    const int head = padded_row / seq_q_padded, row = padded_row % seq_q_padded;
-    if (row >= seq_q) return;
-    const float4* from = reinterpret_cast<const float4*>(dq_accum + (size_t)group * 8);
-    const float4 a = from[0], b = from[1];
+    const int head = padded_row / p.seq_q_padded, row = padded_row % p.seq_q_padded;
+    if (row >= p.seq_q) return;
+    const float4* from = reinterpret_cast<const float4*>(p.dq_accum + (size_t)group * 8);
+    const float4 a = __ldg(from), b = __ldg(from + 1);
     uint4 packed;
-    packed.x = pack_pair<elem_t>(a.x * scale, a.y * scale);
-    packed.y = pack_pair<elem_t>(a.z * scale, a.w * scale);
-    packed.z = pack_pair<elem_t>(b.x * scale, b.y * scale);
-    packed.w = pack_pair<elem_t>(b.z * scale, b.w * scale);
-    const HeadRows<elem_t> dq_rows{dq, dq_batch_stride, dq_head_stride, dq_row_stride, heads};
+    packed.x = pack_pair<elem_t>(a.x * p.scale, a.y * p.scale);
+    packed.y = pack_pair<elem_t>(a.z * p.scale, a.w * p.scale);
+    packed.z = pack_pair<elem_t>(b.x * p.scale, b.y * p.scale);
+    packed.w = pack_pair<elem_t>(b.z * p.scale, b.w * p.scale);
+    const HeadRows<elem_t> dq_rows{p.dq, p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride, p.heads};
     *reinterpret_cast<uint4*>(dq_rows.row(head, row) + 8 * part) = packed;
 }

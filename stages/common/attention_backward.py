@@ -6,24 +6,45 @@ preprocess and dQ conversion, and their launches around each stage's main kernel
     ... the stage's main kernel: dK, dV, and dQ summed into ws.dq_accum ...
     convert_dq(kernels, launched, ws, dq, scale)       dQ = scale · the fp32 sum, in dq's dtype
 
-O, dO and dQ may have any strides with D contiguous (`head_strides`); the workspace is dense.
+O, dO and dQ may have any strides with D contiguous (`head_rows`); the workspace is dense.
 `launched` is the stage's geometry at this head dimension (ROWS_PER_PREPROCESS_BLOCK, PREPROCESS_THREADS,
-CONVERT_THREADS)."""
+CONVERT_THREADS). The two kernels take their parameters as one struct each, described here
+(PREPROCESS_PARAMS, DQ_PARAMS: a stage that launches them lists both in its param_structs)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
+from stages.common.launcher import ParamStruct
+
 
 def blocks(n: int, per_block: int) -> int:
     return -(-n // per_block)
 
 
-def head_strides(x: torch.Tensor) -> tuple:
-    """(x, batch stride, head stride, row stride) of a [B, H, S, D] tensor with D contiguous: how the
-    kernels' HeadRows (attention.cuh) take it."""
-    return (x, *x.stride()[:3])
+def head_rows_fields(name: str, pointer_type: str) -> list[tuple[str, str]]:
+    """The fields of a parameter struct that hold a [B, H, S, D] tensor with D contiguous, as the kernels'
+    HeadRows (attention.cuh) take it, but for the heads: the pointer, its batch, head and row strides."""
+    return [(name, pointer_type), (f"{name}_batch_stride", "long long"), (f"{name}_head_stride", "long long"),
+            (f"{name}_row_stride", "int")]
+
+
+def head_rows(name: str, x: torch.Tensor) -> dict:
+    """x's values of head_rows_fields(name, ...)."""
+    batch_stride, head_stride, row_stride = x.stride()[:3]
+    return {name: x, f"{name}_batch_stride": batch_stride, f"{name}_head_stride": head_stride,
+            f"{name}_row_stride": row_stride}
+
+
+PREPROCESS_PARAMS = ParamStruct("PreprocessParams", [
+    *head_rows_fields("o", "const elem_t*"), *head_rows_fields("d_o", "const elem_t*"), ("heads", "int"),
+    ("lse", "const float*"), ("lse_log2", "float*"), ("delta", "float*"), ("dq_accum", "float*"),
+    ("seq_q", "int"), ("seq_q_padded", "int"), ("pairs", "int")])
+
+DQ_PARAMS = ParamStruct("DqParams", [
+    ("dq_accum", "const float*"), *head_rows_fields("dq", "elem_t*"), ("heads", "int"), ("scale", "float"),
+    ("groups", "int"), ("seq_q", "int"), ("seq_q_padded", "int")])
 
 
 @dataclass
@@ -46,14 +67,17 @@ def preprocess(kernels, launched: dict, o, d_o, lse, ws: Workspace) -> None:
     """ws's LSE·log2(e) and Δ for every query row (the padding rows too), and dQ's sum zeroed."""
     batch, heads, seq_q, _ = o.shape
     rows = batch * heads * ws.seq_q_padded
+    params = PREPROCESS_PARAMS(**head_rows("o", o), **head_rows("d_o", d_o), heads=heads, lse=lse,
+                               lse_log2=ws.lse_log2, delta=ws.delta, dq_accum=ws.dq_accum, seq_q=seq_q,
+                               seq_q_padded=ws.seq_q_padded, pairs=batch * heads)
     kernels.attention_bwd_preprocess((blocks(rows, launched["ROWS_PER_PREPROCESS_BLOCK"]),),
-                                     (launched["PREPROCESS_THREADS"],), *head_strides(o), *head_strides(d_o), heads,
-                                     lse, ws.lse_log2, ws.delta, ws.dq_accum, seq_q, ws.seq_q_padded, batch * heads)
+                                     (launched["PREPROCESS_THREADS"],), params)
 
 
 def convert_dq(kernels, launched: dict, ws: Workspace, dq, scale: float) -> None:
     """dq = scale · ws.dq_accum's first seq_q rows of each head, rounded to dq's dtype: a thread per 8
     elements of the accumulator."""
     groups = ws.dq_accum.numel() // 8
-    kernels.attention_bwd_dq((blocks(groups, launched["CONVERT_THREADS"]),), (launched["CONVERT_THREADS"],),
-                             ws.dq_accum, *head_strides(dq), dq.shape[1], scale, groups, dq.shape[2], ws.seq_q_padded)
+    params = DQ_PARAMS(dq_accum=ws.dq_accum, **head_rows("dq", dq), heads=dq.shape[1], scale=scale, groups=groups,
+                       seq_q=dq.shape[2], seq_q_padded=ws.seq_q_padded)
+    kernels.attention_bwd_dq((blocks(groups, launched["CONVERT_THREADS"]),), (launched["CONVERT_THREADS"],), params)

@@ -17,8 +17,10 @@ import torch
 from reference.block_sparse_attention import BLOCK
 from stages import Goal, Stage
 from stages.common.attention import MAX_GRID_YZ, by_head_dim, kv_group
-from stages.common.attention_backward import backward_workspace, blocks, convert_dq, head_strides, preprocess
+from stages.common.attention_backward import (DQ_PARAMS, PREPROCESS_PARAMS, backward_workspace, blocks, convert_dq,
+                                              head_rows, head_rows_fields, preprocess)
 from stages.common.hopper import tensor_map
+from stages.common.launcher import ParamStruct
 from stages.stage9_hopper_backward import GEOMETRY as HOPPER_BACKWARD_GEOMETRY
 
 # What the launch uses, per head dimension, as attention.cu computes it (checked against the kernel):
@@ -27,14 +29,20 @@ from stages.stage9_hopper_backward import GEOMETRY as HOPPER_BACKWARD_GEOMETRY
 GEOMETRY = {head_dim: {"BLOCK": BLOCK, **geometry} for head_dim, geometry in HOPPER_BACKWARD_GEOMETRY.items()}
 assert all(g["BLOCK"] == g["BLOCK_N"] == BLOCK for g in GEOMETRY.values())  # a key tile = a block of the mask
 
+# block_sparse_attention_bwd's parameters besides its tensor maps, as attention.cu's BlockSparseBackwardParams
+# holds them (the grader checks the layout against it).
+BLOCK_SPARSE_BACKWARD_PARAMS = ParamStruct("BlockSparseBackwardParams", [
+    ("lse_log2", "const float*"), ("delta", "const float*"), ("dq_accum", "float*"),
+    *head_rows_fields("dk", "elem_t*"), *head_rows_fields("dv", "elem_t*"), ("kv_heads", "int"), ("seq", "int"),
+    ("seq_q_padded", "int"), ("scale", "float"), ("group", "int"), ("kv_pair0", "int"), ("q_num", "const int*"),
+    ("q_indices", "const int*"), ("full_q_num", "const int*"), ("full_q_indices", "const int*"), ("q_blocks", "int"),
+    ("window", "int"), ("document_ids", "const int*")])
+
 KERNELS = {  # the preprocess and the dQ conversion: attention_backward.cuh's, as stage 9 launches them
-    "attention_bwd_preprocess": "const elem_t*, long long, long long, int, const elem_t*, long long, long long, int, "
-                                "int, const float*, float*, float*, float*, int, int, int",
-    "block_sparse_attention_bwd": "const TmaMap, const TmaMap, const TmaMap, const TmaMap, const float*, const float*, "
-                                  "float*, elem_t*, long long, long long, int, elem_t*, long long, long long, int, "
-                                  "int, int, int, float, int, int, const int*, const int*, const int*, const int*, "
-                                  "int, int, const int*",
-    "attention_bwd_dq": "const float*, elem_t*, long long, long long, int, int, float, int, int, int",
+    "attention_bwd_preprocess": "const PreprocessParams",
+    "block_sparse_attention_bwd": "const TmaMap, const TmaMap, const TmaMap, const TmaMap, "
+                                  "const BlockSparseBackwardParams",
+    "attention_bwd_dq": "const DqParams",
 }
 
 
@@ -73,11 +81,14 @@ def launch(kernels, q, k, v, o, lse, d_o, dq, dk, dv, kv_num_blocks, kv_indices,
     kv_heads = k.shape[1]
     kv_pairs = batch * kv_heads
     for kv_pair0 in range(0, kv_pairs, MAX_GRID_YZ):
+        params = BLOCK_SPARSE_BACKWARD_PARAMS(
+            lse_log2=ws.lse_log2, delta=ws.delta, dq_accum=ws.dq_accum, **head_rows("dk", dk), **head_rows("dv", dv),
+            kv_heads=kv_heads, seq=seq, seq_q_padded=ws.seq_q_padded, scale=scale, group=group, kv_pair0=kv_pair0,
+            q_num=q_num, q_indices=q_indices, full_q_num=full_q_num, full_q_indices=full_q_indices,
+            q_blocks=q_indices.shape[1], window=window, document_ids=document_ids)
         kernels.block_sparse_attention_bwd(
             (blocks(seq, launched["BLOCK_N"]), min(MAX_GRID_YZ, kv_pairs - kv_pair0)), (launched["NUM_THREADS"],),
-            q_map, k_map, v_map, do_map, ws.lse_log2, ws.delta, ws.dq_accum, *head_strides(dk), *head_strides(dv),
-            kv_heads, seq, ws.seq_q_padded, scale, group, kv_pair0, q_num, q_indices, full_q_num, full_q_indices,
-            q_indices.shape[1], window, document_ids, smem=launched["SHARED_BYTES"])
+            q_map, k_map, v_map, do_map, params, smem=launched["SHARED_BYTES"])
     convert_dq(kernels, launched, ws, dq, scale)
 
 
@@ -86,6 +97,7 @@ STAGE = Stage(
     problem="block_sparse_attention_backward",
     source="attention.cu",
     kernels=KERNELS,
+    param_structs=(PREPROCESS_PARAMS, BLOCK_SPARSE_BACKWARD_PARAMS, DQ_PARAMS),
     launch=launch,
     archs=("sm_90a",),
     # the head dimension and the element mask (none, causal, document, sliding_window), compiled in

@@ -37,7 +37,9 @@ struct QueryLists {
     int q_blocks;                                       // Qb: the indices' row length
 };
 
-// The element mask's parameters (block_mask.cuh decides what it hides).
+// The element mask's parameters (block_mask.cuh decides what it hides). The documents are read with __ldg,
+// through the read-only path: the pointer comes from the kernel's parameter struct, where it cannot be
+// __restrict__ (which would tell the compiler so).
 struct ElementMask {
     int window;                // sliding_window
     const int* document_ids;   // [S], document
@@ -148,7 +150,7 @@ __device__ __forceinline__ void block_probabilities(float (&s)[M_FRAGS][4], cons
             const int key = key0 + lane / 4 + 8 * (c / 2), query = m0 + 8 * n + 2 * (lane % 4) + c % 2;
             int query_doc = 0;
             if (MASK == element_mask::document)
-                query_doc = query < mask.seq ? mask.document_ids[min(query, mask.seq - 1)] : -2;
+                query_doc = query < mask.seq ? __ldg(mask.document_ids + min(query, mask.seq - 1)) : -2;
             const bool hidden = element & !element_visible(key, query, mask.window, key_docs[c / 2], query_doc);
             s[n][c] = hidden ? 0.0f : p;
         }
@@ -173,7 +175,7 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const BlockW
     if (MASK == element_mask::document)
         for (int r = 0; r < 2; ++r) {
             const int key = key0 + lane / 4 + 8 * r;
-            key_docs[r] = key < mask.seq ? mask.document_ids[key] : -1;
+            key_docs[r] = key < mask.seq ? __ldg(mask.document_ids + key) : -1;
         }
     float dk[D_FRAGS][4], dv[D_FRAGS][4];
 #pragma unroll
@@ -196,40 +198,54 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const BlockW
 // --8<-- [end:consumer]
 
 // --8<-- [start:kernel]
+// The kernel's parameters besides its tensor maps (__init__.py's BLOCK_SPARSE_BACKWARD_PARAMS packs them): stage
+// 9's (the preprocess's LSE in log2 units and Δ, dQ's fp32 sums, dK and dV as HeadRows take them), the first
+// KV pair of the launch, the transposed lists (QueryLists) and the element mask's (ElementMask).
+struct BlockSparseBackwardParams {
+    const float *lse_log2, *delta;
+    float* dq_accum;
+    elem_t* dk;
+    long long dk_batch_stride, dk_head_stride;
+    int dk_row_stride;
+    elem_t* dv;
+    long long dv_batch_stride, dv_head_stride;
+    int dv_row_stride;
+    int kv_heads, seq, seq_q_padded;
+    float scale;
+    int group, kv_pair0;
+    const int *q_num, *q_indices, *full_q_num, *full_q_indices;
+    int q_blocks, window;
+    const int* document_ids;
+};
+
 // A block per (key block blockIdx.x, KV pair kv_pair0 + blockIdx.y): stage 9's warp specialization over
 // the query tiles the transposed lists name. `group` query heads share each KV head; a launch covers at
 // most 65,535 KV pairs (grid.y), from kv_pair0. dK and dV carry their tensors' strides.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 block_sparse_attention_bwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
                            const __grid_constant__ TmaMap v_map, const __grid_constant__ TmaMap do_map,
-                           const float* __restrict__ lse_log2, const float* __restrict__ delta,
-                           float* __restrict__ dq_accum, elem_t* __restrict__ dk, long long dk_batch_stride,
-                           long long dk_head_stride, int dk_row_stride, elem_t* __restrict__ dv,
-                           long long dv_batch_stride, long long dv_head_stride, int dv_row_stride, int kv_heads,
-                           int seq, int seq_q_padded, float scale, int group, int kv_pair0,
-                           const int* __restrict__ q_num, const int* __restrict__ q_indices,
-                           const int* __restrict__ full_q_num, const int* __restrict__ full_q_indices, int q_blocks,
-                           int window, const int* __restrict__ document_ids) {
+                           const __grid_constant__ BlockSparseBackwardParams p) {
     extern __shared__ __align__(SWIZZLE_ATOM_BYTES) unsigned char shared_raw[];
     // TMA's 128-byte swizzle and the descriptors' base offset 0 assume 1024-byte-aligned tiles.
     const unsigned raw = shared_address(shared_raw), base = atom_aligned(raw);
     const SharedMemory shared{base, shared_raw + (base - raw)};
-    const int n_block = blockIdx.x, full = full_q_num[n_block];
-    const QueryLists lists{q_num, q_indices, full_q_num, full_q_indices, q_blocks};
-    const BlockWork work{kv_pair0 + (int)blockIdx.y, kv_heads, n_block, group, full, full + q_num[n_block], lists};
+    const int n_block = blockIdx.x, full = p.full_q_num[n_block];
+    const QueryLists lists{p.q_num, p.q_indices, p.full_q_num, p.full_q_indices, p.q_blocks};
+    const BlockWork work{p.kv_pair0 + (int)blockIdx.y, p.kv_heads, n_block, p.group, full, full + p.q_num[n_block],
+                         lists};
     if (threadIdx.x == 0) init_barriers(shared);
     __syncthreads();
 
     const int warpgroup = threadIdx.x / WARPGROUP_THREADS;
     if (warpgroup == 0) {
         setmaxnreg_dec<PRODUCER_REGS>();
-        if (threadIdx.x == 0) produce(shared, work, q_map, k_map, v_map, do_map, lse_log2, delta, seq_q_padded);
-        if (threadIdx.x == 32) add_dq_tiles(shared, work, dq_accum, seq_q_padded);
+        if (threadIdx.x == 0) produce(shared, work, q_map, k_map, v_map, do_map, p.lse_log2, p.delta, p.seq_q_padded);
+        if (threadIdx.x == 32) add_dq_tiles(shared, work, p.dq_accum, p.seq_q_padded);
     } else {
         setmaxnreg_inc<CONSUMER_REGS>();
-        const HeadRows<elem_t> dk_rows{dk, dk_batch_stride, dk_head_stride, dk_row_stride, kv_heads};
-        const HeadRows<elem_t> dv_rows{dv, dv_batch_stride, dv_head_stride, dv_row_stride, kv_heads};
-        consume(shared, work, warpgroup - 1, dk_rows, dv_rows, ElementMask{window, document_ids, seq}, scale);
+        const HeadRows<elem_t> dk_rows{p.dk, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride, p.kv_heads};
+        const HeadRows<elem_t> dv_rows{p.dv, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride, p.kv_heads};
+        consume(shared, work, warpgroup - 1, dk_rows, dv_rows, ElementMask{p.window, p.document_ids, p.seq}, p.scale);
     }
 }
 // --8<-- [end:kernel]

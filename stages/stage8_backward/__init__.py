@@ -18,7 +18,7 @@ import torch
 
 from stages import Goal, Stage
 from stages.common.attention import by_head_dim, head_slices, kv_group
-from stages.common.attention_backward import backward_workspace, blocks, convert_dq, preprocess
+from stages.common.attention_backward import DQ_PARAMS, PREPROCESS_PARAMS, backward_workspace, blocks, convert_dq, preprocess
 from stages.common.hopper import sm_count  # cached per device; nothing Hopper-specific
 
 # What the launch uses, per head dimension, as attention.cu computes it (the grader checks each value
@@ -32,14 +32,13 @@ GEOMETRY = {64: {"BLOCK_N": 128, "BLOCK_M": 64, "NUM_THREADS": 256, "SHARED_BYTE
                   "ROWS_PER_PREPROCESS_BLOCK": 16, "PREPROCESS_THREADS": 256, "CONVERT_THREADS": 256}}
 
 KERNELS = {
-    "attention_bwd_preprocess": "const elem_t*, long long, long long, int, const elem_t*, long long, long long, int, "
-                                "int, const float*, float*, float*, float*, int, int, int",
+    "attention_bwd_preprocess": "const PreprocessParams",
     "attention_bwd": "const elem_t*, const elem_t*, const elem_t*, const elem_t*, const float*, const float*, float*, "
                      "elem_t*, elem_t*, int, int, int, float, int, int",
     "attention_bwd_tail": "const elem_t*, const elem_t*, const elem_t*, const elem_t*, const float*, const float*, "
                           "float*, float*, int, int, int, float, int, int",
     "attention_bwd_dkv_tail": "const float*, elem_t*, elem_t*, int, int, int",
-    "attention_bwd_dq": "const float*, elem_t*, long long, long long, int, int, float, int, int, int",
+    "attention_bwd_dq": "const DqParams",
 }
 
 
@@ -102,6 +101,7 @@ STAGE = Stage(
     problem="attention_backward",
     source="attention.cu",
     kernels=KERNELS,
+    param_structs=(PREPROCESS_PARAMS, DQ_PARAMS),
     launch=launch,
     specializations={"HEAD_DIM": "D"},
     geometry=by_head_dim(GEOMETRY),

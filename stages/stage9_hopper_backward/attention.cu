@@ -174,6 +174,22 @@ __device__ __forceinline__ int2 key_tile_and_pair(int block, int key_tiles, int 
     return make_int2(in_chunk / pairs, first_pair + in_chunk % pairs);
 }
 
+// The kernel's parameters besides its tensor maps (__init__.py's BACKWARD_PARAMS packs them): the preprocess's
+// LSE in log2 units and Δ, dQ's fp32 sums ([B, H, seq_q_padded(, D)]), dK and dV as HeadRows take them.
+struct BackwardParams {
+    const float *lse_log2, *delta;
+    float* dq_accum;
+    elem_t* dk;
+    long long dk_batch_stride, dk_head_stride;
+    int dk_row_stride;
+    elem_t* dv;
+    long long dv_batch_stride, dv_head_stride;
+    int dv_row_stride;
+    int kv_heads, seq_q, seq_kv, seq_q_padded;
+    float scale;
+    int causal, group, kv_pairs, chunk_pairs;
+};
+
 // A block per (tile of 128 keys, KV pair), in key_tile_and_pair's order: a producer warpgroup that gives its
 // registers away and copies (tiles in, dQ out), two consumer warpgroups that take them and compute. `group` query heads
 // share each KV head (1 without GQA). The tensor maps and dK, dV carry their tensors' strides: a model's
@@ -181,33 +197,30 @@ __device__ __forceinline__ int2 key_tile_and_pair(int block, int key_tiles, int 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 attention_bwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
               const __grid_constant__ TmaMap v_map, const __grid_constant__ TmaMap do_map,
-              const float* __restrict__ lse_log2, const float* __restrict__ delta, float* __restrict__ dq_accum,
-              elem_t* __restrict__ dk, long long dk_batch_stride, long long dk_head_stride, int dk_row_stride,
-              elem_t* __restrict__ dv, long long dv_batch_stride, long long dv_head_stride, int dv_row_stride,
-              int kv_heads, int seq_q, int seq_kv, int seq_q_padded, float scale, int causal, int group, int kv_pairs,
-              int chunk_pairs) {
+              const __grid_constant__ BackwardParams p) {
     extern __shared__ __align__(SWIZZLE_ATOM_BYTES) unsigned char shared_raw[];
     // TMA's 128-byte swizzle and the descriptors' base offset 0 assume 1024-byte-aligned tiles.
     const unsigned raw = shared_address(shared_raw), base = atom_aligned(raw);
     const SharedMemory shared{base, shared_raw + (base - raw)};
-    const int2 tile_and_pair = key_tile_and_pair(blockIdx.x, (seq_kv + BLOCK_N - 1) / BLOCK_N, kv_pairs, chunk_pairs);
+    const int2 tile_and_pair = key_tile_and_pair(blockIdx.x, (p.seq_kv + BLOCK_N - 1) / BLOCK_N, p.kv_pairs,
+                                                 p.chunk_pairs);
     const int n0 = tile_and_pair.x * BLOCK_N;  // the block's first key
     // Causal: queries before n0 see none of the block's keys; their tiles are skipped (in every head).
-    const BlockWork work{tile_and_pair.y, kv_heads, tile_and_pair.x, group, causal ? n0 / BLOCK_M : 0,
-                         (seq_q + BLOCK_M - 1) / BLOCK_M};
+    const BlockWork work{tile_and_pair.y, p.kv_heads, tile_and_pair.x, p.group, p.causal ? n0 / BLOCK_M : 0,
+                         (p.seq_q + BLOCK_M - 1) / BLOCK_M};
     if (threadIdx.x == 0) init_barriers(shared);
     __syncthreads();
 
     const int warpgroup = threadIdx.x / WARPGROUP_THREADS;
     if (warpgroup == 0) {
         setmaxnreg_dec<PRODUCER_REGS>();
-        if (threadIdx.x == 0) produce(shared, work, q_map, k_map, v_map, do_map, lse_log2, delta, seq_q_padded);
-        if (threadIdx.x == 32) add_dq_tiles(shared, work, dq_accum, seq_q_padded);
+        if (threadIdx.x == 0) produce(shared, work, q_map, k_map, v_map, do_map, p.lse_log2, p.delta, p.seq_q_padded);
+        if (threadIdx.x == 32) add_dq_tiles(shared, work, p.dq_accum, p.seq_q_padded);
     } else {
         setmaxnreg_inc<CONSUMER_REGS>();
-        const HeadRows<elem_t> dk_rows{dk, dk_batch_stride, dk_head_stride, dk_row_stride, kv_heads};
-        const HeadRows<elem_t> dv_rows{dv, dv_batch_stride, dv_head_stride, dv_row_stride, kv_heads};
-        consume(shared, work, warpgroup - 1, dk_rows, dv_rows, seq_kv, scale, causal);
+        const HeadRows<elem_t> dk_rows{p.dk, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride, p.kv_heads};
+        const HeadRows<elem_t> dv_rows{p.dv, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride, p.kv_heads};
+        consume(shared, work, warpgroup - 1, dk_rows, dv_rows, p.seq_kv, p.scale, p.causal);
     }
 }
 // --8<-- [end:kernel]
