@@ -530,20 +530,33 @@ struct WriteRows {
     }
 };
 
+// The parameters of attention_bwd and of attention_bwd_tail, one struct for both (__init__.py's BACKWARD_PARAMS
+// packs it): Tensors' fields, then where each kernel's dK and dV go -- attention_bwd's rows of dk and dv,
+// the tail's fp32 sums in dkv_tail (null without a tail) -- and how the launch's key tiles are shared out.
+struct BackwardParams {
+    const elem_t *q, *k, *v, *d_o;
+    const float *lse_log2, *delta;
+    float* dq_accum;
+    elem_t *dk, *dv;
+    float* dkv_tail;
+    int seq_q, seq_kv, seq_q_padded;
+    float scale;
+    int causal, full_tiles, tail_tiles;
+};
+
 // A whole key tile per block: blockIdx.x the key tile, blockIdx.y the (batch, head) pair. The key tiles
 // from full_tiles on (numbered t = pair · gridDim.x + key tile) are attention_bwd_tail's.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
-attention_bwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
-              const elem_t* __restrict__ d_o, const float* __restrict__ lse_log2, const float* __restrict__ delta,
-              float* __restrict__ dq_accum, elem_t* __restrict__ dk, elem_t* __restrict__ dv, int seq_q, int seq_kv,
-              int seq_q_padded, float scale, int causal, int full_tiles) {
-    if (blockIdx.y * gridDim.x + blockIdx.x >= full_tiles) return;
-    const Tensors x{q, k, v, d_o, lse_log2, delta, dq_accum, seq_q, seq_kv, seq_q_padded, scale, causal};
+attention_bwd(const __grid_constant__ BackwardParams p) {
+    if (blockIdx.y * gridDim.x + blockIdx.x >= p.full_tiles) return;
+    const Tensors x{p.q, p.k, p.v, p.d_o, p.lse_log2, p.delta, p.dq_accum, p.seq_q, p.seq_kv, p.seq_q_padded, p.scale,
+                    p.causal};
     const int n0 = blockIdx.x * BLOCK_N;
     const size_t head = blockIdx.y;
     // Causal: queries before n0 see none of the block's keys; their tiles are skipped.
-    key_tile_backward(x, head, n0, causal ? n0 / BLOCK_M : 0, (seq_q + BLOCK_M - 1) / BLOCK_M,
-                      WriteRows{dk + head * seq_kv * HEAD_DIM, dv + head * seq_kv * HEAD_DIM, scale, n0, seq_kv});
+    key_tile_backward(x, head, n0, p.causal ? n0 / BLOCK_M : 0, (p.seq_q + BLOCK_M - 1) / BLOCK_M,
+                      WriteRows{p.dk + head * p.seq_kv * HEAD_DIM, p.dv + head * p.seq_kv * HEAD_DIM, p.scale, n0,
+                                p.seq_kv});
 }
 
 // The tail. One block per SM, `tiles` blocks of equally long key tiles (a non-causal launch) run in
@@ -616,19 +629,17 @@ struct AddToTail {
 // The tail's blocks, gridDim.x of them, each on its run of key tiles full_tiles .. full_tiles + tail_tiles - 1
 // (non-causal), adding each tile's dK and dV to dkv_tail.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
-attention_bwd_tail(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
-                   const elem_t* __restrict__ d_o, const float* __restrict__ lse_log2, const float* __restrict__ delta,
-                   float* __restrict__ dq_accum, float* __restrict__ dkv_tail, int seq_q, int seq_kv, int seq_q_padded,
-                   float scale, int full_tiles, int tail_tiles) {
-    const Tensors x{q, k, v, d_o, lse_log2, delta, dq_accum, seq_q, seq_kv, seq_q_padded, scale, /*causal=*/0};
+attention_bwd_tail(const __grid_constant__ BackwardParams p) {
+    const Tensors x{p.q, p.k, p.v, p.d_o, p.lse_log2, p.delta, p.dq_accum, p.seq_q, p.seq_kv, p.seq_q_padded, p.scale,
+                    /*causal=*/0};
     __shared__ TailTile tile;
-    if (threadIdx.x == 0) tile = first_tail_tile(x, full_tiles, tail_tiles);
+    if (threadIdx.x == 0) tile = first_tail_tile(x, p.full_tiles, p.tail_tiles);
     __syncthreads();
     while (read_shared(tile.t) <= read_shared(tile.last)) {
         const int first_m = read_uniform(tile.first_m), end_m = read_uniform(tile.end_m);
         if (first_m < end_m)
             key_tile_backward(x, read_uniform(tile.head), read_uniform(tile.n0), first_m, end_m,
-                              AddToTail{dkv_tail, &tile, full_tiles, tail_tiles, scale});
+                              AddToTail{p.dkv_tail, &tile, p.full_tiles, p.tail_tiles, p.scale});
         __syncthreads();  // every warp is done with this key tile: its K, V, query buffers and `tile`
         if (threadIdx.x == 0) tile = next_tail_tile(tile);
         __syncthreads();
