@@ -99,6 +99,31 @@ def test_every_struct_a_kernel_takes_is_declared_by_its_stage(name):
     assert {s.name for s in stage.param_structs} <= named
 
 
+@pytest.mark.parametrize("name", ["stage12", "stage13"])
+@pytest.mark.parametrize("mask", ["causal", "documents"])
+def test_block_sparse_launches_pass_what_their_kernels_declare(name, mask, monkeypatch):
+    """Stages 12 and 13 give each kernel what its C signature declares (their parameter structs' values, each field
+    of its kind), on a small case, without a GPU: the tensor maps and the SM count, which need a driver, replaced.
+    (The dense attention stages' launches: tests/test_attention_launch.py.)"""
+    import importlib
+
+    import reference
+    from test_attention_launch import RecordingKernels
+
+    stage = stages.load(name)
+    module = importlib.import_module(f"stages.{stage.name}")
+    monkeypatch.setattr(module, "tensor_map", lambda x, box: x)
+    monkeypatch.setattr(module, "sm_count", lambda device: 132, raising=False)
+    problem = reference.load(stage.problem)
+    case = min((c for c in problem.cases(0) if mask in c.name), key=lambda c: c.shape["S"])
+    inputs = problem.make_inputs(case.shape, case.dtype, case.seed, case.input_scale, device="cpu")
+    kernels = RecordingKernels()
+    problem.run_stage(stage, kernels, inputs, problem.allocate_outputs(inputs))
+    assert {kernel for kernel, *_ in kernels.launches} == set(stage.kernels)
+    for kernel, _, _, args in kernels.launches:
+        assert_arguments_declared(stage, kernel, args)
+
+
 def assert_arguments_declared(stage, kernel: str, args: tuple) -> None:
     """A launch's arguments are what the kernel's C signature declares: as many, each of its kind (a tensor or
     an address for a pointer, an integer within 32 bits for an `int`, an integer for a `long long`, a float for

@@ -16,25 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
+from stages.common.head_rows import head_rows, head_rows_fields
 from stages.common.launcher import ParamStruct
 
 
 def blocks(n: int, per_block: int) -> int:
     return -(-n // per_block)
-
-
-def head_rows_fields(name: str, pointer_type: str) -> list[tuple[str, str]]:
-    """The fields of a parameter struct that hold a [B, H, S, D] tensor with D contiguous, as the kernels'
-    HeadRows (attention.cuh) take it, but for the heads: the pointer, its batch, head and row strides."""
-    return [(name, pointer_type), (f"{name}_batch_stride", "long long"), (f"{name}_head_stride", "long long"),
-            (f"{name}_row_stride", "int")]
-
-
-def head_rows(name: str, x: torch.Tensor) -> dict:
-    """x's values of head_rows_fields(name, ...)."""
-    batch_stride, head_stride, row_stride = x.stride()[:3]
-    return {name: x, f"{name}_batch_stride": batch_stride, f"{name}_head_stride": head_stride,
-            f"{name}_row_stride": row_stride}
 
 
 PREPROCESS_PARAMS = ParamStruct("PreprocessParams", [

@@ -11,7 +11,9 @@ import torch
 from reference.block_sparse_attention import BLOCK
 from stages import Goal, Stage
 from stages.common.attention import by_head_dim, kv_group
+from stages.common.head_rows import head_rows, head_rows_fields
 from stages.common.hopper import sm_count, tensor_map
+from stages.common.launcher import ParamStruct
 
 # What the launch uses, per head dimension, as attention.cu computes it (checked against the kernel):
 # 128-row query tiles (2 consumer warpgroups × 64) and 128-key K/V tiles (the mask's block), 384
@@ -22,6 +24,14 @@ GEOMETRY = {64: {"BLOCK_M": 128, "BLOCK_N": 128, "NUM_THREADS": 384, "ATOM_COLS"
             128: {"BLOCK_M": 128, "BLOCK_N": 128, "NUM_THREADS": 384, "ATOM_COLS": 64, "TILE_BOX_ROWS": 64,
                   "SHARED_BYTES": 164944}}
 assert all(g["BLOCK_M"] == g["BLOCK_N"] == BLOCK for g in GEOMETRY.values())  # one tile = one block of the mask
+
+# block_sparse_attention_fwd's parameters besides its tensor maps, as attention.cu's BlockSparseParams holds them
+# (the grader checks the layout against it).
+BLOCK_SPARSE_PARAMS = ParamStruct("BlockSparseParams", [
+    *head_rows_fields("o", "elem_t*"), ("heads", "int"), ("lse", "float*"), ("seq", "int"), ("scale", "float"),
+    ("batch_heads", "int"), ("group", "int"), ("kv_num", "const int*"), ("kv_indices", "const int*"),
+    ("full_num", "const int*"), ("full_indices", "const int*"), ("kv_blocks", "int"), ("order", "const int*"),
+    ("num_q_blocks", "int"), ("window", "int"), ("document_ids", "const int*")])
 
 
 def launch(kernels, q, k, v, o, lse, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, document_ids,
@@ -35,21 +45,21 @@ def launch(kernels, q, k, v, o, lse, kv_num_blocks, kv_indices, full_kv_num_bloc
     order = torch.argsort(kv_num_blocks[0, 0] + full_kv_num_blocks[0, 0], descending=True, stable=True).int()
     units = q_blocks * batch * heads
     grid = min(units, sm_count(q.device))
-    o_batch_stride, o_head_stride, o_row_stride, _ = o.stride()
-    kernels.block_sparse_attention_fwd(
-        (grid,), (launched["NUM_THREADS"],), q_map, k_map, v_map, o, o_batch_stride, o_head_stride, o_row_stride,
-        heads, lse, seq, scale, batch * heads, group, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-        kv_blocks, order, q_blocks, window, document_ids, smem=launched["SHARED_BYTES"])
+    params = BLOCK_SPARSE_PARAMS(**head_rows("o", o), heads=heads, lse=lse, seq=seq, scale=scale,
+                                 batch_heads=batch * heads, group=group, kv_num=kv_num_blocks, kv_indices=kv_indices,
+                                 full_num=full_kv_num_blocks, full_indices=full_kv_indices, kv_blocks=kv_blocks,
+                                 order=order, num_q_blocks=q_blocks, window=window, document_ids=document_ids)
+    kernels.block_sparse_attention_fwd((grid,), (launched["NUM_THREADS"],), q_map, k_map, v_map, params,
+                                       smem=launched["SHARED_BYTES"])
 
 
 STAGE = Stage(
     name="stage12_block_sparse",
     problem="block_sparse_attention",
     source="attention.cu",
-    kernels={"block_sparse_attention_fwd":
-             "const TmaMap, const TmaMap, const TmaMap, elem_t*, long long, long long, int, int, float*, int, float, "
-             "int, int, const int*, const int*, const int*, const int*, int, const int*, int, int, const int*"},
+    kernels={"block_sparse_attention_fwd": "const TmaMap, const TmaMap, const TmaMap, const BlockSparseParams"},
     launch=launch,
+    param_structs=(BLOCK_SPARSE_PARAMS,),
     archs=("sm_90a",),
     # the head dimension and the element mask (none, causal, document, sliding_window), compiled in
     specializations={"HEAD_DIM": "D", "ELEMENT_MASK": "element_mask"},

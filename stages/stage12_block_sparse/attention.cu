@@ -54,7 +54,9 @@ struct Mask {
     const int *kv_num, *kv_indices, *full_num, *full_indices;  // the BlockMask's four tensors, [Qb] and [Qb, KVb]
     int kv_blocks;                                            // KVb: the indices' row length
     int window;                                               // for element_mask::sliding_window
-    const int* document_ids;                                  // [S], for element_mask::document
+    const int* document_ids;                                  // [S], for element_mask::document (read with
+                                                              // __ldg: the kernel's parameter struct cannot say
+                                                              // __restrict__)
     __device__ int full_count(int m) const { return full_num[m]; }
     __device__ int tiles(int m) const { return full_num[m] + kv_num[m]; }
     // The key block of query block m's tile t: its full blocks first, then its partial ones.
@@ -156,7 +158,7 @@ __device__ __forceinline__ void mask_tile(float (&s)[S_FRAGS][4], int n0, int ro
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
             const int key = n0 + 8 * n + 2 * (lane % 4) + c % 2, query = row + 8 * (c / 2);
-            const int key_doc = MASK == element_mask::document ? mask.document_ids[min(key, seq - 1)] : 0;
+            const int key_doc = MASK == element_mask::document ? __ldg(mask.document_ids + min(key, seq - 1)) : 0;
             const bool hidden = (key >= seq) | (element & !element_visible(key, query, mask.window, key_doc, ids[c / 2]));
             s[n][c] = hidden ? -INFINITY : s[n][c];
         }
@@ -192,7 +194,7 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const Schedu
         const int row = warp_m0 + lane / 4;
         int ids[2] = {0, 0};
         if (MASK == element_mask::document)
-            for (int r = 0; r < 2; ++r) ids[r] = row + 8 * r < seq ? mask.document_ids[row + 8 * r] : -1;
+            for (int r = 0; r < 2; ++r) ids[r] = row + 8 * r < seq ? __ldg(mask.document_ids + row + 8 * r) : -1;
 
         float o_acc[O_FRAGS][4] = {};
         float s[S_FRAGS][4];
@@ -247,28 +249,42 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const Schedu
 }
 // --8<-- [end:consumer]
 
+// The kernel's parameters besides its tensor maps (__init__.py's BLOCK_SPARSE_PARAMS packs them): O as HeadRows
+// take it (Output), the LSE [B, H, S], the schedule's order of query blocks (Schedule), the BlockMask's lists and
+// the element mask's (Mask).
+struct BlockSparseParams {
+    elem_t* o;
+    long long o_batch_stride, o_head_stride;
+    int o_row_stride;
+    int heads;
+    float* lse;
+    int seq;
+    float scale;
+    int batch_heads, group;
+    const int *kv_num, *kv_indices, *full_num, *full_indices;
+    int kv_blocks;
+    const int* order;
+    int num_q_blocks, window;
+    const int* document_ids;
+};
+
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 block_sparse_attention_fwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
-                           const __grid_constant__ TmaMap v_map, elem_t* __restrict__ o, long long o_batch_stride,
-                           long long o_head_stride, int o_row_stride, int heads, float* __restrict__ lse, int seq,
-                           float scale, int batch_heads, int group, const int* __restrict__ kv_num,
-                           const int* __restrict__ kv_indices, const int* __restrict__ full_num,
-                           const int* __restrict__ full_indices, int kv_blocks, const int* __restrict__ order,
-                           int num_q_blocks, int window, const int* __restrict__ document_ids) {
+                           const __grid_constant__ TmaMap v_map, const __grid_constant__ BlockSparseParams p) {
     extern __shared__ __align__(SWIZZLE_ATOM_BYTES) unsigned char shared_raw[];
     const SharedMemory shared{atom_aligned(shared_address(shared_raw))};
-    const Schedule schedule{order, batch_heads, num_q_blocks * batch_heads};
-    const Mask mask{kv_num, kv_indices, full_num, full_indices, kv_blocks, window, document_ids};
+    const Schedule schedule{p.order, p.batch_heads, p.num_q_blocks * p.batch_heads};
+    const Mask mask{p.kv_num, p.kv_indices, p.full_num, p.full_indices, p.kv_blocks, p.window, p.document_ids};
     if (threadIdx.x == 0) init_barriers(shared);
     __syncthreads();
 
     const int warpgroup = threadIdx.x / WARPGROUP_THREADS;
     if (warpgroup == 0) {
         setmaxnreg_dec<PRODUCER_REGS>();
-        if (threadIdx.x == 0) produce(shared, schedule, mask, q_map, k_map, v_map, heads, group);
+        if (threadIdx.x == 0) produce(shared, schedule, mask, q_map, k_map, v_map, p.heads, p.group);
     } else {
         setmaxnreg_inc<CONSUMER_REGS>();
-        const Output out{o, o_batch_stride, o_head_stride, o_row_stride, heads};
-        consume(shared, schedule, mask, warpgroup - 1, out, lse, seq, scale);
+        const Output out{p.o, p.o_batch_stride, p.o_head_stride, p.o_row_stride, p.heads};
+        consume(shared, schedule, mask, warpgroup - 1, out, p.lse, p.seq, p.scale);
     }
 }

@@ -18,7 +18,8 @@ from reference.block_sparse_attention import BLOCK
 from stages import Goal, Stage
 from stages.common.attention import MAX_GRID_YZ, by_head_dim, kv_group
 from stages.common.attention_backward import (DQ_PARAMS, PREPROCESS_PARAMS, backward_workspace, blocks, convert_dq,
-                                              head_rows, head_rows_fields, preprocess)
+                                              preprocess)
+from stages.common.head_rows import head_rows, head_rows_fields
 from stages.common.hopper import tensor_map
 from stages.common.launcher import ParamStruct
 from stages.stage9_hopper_backward import GEOMETRY as HOPPER_BACKWARD_GEOMETRY

@@ -18,7 +18,8 @@ import torch
 
 from stages import Goal, Stage
 from stages.common.attention import by_head_dim, head_slices, kv_group
-from stages.common.attention_backward import DQ_PARAMS, PREPROCESS_PARAMS, backward_workspace, blocks, convert_dq, preprocess
+from stages.common.attention_backward import (DQ_PARAMS, PREPROCESS_PARAMS, backward_workspace, blocks, convert_dq,
+                                              preprocess)
 from stages.common.hopper import sm_count  # cached per device; nothing Hopper-specific
 from stages.common.launcher import ParamStruct
 
@@ -95,7 +96,8 @@ def launch(kernels, q, k, v, o, lse, d_o, dq, dk, dv, scale, causal) -> None:
             kernels.attention_bwd((key_tiles, blocks(full_tiles, key_tiles)), (launched["NUM_THREADS"],), params,
                                   smem=launched["SHARED_BYTES"])
         if tail_blocks:
-            kernels.attention_bwd_tail((tail_blocks,), (launched["NUM_THREADS"],), params, smem=launched["SHARED_BYTES"])
+            kernels.attention_bwd_tail((tail_blocks,), (launched["NUM_THREADS"],), params,
+                                       smem=launched["SHARED_BYTES"])
             groups = dkv_tail[0].numel() // 8
             kernels.attention_bwd_dkv_tail((blocks(2 * groups, launched["CONVERT_THREADS"]),),
                                            (launched["CONVERT_THREADS"],), dkv_tail, dk_, dv_, groups, full_tiles,

@@ -16,7 +16,8 @@ tensor maps and the kernels' row addresses carry them, so nothing is copied.
 from stages import Goal, Stage
 from stages.common.attention import by_head_dim, kv_group
 from stages.common.attention_backward import (DQ_PARAMS, PREPROCESS_PARAMS, backward_workspace, blocks, convert_dq,
-                                              head_rows, head_rows_fields, preprocess)
+                                              preprocess)
+from stages.common.head_rows import head_rows, head_rows_fields
 from stages.common.hopper import sm_count, tensor_map
 from stages.common.launcher import ParamStruct
 from stages.common.prompts import SHORT_PROMPTS
