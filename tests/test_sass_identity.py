@@ -97,6 +97,11 @@ BASES["stage13_block_sparse_backward"] = "758fcdc"
 BASES["stage4_hopper"] = "1be0ba3"
 # At 4dc0f38: stages 9 and 13 take their steps per query tile from wgmma_attention_backward.cuh (start_tile ...).
 BASES.update({name: "4dc0f38" for name in ("stage9_hopper_backward", "stage13_block_sparse_backward")})
+# At 37ef497: the backward family takes parameter structs (stages 9 and 13's main kernels, the shared preprocess
+# and dQ conversion); at 03df5cd stage 8's main kernels too, and at e745f5b stage 12's kernel.
+BASES.update({name: "37ef497" for name in ("stage9_hopper_backward", "stage13_block_sparse_backward")})
+BASES["stage8_backward"] = "03df5cd"
+BASES["stage12_block_sparse"] = "e745f5b"
 LADDER = {"ladder/simt.cu": "stage6_grouped_gemm", "ladder/mma_sync.cu": "stage6_grouped_gemm"}
 FRESH_COMPILES = 3  # per side, after a mismatch
 RECORD_DRAWS = 4  # compiles of each base variant whose machine code the record keeps
