@@ -36,16 +36,17 @@ def signature_checks(kernels: dict[str, str], param_structs=()) -> str:
 
 def param_struct_checks(structs) -> list[str]:
     """The checks that each parameter struct a kernel takes (stage.param_structs) is laid out as the launch
-    packs it (stages/common/launcher.py's ParamStruct): field by field, its type and its offset, then the
+    packs it (stages/common/launcher.py's param_struct): field by field, its type and its offset, then the
     struct's size."""
     lines = []
     for struct in structs:
-        for field, c_type in struct.fields:
-            lines.append(f'static_assert(grader_same_type<decltype({struct.name}::{field}), {c_type}>::value, '
-                         f'"GRADER-PARAMS {struct.name}.{field} type");')
-            lines.append(f'static_assert(__builtin_offsetof({struct.name}, {field}) == {struct.offsets[field]}, '
-                         f'"GRADER-PARAMS {struct.name}.{field} offset");')
-        lines.append(f'static_assert(sizeof({struct.name}) == {struct.size}, "GRADER-PARAMS {struct.name} size");')
+        name = struct.__name__
+        for field, c_type in struct._c_fields:
+            lines.append(f'static_assert(grader_same_type<decltype({name}::{field}), {c_type}>::value, '
+                         f'"GRADER-PARAMS {name}.{field} type");')
+            lines.append(f'static_assert(__builtin_offsetof({name}, {field}) == {struct._offsets[field]}, '
+                         f'"GRADER-PARAMS {name}.{field} offset");')
+        lines.append(f'static_assert(sizeof({name}) == {struct._size}, "GRADER-PARAMS {name} size");')
     return lines
 
 
@@ -109,13 +110,12 @@ def _explain_param_struct_error(error: CompileError, checks: str, stage, kernel_
     for line, message in re.findall(r"^grader-signature-check\((\d+)\): (?:error|note)[^:]*: (.*)$", error.log,
                                     re.MULTILINE):
         said[int(line)] = said.get(int(line), "") + message + "\n"
-    check_lines, structs, found = checks.splitlines(), {s.name: s for s in stage.param_structs}, {}
+    check_lines, structs, found = checks.splitlines(), {s.__name__: s for s in stage.param_structs}, {}
     for line, messages in sorted(said.items()):
         if not (m := re.search(r'"GRADER-PARAMS (\w+)\.?(\w*) (type|offset|size)"', check_lines[line - 1])):
             continue
-        struct, field, what = structs[m[1]], m[2], m[3]
-        if struct.name not in found:
-            found[struct.name] = _struct_problem(struct, field, what, messages)
+        if m[1] not in found:
+            found[m[1]] = _struct_problem(structs[m[1]], m[2], m[3], messages)
     if not found:
         return None
     return GraderError("\n".join(f"{shown(kernel_path)}: {problem}" for problem in found.values()))
@@ -123,18 +123,19 @@ def _explain_param_struct_error(error: CompileError, checks: str, stage, kernel_
 
 def _struct_problem(struct, field: str, what: str, messages: str) -> str:
     """What NVRTC's `messages` on the check of `what` (type, offset, size) of struct.field say, in words."""
-    layout = "{" + " ".join(f"{t} {f};" for f, t in struct.fields) + "}"
+    name, fields = struct.__name__, dict(struct._c_fields)
+    layout = "{" + " ".join(f"{t} {f};" for f, t in struct._c_fields) + "}"
     kernel_says = re.search(r"the final comparison was (\d+) ==", messages)
     if re.search(r"is undefined|is not a type name|must be a class", messages):
-        return f"no struct {struct.name}: the launch packs {layout}"
+        return f"no struct {name}: the launch packs {layout}"
     if "has no member" in messages:
-        return f"struct {struct.name} has no field {field}: the launch packs {layout}"
+        return f"struct {name} has no field {field}: the launch packs {layout}"
     if what == "type":
-        return f"{struct.name}.{field} is not the {dict(struct.fields)[field]} the launch packs: {layout}"
+        return f"{name}.{field} is not the {fields[field]} the launch packs: {layout}"
     if what == "offset":
-        return (f"{struct.name}.{field} is at byte {kernel_says[1]}, the launch packs it at byte "
-                f"{struct.offsets[field]}: {layout}")
-    return f"struct {struct.name} is {kernel_says[1]} bytes, the launch packs {struct.size}: {layout}"
+        return f"{name}.{field} is at byte {kernel_says[1]}, the launch packs it at byte {struct._offsets[field]}: " \
+               f"{layout}"
+    return f"struct {name} is {kernel_says[1]} bytes, the launch packs {struct._size}: {layout}"
 
 
 def _learners_own_errors(error: CompileError) -> bool:

@@ -11,13 +11,15 @@ grader checks them against the kernel's constants each time it compiles it (grad
 a kernel and its launch cannot disagree. A stage's launch code never imports grader/.
 
 A kernel with many parameters takes them as one struct: `const __grid_constant__ NameParams p`, after
-its tensor maps, read as `p.heads` in the kernel. The launch builds one per launch from a `ParamStruct`
-(stages/common/launcher.py), the Python description of the C struct's fields in order, with their C types,
-which the stage lists in `param_structs` and names in the kernel's parameter list ("const TmaMap, const
-NameParams"). The fields are written twice, in the `.cu` file and in the ParamStruct, and the grader checks
-that they agree each time it compiles the kernel (each field's type and offset, the struct's size:
-grader/run.py's param_struct_checks), so that a struct packed otherwise than the kernel reads it is a
-compile error of one line, never garbage in the kernel's parameters.
+its tensor maps, read as `p.heads` in the kernel. Its Python class, made by `param_struct` (stages/common/
+launcher.py) from the C struct's fields in order with their C types, is what a launch passes, built once
+per launch with every field by name (`NameParams(heads=..., ...)`); the stage lists it in `param_structs`
+and names it in the kernel's parameter list ("const TmaMap, const NameParams"). The fields are written
+twice, in the `.cu` file and in Python, and the grader checks that they agree each time it compiles the
+kernel (each field's type and offset, the struct's size: grader/run.py's param_struct_checks), so that a
+struct packed otherwise than the kernel reads it is a compile error of one line, never garbage in the
+kernel's parameters. A pointer in a struct is not `__restrict__` to the compiler: what a kernel streams
+read-only through one, it reads with `__ldg`.
 
 `stages.ops` runs the stages OPS_STAGES lists, the fastest this GPU runs, as PyTorch functions, on a learner's
 own tensors.
@@ -60,7 +62,7 @@ class Stage:
     source: str                     # the .cu file in the folder
     kernels: dict[str, str]         # kernel name -> its C parameter list, checked at compile time
     launch: Callable                # launch(kernels, *problem tensors and parameters)
-    param_structs: tuple = ()       # the ParamStructs (stages/common/launcher.py) the lists name, checked too
+    param_structs: tuple = ()       # the parameter structs (launcher.py's param_struct) the lists name
     archs: tuple[str, ...] = ALL_ARCHS
     specializations: dict[str, str] = field(default_factory=dict)  # -D macro -> the problem parameter it takes
     goal: Goal = Goal()

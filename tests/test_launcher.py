@@ -11,12 +11,12 @@ import torch
 import stages
 from grader.run import GraderError, compile_stage
 from stages import Stage
-from stages.common.launcher import PackedParameters, ParamStruct, parameter_types
+from stages.common.launcher import PackedParameters, param_struct, parameter_types
 
 # int, then a pointer (4 bytes of padding before it), float, long long (4 more), int, then the tail padding that
 # keeps an array of them aligned: 40 bytes, as `sizeof` says (checked below by the compiler itself).
-DEMO = ParamStruct("DemoParams", [("rows", "int"), ("x", "const float*"), ("scale", "float"),
-                                  ("stride", "long long"), ("cols", "int")])
+DemoParams = param_struct("DemoParams", [("rows", "int"), ("x", "const float*"), ("scale", "float"),
+                                         ("stride", "long long"), ("cols", "int")])
 DEMO_SOURCE = """
 struct DemoParams {
     int rows;
@@ -60,32 +60,39 @@ def test_packed_parameters_lay_each_argument_in_its_own_slot():
 def test_a_param_struct_is_laid_out_as_c_lays_out_its_fields():
     """Each field aligned to its size (a pointer or a long long after an int: 4 bytes of padding), the size a
     multiple of the largest field's."""
-    assert DEMO.offsets == {"rows": 0, "x": 8, "scale": 16, "stride": 24, "cols": 32}
-    assert DEMO.size == 40
+    assert DemoParams._offsets == {"rows": 0, "x": 8, "scale": 16, "stride": 24, "cols": 32}
+    assert DemoParams._size == 40
     with pytest.raises(TypeError, match="DemoParams: no way to pack a field of type 'double'"):
-        ParamStruct("DemoParams", [("x", "double")])
+        param_struct("DemoParams", [("x", "double")])
+
+
+def test_a_param_structs_layout_is_not_hidden_by_its_fields():
+    """A field may be called as a layout attribute would be: those are named as a named tuple's own are."""
+    Sized = param_struct("Sized", [("size", "int"), ("offsets", "const int*")])
+    sized = Sized(size=3, offsets=None)
+    assert (sized.size, sized.offsets, Sized._size, Sized._offsets) == (3, None, 16, {"size": 0, "offsets": 8})
 
 
 def test_a_param_struct_is_packed_in_its_slot_with_its_pointers_converted():
     """After a tensor map, the struct's bytes at the C offsets (a tensor's address for a pointer, None a null
     pointer), then the next parameter in the next 8-byte slot: one struct.pack_into for all."""
-    packed = PackedParameters(parameter_types("const TmaMap, const DemoParams, int"), (DEMO,))
+    packed = PackedParameters(parameter_types("const TmaMap, const DemoParams, int"), (DemoParams,))
     tensor = torch.zeros(4)
-    packed.pack((bytes(128), DEMO(rows=3, x=tensor, scale=0.5, stride=-2**40, cols=9), 11))
+    packed.pack((bytes(128), DemoParams(rows=3, x=tensor, scale=0.5, stride=-2**40, cols=9), 11))
     raw = packed.raw()
     assert slot_offsets(packed) == [0, 128, 168]
     assert struct.unpack_from("<i4xQf4xqi4x", raw, 128) == (3, tensor.data_ptr(), 0.5, -2**40, 9)
     assert struct.unpack_from("<i", raw, 168)[0] == 11
-    packed.pack((bytes(128), DEMO(rows=3, x=None, scale=0.5, stride=1, cols=9), 11))
+    packed.pack((bytes(128), DemoParams(rows=3, x=None, scale=0.5, stride=1, cols=9), 11))
     assert struct.unpack_from("<Q", packed.raw(), 136)[0] == 0
 
 
 def test_a_struct_argument_must_be_the_structs_values():
-    packed = PackedParameters(["DemoParams"], (DEMO,))
+    packed = PackedParameters(["DemoParams"], (DemoParams,))
     with pytest.raises(TypeError, match="argument 0 must be a DemoParams"):
         packed.pack(((3, 0, 0.5, 1, 9),))
     with pytest.raises(TypeError, match="at most one parameter struct"):
-        PackedParameters(["DemoParams", "DemoParams"], (DEMO,))
+        PackedParameters(["DemoParams", "DemoParams"], (DemoParams,))
 
 
 @pytest.mark.parametrize("name", stages.stage_names())
@@ -96,7 +103,7 @@ def test_every_struct_a_kernel_takes_is_declared_by_its_stage(name):
     for signature in stage.kernels.values():
         PackedParameters(parameter_types(signature), stage.param_structs)
     named = {t for signature in stage.kernels.values() for t in parameter_types(signature)}
-    assert {s.name for s in stage.param_structs} <= named
+    assert {s.__name__ for s in stage.param_structs} <= named
 
 
 @pytest.mark.parametrize("name", ["stage12", "stage13"])
@@ -129,12 +136,12 @@ def assert_arguments_declared(stage, kernel: str, args: tuple) -> None:
     an address for a pointer, an integer within 32 bits for an `int`, an integer for a `long long`, a float for
     a `float`), a struct's values, each field of its kind, for a parameter struct."""
     types = parameter_types(stage.kernels[kernel])
-    structs = {s.name: s for s in stage.param_structs}
+    structs = {s.__name__: s for s in stage.param_structs}
     assert len(args) == len(types), f"{kernel}: {len(args)} arguments for {types}"
     for arg, c_type in zip(args, types):
         if c_type in structs:
-            assert type(arg) is structs[c_type].values, f"{kernel}: {arg!r} for a {c_type}"
-            fields = parameter_types(", ".join(t for _, t in structs[c_type].fields))
+            assert type(arg) is structs[c_type], f"{kernel}: {arg!r} for a {c_type}"
+            fields = parameter_types(", ".join(t for _, t in structs[c_type]._c_fields))
             for value, field_type in zip(arg, fields):
                 assert_of_kind(value, field_type, f"{kernel}'s {c_type}")
         else:
@@ -153,15 +160,15 @@ def assert_of_kind(value, c_type: str, where: str) -> None:
         assert isinstance(value, float), f"{where}: {value!r} for a float"
 
 
-# ---- the grader's check of the C struct against the ParamStruct ---------------------------------------------
+# ---- the grader's check of the C struct against its Python class -------------------------------------------
 
 def demo_stage(tmp_path, source: str):
-    """A stage of one kernel, `demo`, taking DEMO, its source `source` (compiled for fp16 and bf16, as an
+    """A stage of one kernel, `demo`, taking DemoParams, its source `source` (compiled for fp16 and bf16, as an
     attention stage is)."""
     kernel = tmp_path / "demo.cu"
     kernel.write_text(source)
     stage = Stage(name="stage0_naive", problem="attention", source="demo.cu", kernels={"demo": "const DemoParams"},
-                  launch=None, param_structs=(DEMO,))
+                  launch=None, param_structs=(DemoParams,))
     return stage, kernel
 
 

@@ -38,7 +38,7 @@ __device__ __forceinline__ void probabilities(float (&s)[M_FRAGS][4], const floa
     }
 }
 
-// The preprocess's parameters (attention_backward.py's PREPROCESS_PARAMS, the launch's copy). O and dO as
+// The preprocess's parameters (attention_backward.py's PreprocessParams, the launch's copy). O and dO as
 // HeadRows take them ([B, H, S, D], any strides with D contiguous); the fp32 vectors are dense, the LSE
 // [B, H, seq_q], the others padded to seq_q_padded rows per head; `pairs` = B · H.
 // (A pointer in a struct is not __restrict__ to the compiler: what the kernels only read, they read
@@ -93,7 +93,7 @@ attention_bwd_preprocess(const __grid_constant__ PreprocessParams p) {
     }
 }
 
-// The dQ conversion's parameters (attention_backward.py's DQ_PARAMS): the fp32 accumulator, `groups` of 8
+// The dQ conversion's parameters (attention_backward.py's DqParams): the fp32 accumulator, `groups` of 8
 // in it (seq_q_padded rows per head), and dQ as HeadRows take it (any strides).
 struct DqParams {
     const float* dq_accum;

@@ -9,7 +9,7 @@ preprocess and dQ conversion, and their launches around each stage's main kernel
 O, dO and dQ may have any strides with D contiguous (`head_rows`); the workspace is dense.
 `launched` is the stage's geometry at this head dimension (ROWS_PER_PREPROCESS_BLOCK, PREPROCESS_THREADS,
 CONVERT_THREADS). The two kernels take their parameters as one struct each, described here
-(PREPROCESS_PARAMS, DQ_PARAMS: a stage that launches them lists both in its param_structs)."""
+(PreprocessParams, DqParams: a stage that launches them lists both in its param_structs)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,19 +17,19 @@ from dataclasses import dataclass
 import torch
 
 from stages.common.head_rows import head_rows, head_rows_fields
-from stages.common.launcher import ParamStruct
+from stages.common.launcher import param_struct
 
 
 def blocks(n: int, per_block: int) -> int:
     return -(-n // per_block)
 
 
-PREPROCESS_PARAMS = ParamStruct("PreprocessParams", [
+PreprocessParams = param_struct("PreprocessParams", [
     *head_rows_fields("o", "const elem_t*"), *head_rows_fields("d_o", "const elem_t*"), ("heads", "int"),
     ("lse", "const float*"), ("lse_log2", "float*"), ("delta", "float*"), ("dq_accum", "float*"),
     ("seq_q", "int"), ("seq_q_padded", "int"), ("pairs", "int")])
 
-DQ_PARAMS = ParamStruct("DqParams", [
+DqParams = param_struct("DqParams", [
     ("dq_accum", "const float*"), *head_rows_fields("dq", "elem_t*"), ("heads", "int"), ("scale", "float"),
     ("groups", "int"), ("seq_q", "int"), ("seq_q_padded", "int")])
 
@@ -54,9 +54,9 @@ def preprocess(kernels, launched: dict, o, d_o, lse, ws: Workspace) -> None:
     """ws's LSE·log2(e) and Δ for every query row (the padding rows too), and dQ's sum zeroed."""
     batch, heads, seq_q, _ = o.shape
     rows = batch * heads * ws.seq_q_padded
-    params = PREPROCESS_PARAMS(**head_rows("o", o), **head_rows("d_o", d_o), heads=heads, lse=lse,
-                               lse_log2=ws.lse_log2, delta=ws.delta, dq_accum=ws.dq_accum, seq_q=seq_q,
-                               seq_q_padded=ws.seq_q_padded, pairs=batch * heads)
+    params = PreprocessParams(**head_rows("o", o), **head_rows("d_o", d_o), heads=heads, lse=lse,
+                              lse_log2=ws.lse_log2, delta=ws.delta, dq_accum=ws.dq_accum, seq_q=seq_q,
+                              seq_q_padded=ws.seq_q_padded, pairs=batch * heads)
     kernels.attention_bwd_preprocess((blocks(rows, launched["ROWS_PER_PREPROCESS_BLOCK"]),),
                                      (launched["PREPROCESS_THREADS"],), params)
 
@@ -65,6 +65,6 @@ def convert_dq(kernels, launched: dict, ws: Workspace, dq, scale: float) -> None
     """dq = scale · ws.dq_accum's first seq_q rows of each head, rounded to dq's dtype: a thread per 8
     elements of the accumulator."""
     groups = ws.dq_accum.numel() // 8
-    params = DQ_PARAMS(dq_accum=ws.dq_accum, **head_rows("dq", dq), heads=dq.shape[1], scale=scale, groups=groups,
-                       seq_q=dq.shape[2], seq_q_padded=ws.seq_q_padded)
+    params = DqParams(dq_accum=ws.dq_accum, **head_rows("dq", dq), heads=dq.shape[1], scale=scale, groups=groups,
+                      seq_q=dq.shape[2], seq_q_padded=ws.seq_q_padded)
     kernels.attention_bwd_dq((blocks(groups, launched["CONVERT_THREADS"]),), (launched["CONVERT_THREADS"],), params)

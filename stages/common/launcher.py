@@ -8,9 +8,9 @@ A stage's launch function receives a `KernelSet` and calls its kernels by name:
 Each argument is passed as the C signature the stage declares says (the grader checks those against
 the kernels at compile time): a tensor as its device pointer, a Python int as an `int` or a `long
 long`, a float as a `float`, a TmaMap as its 128 bytes (stages/common/hopper.py's tensor_map), a
-ParamStruct's values as the C struct it describes; a wrong number of arguments is an error before the
-launch. Launches go to PyTorch's current stream, so CUDA events recorded by PyTorch time them, and CUDA
-graphs capture them.
+parameter struct (param_struct) as the C struct it describes; a wrong number of arguments is an error
+before the launch. Launches go to PyTorch's current stream, so CUDA events recorded by PyTorch time them,
+and CUDA graphs capture them.
 
 The host cost of a launch is what a model pays on every call, and a small kernel's GPU time is a few
 microseconds, so a launch does only what changed: each kernel keeps one packed parameter buffer (a
@@ -89,46 +89,41 @@ SLOTS = {c_type: f"{code}{SLOT_BYTES - struct.calcsize(code)}x" for c_type, code
     {"TmaMap": f"{TMA_MAP_BYTES}s"}
 
 
-class ParamStruct:
-    """A C struct that a kernel takes as one parameter (`const __grid_constant__ Name p`), in place of a long
-    list of them: its name and its fields, in order, as (name, C type) pairs of SCALARS' types, laid out as
-    a C compiler lays them out (each aligned to its size). Calling it with every field by name gives what a
-    launch passes (a named tuple). The grader checks, each time it compiles the kernel, that the C struct
-    has these fields, of these types, at these offsets, and this size (grader/run.py's param_struct_checks)."""
-
-    def __init__(self, name: str, fields: list[tuple[str, str]]):
-        self.name, self.fields = name, tuple(fields)
-        self.values = namedtuple(name, [field for field, _ in fields])
-        kinds = parameter_types(", ".join(c_type for _, c_type in fields))
-        unknown = [t for t in kinds if t not in SCALARS]
-        if unknown:
-            raise TypeError(f"{name}: no way to pack a field of type {unknown[0]!r} (known: {', '.join(SCALARS)})")
-        self.offsets, self.format, end = {}, "", 0
-        for (field, _), kind in zip(fields, kinds):
-            size = struct.calcsize(SCALARS[kind])
-            padding = -end % size
-            self.offsets[field] = end + padding
-            self.format += f"{padding}x{SCALARS[kind]}"
-            end += padding + size
-        alignment = max(struct.calcsize(SCALARS[kind]) for kind in kinds)
-        self.size = end + -end % alignment  # an array of them keeps each field aligned: so does sizeof
-        self.format += f"{self.size - end}x"
-        self.pointer_fields = tuple(i for i, kind in enumerate(kinds) if kind == "pointer")
-
-    def __call__(self, **fields):
-        return self.values(**fields)
-
-    def __repr__(self):
-        return f"ParamStruct({self.name!r})"
+def param_struct(name: str, fields: list[tuple[str, str]]) -> type:
+    """The class of a C struct that a kernel takes as one parameter (`const __grid_constant__ Name p`), in place
+    of a long list of them: a named tuple of its fields, in order, each given as (name, C type) of SCALARS'
+    types. A launch passes `Name(field=value, ...)`, every field by name. Its layout, as a C compiler lays the
+    fields out (each aligned to its size), in attributes named as a named tuple's own are, so that no field's
+    name hides them: _c_fields (the pairs), _offsets, _size, _format (the struct module's, of its bytes) and
+    _pointer_fields (the positions of the pointers). The grader checks, each time it compiles the kernel, that
+    the C struct has these fields, of these types, at these offsets, and this size (grader/run.py)."""
+    kinds = parameter_types(", ".join(c_type for _, c_type in fields))
+    unknown = [t for t in kinds if t not in SCALARS]
+    if unknown:
+        raise TypeError(f"{name}: no way to pack a field of type {unknown[0]!r} (known: {', '.join(SCALARS)})")
+    offsets, format_, end = {}, "", 0
+    for (field, _), kind in zip(fields, kinds):
+        size = struct.calcsize(SCALARS[kind])
+        padding = -end % size
+        offsets[field] = end + padding
+        format_ += f"{padding}x{SCALARS[kind]}"
+        end += padding + size
+    alignment = max(struct.calcsize(SCALARS[kind]) for kind in kinds)
+    size = end + -end % alignment  # an array of them keeps each field aligned: so does sizeof
+    layout = {"__slots__": (), "_c_fields": tuple(fields), "_offsets": offsets, "_size": size,
+              "_format": format_ + f"{size - end}x",
+              "_pointer_fields": tuple(i for i, kind in enumerate(kinds) if kind == "pointer")}
+    return type(name, (namedtuple(name, [field for field, _ in fields]),), layout)
 
 
 class PackedParameters:
     """One kernel's parameters, packed for cuLaunchKernel: `pack(args)` writes them, `pointers` is the
-    address of the void* array the driver reads them through. `structs`: the ParamStructs the types may
-    name; a kernel takes at most one, whose fields are packed in its slot, in the same struct.pack_into."""
+    address of the void* array the driver reads them through. `structs`: the parameter structs (param_struct)
+    the types may name; a kernel takes at most one, whose fields are packed in its slot, in the same
+    struct.pack_into."""
 
-    def __init__(self, types: list[str], structs: tuple[ParamStruct, ...] = ()):
-        by_name = {s.name: s for s in structs}
+    def __init__(self, types: list[str], structs: tuple[type, ...] = ()):
+        by_name = {s.__name__: s for s in structs}
         unknown = [t for t in types if t not in SLOTS and t not in by_name]
         if unknown:
             known = ", ".join([*SLOTS, *by_name])
@@ -138,16 +133,16 @@ class PackedParameters:
             raise TypeError(f"a kernel takes at most one parameter struct; this one takes {len(taken)}")
         self.count = len(types)
         self._struct_at = taken[0] if taken else None  # the struct's position in the arguments
-        self._struct_values = by_name[types[taken[0]]].values if taken else None
+        self._struct_type = by_name[types[taken[0]]] if taken else None
         # struct packs ints, floats and bytes as they are: only pointers need converting (a tensor's address).
         # Their positions are in the arguments as packed: the struct's fields in its place.
         pointers, slots, position = [], [], 0
         for t in types:
             if t in by_name:
                 fields = by_name[t]
-                pointers += [position + i for i in fields.pointer_fields]
-                slots.append(fields.format + f"{-fields.size % SLOT_BYTES}x")
-                position += len(fields.fields)
+                pointers += [position + i for i in fields._pointer_fields]
+                slots.append(fields._format + f"{-fields._size % SLOT_BYTES}x")
+                position += len(fields._fields)
             else:
                 pointers += [position] if t == "pointer" else []
                 slots.append(SLOTS[t])
@@ -167,10 +162,10 @@ class PackedParameters:
         at = self._struct_at
         if at is None:
             args = list(args)
-        elif type(args[at]) is self._struct_values:
-            args = [*args[:at], *args[at], *args[at + 1:]]
+        elif type(args[at]) is self._struct_type:
+            args = [*args[:at], *args[at], *args[at + 1:]]  # the struct's fields in its place
         else:
-            raise TypeError(f"argument {at} must be a {self._struct_values.__name__}, made by its ParamStruct")
+            raise TypeError(f"argument {at} must be a {self._struct_type.__name__}")
         for i in self._pointer_slots:  # _address, inlined: this runs for every pointer of every launch
             value = args[i]
             args[i] = value.data_ptr() if type(value) is torch.Tensor else _address(value)
@@ -200,7 +195,7 @@ def current_stream_handle(device_index: int) -> int:
 
 
 class KernelSet:
-    def __init__(self, cubin: Path, kernels: dict[str, str], param_structs: tuple[ParamStruct, ...] = ()):
+    def __init__(self, cubin: Path, kernels: dict[str, str], param_structs: tuple[type, ...] = ()):
         """The kernels of a cubin, by name -> C parameter list (a stage's `kernels`), on the current GPU;
         param_structs: the parameter structs the lists name (a stage's `param_structs`)."""
         from cuda.core import Device, ObjectCode

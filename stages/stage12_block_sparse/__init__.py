@@ -13,7 +13,7 @@ from stages import Goal, Stage
 from stages.common.attention import by_head_dim, kv_group
 from stages.common.head_rows import head_rows, head_rows_fields
 from stages.common.hopper import sm_count, tensor_map
-from stages.common.launcher import ParamStruct
+from stages.common.launcher import param_struct
 
 # What the launch uses, per head dimension, as attention.cu computes it (checked against the kernel):
 # 128-row query tiles (2 consumer warpgroups × 64) and 128-key K/V tiles (the mask's block), 384
@@ -27,7 +27,7 @@ assert all(g["BLOCK_M"] == g["BLOCK_N"] == BLOCK for g in GEOMETRY.values())  # 
 
 # block_sparse_attention_fwd's parameters besides its tensor maps, as attention.cu's BlockSparseParams holds them
 # (the grader checks the layout against it).
-BLOCK_SPARSE_PARAMS = ParamStruct("BlockSparseParams", [
+BlockSparseParams = param_struct("BlockSparseParams", [
     *head_rows_fields("o", "elem_t*"), ("heads", "int"), ("lse", "float*"), ("seq", "int"), ("scale", "float"),
     ("batch_heads", "int"), ("group", "int"), ("kv_num", "const int*"), ("kv_indices", "const int*"),
     ("full_num", "const int*"), ("full_indices", "const int*"), ("kv_blocks", "int"), ("order", "const int*"),
@@ -45,10 +45,10 @@ def launch(kernels, q, k, v, o, lse, kv_num_blocks, kv_indices, full_kv_num_bloc
     order = torch.argsort(kv_num_blocks[0, 0] + full_kv_num_blocks[0, 0], descending=True, stable=True).int()
     units = q_blocks * batch * heads
     grid = min(units, sm_count(q.device))
-    params = BLOCK_SPARSE_PARAMS(**head_rows("o", o), heads=heads, lse=lse, seq=seq, scale=scale,
-                                 batch_heads=batch * heads, group=group, kv_num=kv_num_blocks, kv_indices=kv_indices,
-                                 full_num=full_kv_num_blocks, full_indices=full_kv_indices, kv_blocks=kv_blocks,
-                                 order=order, num_q_blocks=q_blocks, window=window, document_ids=document_ids)
+    params = BlockSparseParams(**head_rows("o", o), heads=heads, lse=lse, seq=seq, scale=scale,
+                               batch_heads=batch * heads, group=group, kv_num=kv_num_blocks, kv_indices=kv_indices,
+                               full_num=full_kv_num_blocks, full_indices=full_kv_indices, kv_blocks=kv_blocks,
+                               order=order, num_q_blocks=q_blocks, window=window, document_ids=document_ids)
     kernels.block_sparse_attention_fwd((grid,), (launched["NUM_THREADS"],), q_map, k_map, v_map, params,
                                        smem=launched["SHARED_BYTES"])
 
@@ -59,7 +59,7 @@ STAGE = Stage(
     source="attention.cu",
     kernels={"block_sparse_attention_fwd": "const TmaMap, const TmaMap, const TmaMap, const BlockSparseParams"},
     launch=launch,
-    param_structs=(BLOCK_SPARSE_PARAMS,),
+    param_structs=(BlockSparseParams,),
     archs=("sm_90a",),
     # the head dimension and the element mask (none, causal, document, sliding_window), compiled in
     specializations={"HEAD_DIM": "D", "ELEMENT_MASK": "element_mask"},

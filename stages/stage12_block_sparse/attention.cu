@@ -249,7 +249,7 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const Schedu
 }
 // --8<-- [end:consumer]
 
-// The kernel's parameters besides its tensor maps (__init__.py's BLOCK_SPARSE_PARAMS packs them): O as HeadRows
+// The kernel's parameters besides its tensor maps (__init__.py's BlockSparseParams packs them): O as HeadRows
 // take it (Output), the LSE [B, H, S], the schedule's order of query blocks (Schedule), the BlockMask's lists and
 // the element mask's (Mask).
 struct BlockSparseParams {

@@ -17,11 +17,11 @@ import torch
 from reference.block_sparse_attention import BLOCK
 from stages import Goal, Stage
 from stages.common.attention import MAX_GRID_YZ, by_head_dim, kv_group
-from stages.common.attention_backward import (DQ_PARAMS, PREPROCESS_PARAMS, backward_workspace, blocks, convert_dq,
+from stages.common.attention_backward import (DqParams, PreprocessParams, backward_workspace, blocks, convert_dq,
                                               preprocess)
 from stages.common.head_rows import head_rows, head_rows_fields
 from stages.common.hopper import tensor_map
-from stages.common.launcher import ParamStruct
+from stages.common.launcher import param_struct
 from stages.stage9_hopper_backward import GEOMETRY as HOPPER_BACKWARD_GEOMETRY
 
 # What the launch uses, per head dimension, as attention.cu computes it (checked against the kernel):
@@ -32,7 +32,7 @@ assert all(g["BLOCK"] == g["BLOCK_N"] == BLOCK for g in GEOMETRY.values())  # a 
 
 # block_sparse_attention_bwd's parameters besides its tensor maps, as attention.cu's BlockSparseBackwardParams
 # holds them (the grader checks the layout against it).
-BLOCK_SPARSE_BACKWARD_PARAMS = ParamStruct("BlockSparseBackwardParams", [
+BlockSparseBackwardParams = param_struct("BlockSparseBackwardParams", [
     ("lse_log2", "const float*"), ("delta", "const float*"), ("dq_accum", "float*"),
     *head_rows_fields("dk", "elem_t*"), *head_rows_fields("dv", "elem_t*"), ("kv_heads", "int"), ("seq", "int"),
     ("seq_q_padded", "int"), ("scale", "float"), ("group", "int"), ("kv_pair0", "int"), ("q_num", "const int*"),
@@ -82,7 +82,7 @@ def launch(kernels, q, k, v, o, lse, d_o, dq, dk, dv, kv_num_blocks, kv_indices,
     kv_heads = k.shape[1]
     kv_pairs = batch * kv_heads
     for kv_pair0 in range(0, kv_pairs, MAX_GRID_YZ):
-        params = BLOCK_SPARSE_BACKWARD_PARAMS(
+        params = BlockSparseBackwardParams(
             lse_log2=ws.lse_log2, delta=ws.delta, dq_accum=ws.dq_accum, **head_rows("dk", dk), **head_rows("dv", dv),
             kv_heads=kv_heads, seq=seq, seq_q_padded=ws.seq_q_padded, scale=scale, group=group, kv_pair0=kv_pair0,
             q_num=q_num, q_indices=q_indices, full_q_num=full_q_num, full_q_indices=full_q_indices,
@@ -98,7 +98,7 @@ STAGE = Stage(
     problem="block_sparse_attention_backward",
     source="attention.cu",
     kernels=KERNELS,
-    param_structs=(PREPROCESS_PARAMS, BLOCK_SPARSE_BACKWARD_PARAMS, DQ_PARAMS),
+    param_structs=(PreprocessParams, BlockSparseBackwardParams, DqParams),
     launch=launch,
     archs=("sm_90a",),
     # the head dimension and the element mask (none, causal, document, sliding_window), compiled in

@@ -198,7 +198,7 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const BlockW
 // --8<-- [end:consumer]
 
 // --8<-- [start:kernel]
-// The kernel's parameters besides its tensor maps (__init__.py's BLOCK_SPARSE_BACKWARD_PARAMS packs them): stage
+// The kernel's parameters besides its tensor maps (__init__.py's BlockSparseBackwardParams packs them): stage
 // 9's (the preprocess's LSE in log2 units and Δ, dQ's fp32 sums, dK and dV as HeadRows take them), the first
 // KV pair of the launch, the transposed lists (QueryLists) and the element mask's (ElementMask).
 struct BlockSparseBackwardParams {

@@ -18,10 +18,10 @@ import torch
 
 from stages import Goal, Stage
 from stages.common.attention import by_head_dim, head_slices, kv_group
-from stages.common.attention_backward import (DQ_PARAMS, PREPROCESS_PARAMS, backward_workspace, blocks, convert_dq,
+from stages.common.attention_backward import (DqParams, PreprocessParams, backward_workspace, blocks, convert_dq,
                                               preprocess)
 from stages.common.hopper import sm_count  # cached per device; nothing Hopper-specific
-from stages.common.launcher import ParamStruct
+from stages.common.launcher import param_struct
 
 # What the launch uses, per head dimension, as attention.cu computes it (the grader checks each value
 # against the kernel): 8 warps × 16 keys per block, query tiles of 64 rows; dynamic shared memory, the
@@ -35,7 +35,7 @@ GEOMETRY = {64: {"BLOCK_N": 128, "BLOCK_M": 64, "NUM_THREADS": 256, "SHARED_BYTE
 
 # The parameters of attention_bwd and attention_bwd_tail, as attention.cu's BackwardParams holds them (the grader
 # checks the layout against it): one struct a (batch, head) slice, for both.
-BACKWARD_PARAMS = ParamStruct("BackwardParams", [
+BackwardParams = param_struct("BackwardParams", [
     ("q", "const elem_t*"), ("k", "const elem_t*"), ("v", "const elem_t*"), ("d_o", "const elem_t*"),
     ("lse_log2", "const float*"), ("delta", "const float*"), ("dq_accum", "float*"), ("dk", "elem_t*"),
     ("dv", "elem_t*"), ("dkv_tail", "float*"), ("seq_q", "int"), ("seq_kv", "int"), ("seq_q_padded", "int"),
@@ -89,9 +89,9 @@ def launch(kernels, q, k, v, o, lse, d_o, dq, dk, dv, scale, causal) -> None:
         # dK's and dV's fp32 sums for the tail's key tiles, then rounded
         dkv_tail = torch.zeros(2, tiles - full_tiles, launched["BLOCK_N"], q.shape[-1], dtype=torch.float32,
                                device=q.device) if tail_blocks else None
-        params = BACKWARD_PARAMS(q=q_, k=k_, v=v_, d_o=do_, lse_log2=lse_, delta=delta_, dq_accum=dqa_, dk=dk_, dv=dv_,
-                                 dkv_tail=dkv_tail, seq_q=seq_q, seq_kv=seq_kv, seq_q_padded=ws.seq_q_padded,
-                                 scale=scale, causal=int(causal), full_tiles=full_tiles, tail_tiles=tiles - full_tiles)
+        params = BackwardParams(q=q_, k=k_, v=v_, d_o=do_, lse_log2=lse_, delta=delta_, dq_accum=dqa_, dk=dk_, dv=dv_,
+                                dkv_tail=dkv_tail, seq_q=seq_q, seq_kv=seq_kv, seq_q_padded=ws.seq_q_padded,
+                                scale=scale, causal=int(causal), full_tiles=full_tiles, tail_tiles=tiles - full_tiles)
         if full_tiles:
             kernels.attention_bwd((key_tiles, blocks(full_tiles, key_tiles)), (launched["NUM_THREADS"],), params,
                                   smem=launched["SHARED_BYTES"])
@@ -110,7 +110,7 @@ STAGE = Stage(
     problem="attention_backward",
     source="attention.cu",
     kernels=KERNELS,
-    param_structs=(PREPROCESS_PARAMS, BACKWARD_PARAMS, DQ_PARAMS),
+    param_structs=(PreprocessParams, BackwardParams, DqParams),
     launch=launch,
     specializations={"HEAD_DIM": "D"},
     geometry=by_head_dim(GEOMETRY),

@@ -530,7 +530,7 @@ struct WriteRows {
     }
 };
 
-// The parameters of attention_bwd and of attention_bwd_tail, one struct for both (__init__.py's BACKWARD_PARAMS
+// The parameters of attention_bwd and of attention_bwd_tail, one struct for both (__init__.py's BackwardParams
 // packs it): Tensors' fields, then where each kernel's dK and dV go -- attention_bwd's rows of dk and dv,
 // the tail's fp32 sums in dkv_tail (null without a tail) -- and how the launch's key tiles are shared out.
 struct BackwardParams {

@@ -15,11 +15,11 @@ tensor maps and the kernels' row addresses carry them, so nothing is copied.
 """
 from stages import Goal, Stage
 from stages.common.attention import by_head_dim, kv_group
-from stages.common.attention_backward import (DQ_PARAMS, PREPROCESS_PARAMS, backward_workspace, blocks, convert_dq,
+from stages.common.attention_backward import (DqParams, PreprocessParams, backward_workspace, blocks, convert_dq,
                                               preprocess)
 from stages.common.head_rows import head_rows, head_rows_fields
 from stages.common.hopper import sm_count, tensor_map
-from stages.common.launcher import ParamStruct
+from stages.common.launcher import param_struct
 from stages.common.prompts import SHORT_PROMPTS
 
 # What the launch uses, per head dimension, as wgmma_attention_backward.cuh computes it (the grader checks each value
@@ -39,7 +39,7 @@ GEOMETRY = {64: {"BLOCK_N": 128, "BLOCK_M": 128, "NUM_THREADS": 384, "ATOM_COLS"
 
 # attention_bwd's parameters besides its tensor maps, as attention.cu's BackwardParams holds them (the grader
 # checks the layout against it).
-BACKWARD_PARAMS = ParamStruct("BackwardParams", [
+BackwardParams = param_struct("BackwardParams", [
     ("lse_log2", "const float*"), ("delta", "const float*"), ("dq_accum", "float*"),
     *head_rows_fields("dk", "elem_t*"), *head_rows_fields("dv", "elem_t*"), ("kv_heads", "int"), ("seq_q", "int"),
     ("seq_kv", "int"), ("seq_q_padded", "int"), ("scale", "float"), ("causal", "int"), ("group", "int"),
@@ -75,10 +75,10 @@ def launch(kernels, q, k, v, o, lse, d_o, dq, dk, dv, scale, causal) -> None:
     kv_heads, key_tiles = k.shape[1], blocks(seq_kv, block_n)
     kv_pairs = batch * kv_heads
     chunk_pairs = min(kv_pairs, blocks(sm_count(q.device), key_tiles))
-    params = BACKWARD_PARAMS(lse_log2=ws.lse_log2, delta=ws.delta, dq_accum=ws.dq_accum, **head_rows("dk", dk),
-                             **head_rows("dv", dv), kv_heads=kv_heads, seq_q=seq_q, seq_kv=seq_kv,
-                             seq_q_padded=ws.seq_q_padded, scale=scale, causal=int(causal), group=group,
-                             kv_pairs=kv_pairs, chunk_pairs=chunk_pairs)
+    params = BackwardParams(lse_log2=ws.lse_log2, delta=ws.delta, dq_accum=ws.dq_accum, **head_rows("dk", dk),
+                            **head_rows("dv", dv), kv_heads=kv_heads, seq_q=seq_q, seq_kv=seq_kv,
+                            seq_q_padded=ws.seq_q_padded, scale=scale, causal=int(causal), group=group,
+                            kv_pairs=kv_pairs, chunk_pairs=chunk_pairs)
     kernels.attention_bwd((key_tiles * kv_pairs,), (launched["NUM_THREADS"],), q_map, k_map, v_map, do_map, params,
                           smem=launched["SHARED_BYTES"])
     convert_dq(kernels, launched, ws, dq, scale)
@@ -89,7 +89,7 @@ STAGE = Stage(
     problem="attention_backward",
     source="attention.cu",
     kernels=KERNELS,
-    param_structs=(PREPROCESS_PARAMS, BACKWARD_PARAMS, DQ_PARAMS),
+    param_structs=(PreprocessParams, BackwardParams, DqParams),
     launch=launch,
     archs=("sm_90a",),
     specializations={"HEAD_DIM": "D"},

@@ -174,7 +174,7 @@ __device__ __forceinline__ int2 key_tile_and_pair(int block, int key_tiles, int 
     return make_int2(in_chunk / pairs, first_pair + in_chunk % pairs);
 }
 
-// The kernel's parameters besides its tensor maps (__init__.py's BACKWARD_PARAMS packs them): the preprocess's
+// The kernel's parameters besides its tensor maps (__init__.py's BackwardParams packs them): the preprocess's
 // LSE in log2 units and Δ, dQ's fp32 sums ([B, H, seq_q_padded(, D)]), dK and dV as HeadRows take them.
 struct BackwardParams {
     const float *lse_log2, *delta;
