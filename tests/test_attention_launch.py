@@ -159,17 +159,20 @@ def test_stage9_launches_a_block_per_key_tile_and_kv_pair_walking_its_group(B, H
     assert all(kv == (p // H) * Hkv + (p % H) // group for p, kv in walked)
 
 
-@pytest.mark.parametrize("name", ["stage0", "stage1", "stage2", "stage3", "stage4", "stage8", "stage9"])
+@pytest.mark.parametrize("name", ["stage0", "stage1", "stage2", "stage3", "stage4", "stage4:wgmma", "stage4:tma",
+                                  "stage4:warp_specialized", "stage8", "stage9"])
 def test_every_launch_passes_the_arguments_its_kernel_declares(name, monkeypatch):
     """A launch gives each kernel as many arguments as its C signature has (KernelSet refuses others), and
     each one is of the declared kind: a tensor or an address for a pointer, an integer for an `int` (within
     32 bits) or a `long long`, a float for a `float`, a parameter struct's values (each field of its kind) for
-    a struct. Stages 4 and 9 build TMA descriptors and stage 4 asks for the SM count, which need a driver:
-    replaced here."""
+    a struct. Stages 4 (and its rungs) and 9 build TMA descriptors and stage 4 asks for the SM count, which
+    need a driver: replaced here."""
     stage = stages.load(name)
     module = importlib.import_module(f"stages.{stage.name}")
     if hasattr(module, "_tensor_map"):
         monkeypatch.setattr(module, "_tensor_map", lambda x, rows, cols: x)
+    if stage.rung:  # stage 4's rungs build theirs in the ladder's module
+        monkeypatch.setattr(importlib.import_module(f"stages.{stage.name}.ladder"), "tensor_map", lambda x, box: x)
     if hasattr(module, "sm_count"):
         monkeypatch.setattr(module, "sm_count", lambda device: 132)
     B, H, S, D = 2, 4, 100, 64

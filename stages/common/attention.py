@@ -1,5 +1,5 @@
-"""What the launches of the attention stages share: B·H beyond the limits of a grid, and K, V with fewer
-heads than Q (grouped-query attention).
+"""What the launches of the attention stages share: B·H beyond the limits of a grid, K, V with fewer
+heads than Q (grouped-query attention), and the Hopper forward's parameter struct (stage 4 and its rungs).
 
 A kernel that walks the (batch, head) pairs in grid.y or grid.z sees at most 65,535 of them in one
 launch (grid.x goes up to 2^31 - 1, grid.y and grid.z only to 65,535), and a decode-sized batch
@@ -12,13 +12,30 @@ h / group, group = H / H_kv, so query pair p = b·H + h uses KV pair b·H_kv + h
 of query pairs [first, first + n), first and n multiples of the group, uses KV pairs [first / group,
 (first + n) / group): the launch passes both views and the kernel takes KV pair (p - first) / group.
 """
+from stages.common.head_rows import head_rows, head_rows_fields
+from stages.common.launcher import param_struct
+
 MAX_GRID_YZ = 65535
+
+# The parameters of stage 4's attention_fwd and of its ladder's rungs besides Q, K and V, as
+# wgmma_attention.cuh's ForwardParams holds them (the grader checks the layout against it).
+ForwardParams = param_struct("ForwardParams", [
+    *head_rows_fields("o", "elem_t*"), ("heads", "int"), ("lse", "float*"), ("seq_q", "int"), ("seq_kv", "int"),
+    ("scale", "float"), ("causal", "int"), ("group", "int"), ("batch_heads", "int"), ("persistent", "int")])
 
 
 def by_head_dim(geometry: dict[int, dict[str, int]]):
     """Stage.geometry for a table of the kernel's constants per head dimension (the -DHEAD_DIM it is
     compiled with): {64: {"BLOCK_M": 64, ...}, 128: {...}}."""
     return lambda defines: geometry[int(defines["HEAD_DIM"])]
+
+
+def forward_params(q, k, o, lse, scale, causal, persistent: int) -> ForwardParams:
+    """The ForwardParams of a launch on q [B, H, S_q, D] and k [B, H_kv, S_kv, D], writing o (any [B, H, S_q, D]
+    view with D contiguous) and lse [B, H, S_q]; `persistent`: stage 4's schedule (0 for the rungs)."""
+    batch, heads, seq_q, _ = q.shape
+    return ForwardParams(**head_rows("o", o), heads=heads, lse=lse, seq_q=seq_q, seq_kv=k.shape[2], scale=scale,
+                         causal=int(causal), group=kv_group(q, k), batch_heads=batch * heads, persistent=persistent)
 
 
 def kv_group(q, k) -> int:

@@ -1,7 +1,8 @@
 // The consumer side of a Hopper attention forward (stage 4's pieces, as templates): the two wgmma
 // products of a K/V tile, the online softmax split around the P·V product still in flight, and an
 // epilogue for rows that may see no key; and the steps of a consumer's rounds in stage 4's pipeline
-// (ping-pong turns, S_j issued beside P_{j-1}·V_{j-1}). Stage 4, its ladder's rungs and stage 12 include it.
+// (ping-pong turns, S_j issued beside P_{j-1}·V_{j-1}). Also the parameter struct of stage 4's kernel and
+// of its ladder's rungs (ForwardParams). Stage 4, its ladder's rungs and stage 12 include it.
 //
 // Tiles are laid out as tma.cuh's load_tile leaves them: column block b (64 elements, 128 bytes
 // swizzled) of a ROWS-row tile at tile + b·ROWS·128.
@@ -9,6 +10,21 @@
 #include "mma.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
+
+// The parameters of stage 4's attention_fwd and of its ladder's rungs, besides Q, K and V (attention.py's
+// ForwardParams packs them): O as HeadRows take it, for `heads` query heads; the LSE [B, H, seq_q]; `group`
+// query heads per KV head. `causal` is the rungs' mask (stage 4 compiles its own in: CAUSAL); `batch_heads`
+// (B·H) and `persistent` are stage 4's schedule (the rungs launch a block per query tile).
+struct ForwardParams {
+    elem_t* o;
+    long long o_batch_stride, o_head_stride;
+    int o_row_stride;
+    int heads;
+    float* lse;
+    int seq_q, seq_kv;
+    float scale;
+    int causal, group, batch_heads, persistent;
+};
 
 // --8<-- [start:wgmma]
 // S[64 × BLOCK_N] = Q[64 × D] · Kᵀ for the 64 rows of consumer warpgroup `consumer` of a BLOCK_M-row

@@ -10,7 +10,7 @@ their own strides, so that a model's [B, S, H, D] views are read where they lie,
 the kernel as `const __grid_constant__` parameters.
 """
 from stages import Goal, Stage
-from stages.common.attention import kv_group
+from stages.common.attention import ForwardParams, forward_params
 from stages.common.hopper import sm_count, tensor_map
 from stages.common.prompts import SHORT_PROMPTS
 
@@ -41,7 +41,6 @@ def _tensor_map(x, box_rows: int, box_cols: int):
 
 def launch(kernels, q, k, v, o, lse, scale, causal):
     batch, heads, seq_q, head_dim = q.shape
-    seq_kv, group = k.shape[2], kv_group(q, k)  # query heads per KV head: the kernel loads KV pair head / group
     launched = GEOMETRY[head_dim, int(causal)]
     block_m, box_rows, box_cols = launched["BLOCK_M"], launched["TILE_BOX_ROWS"], launched["ATOM_COLS"]
     q_map, k_map, v_map = (_tensor_map(x, box_rows, box_cols) for x in (q, k, v))
@@ -52,19 +51,18 @@ def launch(kernels, q, k, v, o, lse, scale, causal):
         if causal:
             units = (m_blocks + 1) // 2 * batch * heads
         grid = min(units, sm_count(q.device))
-    o_batch_stride, o_head_stride, o_row_stride, _ = o.stride()  # any [B, H, S, D] view with d contiguous
-    kernels.attention_fwd((grid,), (launched["NUM_THREADS"],), q_map, k_map, v_map, o, o_batch_stride,
-                          o_head_stride, o_row_stride, heads, lse, seq_q, seq_kv, scale, batch * heads, PERSISTENT,
-                          group, smem=launched["SHARED_BYTES"])
+    # o: any [B, H, S, D] view with d contiguous (ops' [B, S, H, D] buffer)
+    kernels.attention_fwd((grid,), (launched["NUM_THREADS"],), q_map, k_map, v_map,
+                          forward_params(q, k, o, lse, scale, causal, PERSISTENT), smem=launched["SHARED_BYTES"])
 
 
 STAGE = Stage(
     name="stage4_hopper",
     problem="attention",
     source="attention.cu",
-    kernels={"attention_fwd": "const TmaMap, const TmaMap, const TmaMap, elem_t*, long long, long long, int, int, "
-                              "float*, int, int, float, int, int, int"},
+    kernels={"attention_fwd": "const TmaMap, const TmaMap, const TmaMap, const ForwardParams"},
     launch=launch,
+    param_structs=(ForwardParams,),
     archs=("sm_90a",),
     specializations={"HEAD_DIM": "D", "CAUSAL": "causal"},  # the head dimension and the mask, compiled in
     geometry=lambda defines: GEOMETRY[int(defines["HEAD_DIM"]), int(defines["CAUSAL"])],

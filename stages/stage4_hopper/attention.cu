@@ -286,24 +286,22 @@ __device__ __forceinline__ void consume(const SharedMemory& shared, const Schedu
 // them and compute.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 attention_fwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
-              const __grid_constant__ TmaMap v_map, elem_t* __restrict__ o, long long o_batch_stride,
-              long long o_head_stride, int o_row_stride, int heads, float* __restrict__ lse, int seq_q, int seq_kv,
-              float scale, int batch_heads, int persistent, int group) {
+              const __grid_constant__ TmaMap v_map, const __grid_constant__ ForwardParams p) {
     extern __shared__ __align__(SWIZZLE_ATOM_BYTES) unsigned char shared_raw[];
     // TMA's 128-byte swizzle and the descriptors' base offset 0 assume 1024-byte-aligned tiles.
     const SharedMemory shared{atom_aligned(shared_address(shared_raw))};
-    const Schedule schedule(seq_q, batch_heads, persistent);
+    const Schedule schedule(p.seq_q, p.batch_heads, p.persistent);
     if (threadIdx.x == 0) init_barriers(shared);
     __syncthreads();
 
     const int warpgroup = threadIdx.x / WARPGROUP_THREADS;
     if (warpgroup == 0) {
         setmaxnreg_dec<PRODUCER_REGS>();  // the producer keeps 24 registers per thread
-        if (threadIdx.x == 0) produce(shared, schedule, q_map, k_map, v_map, seq_kv, heads, group);
+        if (threadIdx.x == 0) produce(shared, schedule, q_map, k_map, v_map, p.seq_kv, p.heads, p.group);
     } else {
         setmaxnreg_inc<CONSUMER_REGS>();  // 240 per thread for S, P and O
-        const Output out{o, o_batch_stride, o_head_stride, o_row_stride, heads};
-        consume(shared, schedule, warpgroup - 1, out, lse, seq_q, seq_kv, scale);
+        const Output out{p.o, p.o_batch_stride, p.o_head_stride, p.o_row_stride, p.heads};
+        consume(shared, schedule, warpgroup - 1, out, p.lse, p.seq_q, p.seq_kv, p.scale);
     }
 }
 // --8<-- [end:kernel]

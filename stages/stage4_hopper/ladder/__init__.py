@@ -10,7 +10,7 @@ and stage 4's own kernel adds the ping-pong of its consumers and the persistent 
 stage 4: they are its steps, not a fallback for older GPUs.
 """
 from stages import Goal, Stage
-from stages.common.attention import by_head_dim, kv_group
+from stages.common.attention import ForwardParams, by_head_dim, forward_params
 from stages.common.hopper import tensor_map
 from stages.stage4_hopper import LONG_SEQUENCES
 
@@ -30,10 +30,9 @@ GEOMETRY = {
                          128: {"BLOCK_M": 128, "BLOCK_N": 128, "NUM_THREADS": 384, "SHARED_BYTES": 164936,
                                **TMA_BOXES}},
 }
-OUTPUT = "elem_t*, long long, long long, int, int, float*, int, int, float, int, int"  # O at its strides, ...
-KERNELS = {"wgmma": {"attention_fwd": "const elem_t*, const elem_t*, const elem_t*, " + OUTPUT},
-           "tma": {"attention_fwd": "const TmaMap, const TmaMap, const TmaMap, " + OUTPUT},
-           "warp_specialized": {"attention_fwd": "const TmaMap, const TmaMap, const TmaMap, " + OUTPUT}}
+KERNELS = {"wgmma": {"attention_fwd": "const elem_t*, const elem_t*, const elem_t*, const ForwardParams"},
+           "tma": {"attention_fwd": "const TmaMap, const TmaMap, const TmaMap, const ForwardParams"},
+           "warp_specialized": {"attention_fwd": "const TmaMap, const TmaMap, const TmaMap, const ForwardParams"}}
 
 
 def operands(name: str, q, k, v, launched: dict) -> tuple:
@@ -49,13 +48,11 @@ def rung(name: str, goal: Goal) -> Stage:
         batch, heads, seq_q, head_dim = q.shape
         launched = GEOMETRY[name][head_dim]
         grid = (seq_q + launched["BLOCK_M"] - 1) // launched["BLOCK_M"] * batch * heads  # a block per query tile
-        o_batch_stride, o_head_stride, o_row_stride, _ = o.stride()  # any [B, H, S, D] view with d contiguous
-        kernels.attention_fwd((grid,), (launched["NUM_THREADS"],), *operands(name, q, k, v, launched), o,
-                              o_batch_stride, o_head_stride, o_row_stride, heads, lse, seq_q, k.shape[2], scale,
-                              int(causal), kv_group(q, k), smem=launched["SHARED_BYTES"])
+        kernels.attention_fwd((grid,), (launched["NUM_THREADS"],), *operands(name, q, k, v, launched),
+                              forward_params(q, k, o, lse, scale, causal, persistent=0), smem=launched["SHARED_BYTES"])
 
     return Stage(name="stage4_hopper", problem="attention", source=f"ladder/{name}.cu", kernels=KERNELS[name],
-                 launch=launch, archs=("sm_90a",), specializations={"HEAD_DIM": "D"},
+                 launch=launch, param_structs=(ForwardParams,), archs=("sm_90a",), specializations={"HEAD_DIM": "D"},
                  geometry=by_head_dim(GEOMETRY[name]), goal=goal, rung=name,
                  extra_benchmarks=LONG_SEQUENCES)  # timed at stage 4's long shapes
 

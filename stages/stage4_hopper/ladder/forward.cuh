@@ -123,8 +123,8 @@ __device__ __forceinline__ void accumulate_pv(Rows& rows, unsigned (&p)[P_STEPS]
 
 // O = accumulator / row sum and the LSE of the thread's rows, at O's strides (a dense [B, H, S, D], or
 // a model's [B, S, H, D] buffer: attention.cu's Output).
-__device__ __forceinline__ void write_rows(const Rows& rows, const HeadRows<elem_t>& out, float* lse,
-                                           const QueryTile& tile, int seq_q, float scale) {
-    write_output(rows.o, rows.max, rows.sum, scale, out.row(tile.pair, 0), lse + (size_t)tile.pair * seq_q,
-                 rows.first_row, seq_q, threadIdx.x % 32, out.row_stride);
+__device__ __forceinline__ void write_rows(const Rows& rows, const ForwardParams& p, const QueryTile& tile) {
+    elem_t* o_head = p.o + tile.batch * p.o_batch_stride + tile.head * p.o_head_stride;  // the head's row 0
+    write_output(rows.o, rows.max, rows.sum, p.scale, o_head, p.lse + (size_t)tile.pair * p.seq_q, rows.first_row,
+                 p.seq_q, threadIdx.x % 32, p.o_row_stride);
 }

@@ -54,15 +54,13 @@ __device__ __forceinline__ void load_first(const SharedTiles<SLOTS>& shared, con
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 attention_fwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
-              const __grid_constant__ TmaMap v_map, elem_t* __restrict__ o, long long o_batch_stride,
-              long long o_head_stride, int o_row_stride, int heads, float* __restrict__ lse, int seq_q, int seq_kv,
-              float scale, int causal, int group) {
+              const __grid_constant__ TmaMap v_map, const __grid_constant__ ForwardParams p) {
     extern __shared__ __align__(SWIZZLE_ATOM_BYTES) unsigned char shared_raw[];
     const SharedTiles<SLOTS> shared = shared_tiles<SLOTS>(shared_raw);
-    const QueryTile query(seq_q, heads, group);
-    const int num_tiles = kv_tiles(query.m0, seq_kv, causal), warpgroup = threadIdx.x / WARPGROUP_THREADS;
+    const QueryTile query(p.seq_q, p.heads, p.group);
+    const int num_tiles = kv_tiles(query.m0, p.seq_kv, p.causal), warpgroup = threadIdx.x / WARPGROUP_THREADS;
     Rows rows(query.m0 + warpgroup * WARPGROUP_ROWS + threadIdx.x / 32 % 4 * 16);
-    unsigned p[P_STEPS][4];
+    unsigned probs[P_STEPS][4];  // P, as the A operands of P·V
 
     // --8<-- [start:loop]
     if (threadIdx.x == 0) init_barriers(shared);
@@ -74,13 +72,12 @@ attention_fwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaM
         if (threadIdx.x == 0 && tile + 1 < num_tiles) load_kv(shared, k_map, v_map, tile + 1, query);
         const unsigned parity = (tile / SLOTS) & 1;  // the buffer's (tile / SLOTS)-th use
         mbarrier_wait(shared.k_full(tile % SLOTS), parity);
-        scores_to_p(rows, p, shared.q_tile(), shared.k_slot(tile % SLOTS), warpgroup, tile, seq_kv, causal,
-                    scale * LOG2E);
+        scores_to_p(rows, probs, shared.q_tile(), shared.k_slot(tile % SLOTS), warpgroup, tile, p.seq_kv, p.causal,
+                    p.scale * LOG2E);
         mbarrier_wait(shared.v_full(tile % SLOTS), parity);
-        accumulate_pv(rows, p, shared.v_slot(tile % SLOTS));
+        accumulate_pv(rows, probs, shared.v_slot(tile % SLOTS));
         __syncthreads();  // both warpgroups are done with this buffer: the next round's copies refill it
     }
     // --8<-- [end:loop]
-    const HeadRows<elem_t> out{o, o_batch_stride, o_head_stride, o_row_stride, heads};
-    write_rows(rows, out, lse, query, seq_q, scale);
+    write_rows(rows, p, query);
 }

@@ -68,23 +68,23 @@ __device__ __forceinline__ void produce(const Shared& shared, const QueryTile& q
 // Consumer `consumer` (0 or 1): rows 64·consumer .. 64·consumer + 63 of the query tile. Per K/V tile: K
 // landed, S and P, K released; V landed, O += P·V, V released.
 __device__ __forceinline__ void consume(const Shared& shared, const QueryTile& query, int consumer,
-                                        const HeadRows<elem_t>& out, float* lse, int seq_q, int seq_kv, float scale,
-                                        int causal) {
-    const int num_tiles = kv_tiles(query.m0, seq_kv, causal);
+                                        const ForwardParams& p) {
+    const int num_tiles = kv_tiles(query.m0, p.seq_kv, p.causal);
     Rows rows(query.m0 + consumer * WARPGROUP_ROWS + threadIdx.x / 32 % 4 * 16);
-    unsigned p[P_STEPS][4];
+    unsigned probs[P_STEPS][4];  // P, as the A operands of P·V
     mbarrier_wait(shared.q_full(), 0);
     for (int tile = 0; tile < num_tiles; ++tile) {
         const int stage = tile % KV_STAGES;
         const unsigned parity = (tile / KV_STAGES) & 1;
         mbarrier_wait(shared.k_full(stage), parity);
-        scores_to_p(rows, p, shared.q_tile(), shared.k_slot(stage), consumer, tile, seq_kv, causal, scale * LOG2E);
+        scores_to_p(rows, probs, shared.q_tile(), shared.k_slot(stage), consumer, tile, p.seq_kv, p.causal,
+                    p.scale * LOG2E);
         mbarrier_arrive(shared.k_empty(stage));
         mbarrier_wait(shared.v_full(stage), parity);
-        accumulate_pv(rows, p, shared.v_slot(stage));
+        accumulate_pv(rows, probs, shared.v_slot(stage));
         mbarrier_arrive(shared.v_empty(stage));
     }
-    write_rows(rows, out, lse, query, seq_q, scale);
+    write_rows(rows, p, query);
 }
 // --8<-- [end:consumer]
 
@@ -93,23 +93,20 @@ __device__ __forceinline__ void consume(const Shared& shared, const QueryTile& q
 // them and compute.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 attention_fwd(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
-              const __grid_constant__ TmaMap v_map, elem_t* __restrict__ o, long long o_batch_stride,
-              long long o_head_stride, int o_row_stride, int heads, float* __restrict__ lse, int seq_q, int seq_kv,
-              float scale, int causal, int group) {
+              const __grid_constant__ TmaMap v_map, const __grid_constant__ ForwardParams p) {
     extern __shared__ __align__(SWIZZLE_ATOM_BYTES) unsigned char shared_raw[];
     const Shared shared = shared_tiles<KV_STAGES>(shared_raw);
-    const QueryTile query(seq_q, heads, group);
+    const QueryTile query(p.seq_q, p.heads, p.group);
     if (threadIdx.x == 0) init_barriers(shared);
     __syncthreads();
 
     const int warpgroup = threadIdx.x / WARPGROUP_THREADS;
     if (warpgroup == 0) {
         setmaxnreg_dec<PRODUCER_REGS>();  // the producer keeps 24 registers per thread
-        if (threadIdx.x == 0) produce(shared, query, q_map, k_map, v_map, seq_kv, causal);
+        if (threadIdx.x == 0) produce(shared, query, q_map, k_map, v_map, p.seq_kv, p.causal);
     } else {
         setmaxnreg_inc<CONSUMER_REGS>();  // 240 per thread for S, P and O
-        const HeadRows<elem_t> out{o, o_batch_stride, o_head_stride, o_row_stride, heads};
-        consume(shared, query, warpgroup - 1, out, lse, seq_q, seq_kv, scale, causal);
+        consume(shared, query, warpgroup - 1, p);
     }
 }
 // --8<-- [end:kernel]

@@ -64,34 +64,32 @@ __device__ __forceinline__ void copy_kv(const SharedTiles<SLOTS>& shared, const 
 // Q [B, H, S_q, D], K and V [B, H / group, S_kv, D], dense; O at its strides.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 attention_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
-              elem_t* __restrict__ o, long long o_batch_stride, long long o_head_stride, int o_row_stride, int heads,
-              float* __restrict__ lse, int seq_q, int seq_kv, float scale, int causal, int group) {
+              const __grid_constant__ ForwardParams p) {
     extern __shared__ __align__(SWIZZLE_ATOM_BYTES) unsigned char shared_raw[];
     const SharedTiles<SLOTS> shared = shared_tiles<SLOTS>(shared_raw);
-    const QueryTile query(seq_q, heads, group);
-    const elem_t* k_head = k + (size_t)query.kv_pair * seq_kv * HEAD_DIM;
-    const elem_t* v_head = v + (size_t)query.kv_pair * seq_kv * HEAD_DIM;
-    const int num_tiles = kv_tiles(query.m0, seq_kv, causal), warpgroup = threadIdx.x / WARPGROUP_THREADS;
+    const QueryTile query(p.seq_q, p.heads, p.group);
+    const elem_t* k_head = k + (size_t)query.kv_pair * p.seq_kv * HEAD_DIM;
+    const elem_t* v_head = v + (size_t)query.kv_pair * p.seq_kv * HEAD_DIM;
+    const int num_tiles = kv_tiles(query.m0, p.seq_kv, p.causal), warpgroup = threadIdx.x / WARPGROUP_THREADS;
     Rows rows(query.m0 + warpgroup * WARPGROUP_ROWS + threadIdx.x / 32 % 4 * 16);
-    unsigned p[P_STEPS][4];
+    unsigned probs[P_STEPS][4];  // P, as the A operands of P·V
 
     // --8<-- [start:loop]
-    copy_tile<BLOCK_M>(shared.q_tile(), q + (size_t)query.pair * seq_q * HEAD_DIM, query.m0, seq_q);
-    copy_kv(shared, k_head, v_head, 0, seq_kv);
+    copy_tile<BLOCK_M>(shared.q_tile(), q + (size_t)query.pair * p.seq_q * HEAD_DIM, query.m0, p.seq_q);
+    copy_kv(shared, k_head, v_head, 0, p.seq_kv);
     cp_async_commit();
     for (int tile = 0; tile < num_tiles; ++tile) {
         // The next tile's copies go into the buffer every thread finished with at the end of the last round.
-        if (tile + 1 < num_tiles) copy_kv(shared, k_head, v_head, tile + 1, seq_kv);
+        if (tile + 1 < num_tiles) copy_kv(shared, k_head, v_head, tile + 1, p.seq_kv);
         cp_async_commit();       // (an empty group after the last tile: one wait for every round)
         cp_async_wait<1>();      // this thread's copies of Q and of this tile have landed
         fence_async_shared();    // ... and are visible to wgmma
         __syncthreads();         // ... and so are everyone else's
-        scores_to_p(rows, p, shared.q_tile(), shared.k_slot(tile % SLOTS), warpgroup, tile, seq_kv, causal,
-                    scale * LOG2E);
-        accumulate_pv(rows, p, shared.v_slot(tile % SLOTS));
+        scores_to_p(rows, probs, shared.q_tile(), shared.k_slot(tile % SLOTS), warpgroup, tile, p.seq_kv, p.causal,
+                    p.scale * LOG2E);
+        accumulate_pv(rows, probs, shared.v_slot(tile % SLOTS));
         __syncthreads();         // both warpgroups are done with this buffer: the next round's copies refill it
     }
     // --8<-- [end:loop]
-    const HeadRows<elem_t> out{o, o_batch_stride, o_head_stride, o_row_stride, heads};
-    write_rows(rows, out, lse, query, seq_q, scale);
+    write_rows(rows, p, query);
 }
