@@ -122,8 +122,8 @@ MUTATIONS = {
     # stage 15 reads every key from its sequence's first page (its slot key % page_size): right while a
     # sequence fits in one page; wrong wherever sequence 0's S keys outgrow it (every case with S >= 40, its
     # pages of 1 to 64 tokens; S = 1 and 3 fit in their pages of 16 and 64). Page 0 always exists: no stray read
-    "decode_first_page_only": Mutation("stage15", (("return pages[page] * page_size + (key - page * page_size);",
-                                                    "return pages[0] * page_size + (key - page * page_size);"),),
+    "decode_first_page_only": Mutation("stage15", (("return __ldg(pages + page) * page_size + (key - page * page_size);",
+                                                    "return __ldg(pages) * page_size + (key - page * page_size);"),),
                                        r"S\d\d"),
     # stage 15's causal rule among the new tokens off by one: new token i also sees new token i + 1 (the
     # last sees no more: key_end stops it). With Sq = 1 it changes nothing; with Sq > 1 the last sequence
@@ -134,8 +134,8 @@ MUTATIONS = {
     # stage 15's block reads KV head h % H_kv of its first query head h = kv_head · group (an interleaved
     # head layout's mapping) instead of h / group = kv_head: the same where H_kv = 1 or H_kv = H; where
     # 1 < H_kv < H, KV head 1's group reads KV head group % H_kv, not 1 (group = 2, 4 or 8 here)
-    "decode_kv_head_interleaved": Mutation("stage15", (("kv_heads, kv_head, key_row0, lane);",
-                                                        "kv_heads, kv_head * group % kv_heads, key_row0, lane);"),),
+    "decode_kv_head_interleaved": Mutation("stage15", (("p.kv_heads, kv_head, key_row0, lane);",
+                                                        "p.kv_heads, kv_head * group % p.kv_heads, key_row0, lane);"),),
                                            r"Hkv[2-9]"),
     # a write far outside any buffer: an illegal address
     "crash": Mutation("stage0", (("    __syncthreads();\n\n    float dot",

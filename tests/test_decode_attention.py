@@ -11,6 +11,7 @@ import torch
 import stages
 from reference.decode_attention import PROBLEM, pages_of, seq_lens_of, visible_pairs
 from stages.common.launcher import check_geometry, parameter_types
+from stages.stage15_decode import DecodeParams
 
 CASES = PROBLEM.cases()
 
@@ -151,23 +152,20 @@ def test_stage15_launches_every_row_and_key_within_the_grid_limits(B, H, Hkv, Sq
     outputs = PROBLEM.allocate_outputs(inputs)
     kernels = RecordingKernels()
     PROBLEM.run_stage(stage, kernels, inputs, outputs)
-    [(split, grid, _, args, smem)] = kernels.launches  # one kernel: the last split of a row chunk combines
-    assert split == "decode_split"
+    [(split, grid, block, (params,), smem)] = kernels.launches  # one kernel: the last split of a row chunk combines
+    assert split == "decode_split" and stage.kernels[split] == "const DecodeParams" and type(params) is DecodeParams
     assert smem == stage.geometry({"HEAD_DIM": "128"})["SHARED_BYTES"] > 48 * 1024  # the ring, opted in above 48 KB
-    for kernel, grid_, block, launched, _ in kernels.launches:
-        check_geometry(kernel, grid_, block)
-        types = parameter_types(stage.kernels[kernel])
-        assert len(launched) == len(types)
-        for arg, c_type in zip(launched, types):
-            integral = isinstance(arg, (int, np.integer)) and not isinstance(arg, bool)
-            assert isinstance(arg, torch.Tensor) if c_type == "pointer" else \
-                isinstance(arg, float) if c_type == "float" else integral and -2**31 <= arg < 2**31
-    keys_per_split, splits, chunks = args[-4], args[-3], args[-2]
+    check_geometry(split, grid, block)
+    for value, c_type in zip(params, parameter_types(", ".join(t for _, t in DecodeParams._c_fields))):
+        integral = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+        assert isinstance(value, torch.Tensor) if c_type == "pointer" else \
+            isinstance(value, float) if c_type == "float" else integral and -2**31 <= value < 2**31
+    keys_per_split, splits, chunks = params.keys_per_split, params.splits, params.chunks
     assert keys_per_split % 64 == 0 and (splits - 1) * keys_per_split < S <= splits * keys_per_split
     assert chunks * 16 >= (H // Hkv) * Sq > (chunks - 1) * 16
     assert grid == (B * Hkv * chunks * splits,)
-    arrivals, o, lse = args[7:10]  # a counter per row chunk; the outputs
-    assert arrivals.numel() == B * Hkv * chunks and o is outputs["o"] and lse is outputs["lse"]
+    # a counter per row chunk; the outputs
+    assert params.arrivals.numel() == B * Hkv * chunks and params.o is outputs["o"] and params.lse is outputs["lse"]
     units, slots = B * Hkv * chunks, stage.geometry({"HEAD_DIM": "128"})["MIN_BLOCKS_PER_SM"] * 132
     if units < slots:  # a wave of blocks, full to within one split of each unit, or a split per tile
         assert units * splits >= slots - units or splits == -(-S // 64)

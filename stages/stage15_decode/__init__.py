@@ -14,7 +14,7 @@ import torch
 from stages import Goal, Stage
 from stages.common.attention import by_head_dim, kv_group
 from stages.common.hopper import sm_count
-from stages.common.launcher import current_stream_handle
+from stages.common.launcher import current_stream_handle, param_struct
 
 # What the launch uses, per head dimension, as attention.cu computes it (the grader checks each value against
 # the kernel): keys per tile, query rows per block (a group's heads × the new tokens; more rows take more
@@ -22,6 +22,12 @@ from stages.common.launcher import current_stream_handle
 # warps' row maxes and sums), and the blocks of it an SM holds at once (its shared memory's share).
 GEOMETRY = {64: {"BLOCK_N": 128, "ROWS": 16, "NUM_THREADS": 256, "SHARED_BYTES": 99328, "MIN_BLOCKS_PER_SM": 2},
             128: {"BLOCK_N": 64, "ROWS": 16, "NUM_THREADS": 128, "SHARED_BYTES": 98816, "MIN_BLOCKS_PER_SM": 2}}
+# decode_split's parameters, as attention.cu's DecodeParams holds them (the grader checks the layout against it).
+DecodeParams = param_struct("DecodeParams", [
+    ("q", "const elem_t*"), ("k_cache", "const elem_t*"), ("v_cache", "const elem_t*"), ("block_table", "const int*"),
+    ("seq_lens", "const int*"), ("o_partial", "float*"), ("lse_partial", "float*"), ("arrivals", "int*"),
+    ("o", "elem_t*"), ("lse", "float*"), ("heads", "int"), ("kv_heads", "int"), ("seq_q", "int"), ("page_size", "int"),
+    ("max_pages", "int"), ("keys_per_split", "int"), ("splits", "int"), ("chunks", "int"), ("scale", "float")])
 # --8<-- [start:launch]
 
 
@@ -70,10 +76,12 @@ def launch(kernels, q, k_cache, v_cache, block_table, seq_lens, o, lse, scale, m
     o_partial = torch.empty(rows, splits, head_dim, dtype=torch.float32, device=q.device)
     lse_partial = torch.empty(rows, splits, dtype=torch.float32, device=q.device)
     units = batch * kv_heads * chunks
-    kernels.decode_split((units * splits,), (launched["NUM_THREADS"],), q, k_cache, v_cache, block_table, seq_lens,
-                         o_partial, lse_partial, arrival_counters(q.device, units), o, lse, heads, kv_heads, seq_q,
-                         k_cache.shape[1], block_table.shape[1], keys_per_split, splits, chunks, float(scale),
-                         smem=launched["SHARED_BYTES"])
+    params = DecodeParams(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens,
+                          o_partial=o_partial, lse_partial=lse_partial, arrivals=arrival_counters(q.device, units), o=o,
+                          lse=lse, heads=heads, kv_heads=kv_heads, seq_q=seq_q, page_size=k_cache.shape[1],
+                          max_pages=block_table.shape[1], keys_per_split=keys_per_split, splits=splits, chunks=chunks,
+                          scale=float(scale))
+    kernels.decode_split((units * splits,), (launched["NUM_THREADS"],), params, smem=launched["SHARED_BYTES"])
 
 # --8<-- [end:launch]
 
@@ -82,9 +90,9 @@ STAGE = Stage(
     name="stage15_decode",
     problem="decode_attention",
     source="attention.cu",
-    kernels={"decode_split": "const elem_t*, const elem_t*, const elem_t*, const int*, const int*, float*, float*, "
-                             "int*, elem_t*, float*, int, int, int, int, int, int, int, int, float"},
+    kernels={"decode_split": "const DecodeParams"},
     launch=launch,
+    param_structs=(DecodeParams,),
     specializations={"HEAD_DIM": "D"},  # the head dimension, compiled in
     geometry=by_head_dim(GEOMETRY),
     goal=Goal("reference", 1.0),  # the fastest SDPA backend on the cache already gathered contiguous

@@ -77,10 +77,11 @@ static_assert(NUM_WARPS * ROWS * MERGE_STRIDE * 4 <= RING_BYTES, "the merge fits
 // --8<-- [start:copies]
 // Where key `key` lies in the cache: its slot among the num_pages · page_size token slots, through the
 // block table (its page), and `key % page_size` (its slot in the page). Unsigned: a key is never negative,
-// and an unsigned division by a number known only at run time takes fewer instructions.
+// and an unsigned division by a number known only at run time takes fewer instructions. The table is read
+// with __ldg, the read-only loads (the kernel's parameter struct cannot say __restrict__).
 __device__ __forceinline__ unsigned cache_slot(const int* pages, unsigned key, unsigned page_size) {
     const unsigned page = key / page_size;
-    return pages[page] * page_size + (key - page * page_size);
+    return __ldg(pages + page) * page_size + (key - page * page_size);
 }
 
 // Lane j's key of a warp's KEYS_PER_WARP keys first_key .. : its slot, read from the block table. Keys
@@ -115,7 +116,8 @@ __device__ __forceinline__ void load_warp_keys(unsigned k_tile, unsigned v_tile,
 
 // --8<-- [start:warp_math]
 // The A operands of the block's 16 rows for the D_STEPS k-steps of Q·Kᵀ, read once from global memory
-// (q_rows: the block's first row) into registers for the whole split; rows at or past `rows` are zeros.
+// (q_rows: the block's first row; read-only loads) into registers for the whole split; rows at or past
+// `rows` are zeros.
 __device__ __forceinline__ void load_q_fragments(unsigned (&q_frag)[D_STEPS][4], const elem_t* q_rows, int rows,
                                                  int lane) {
 #pragma unroll
@@ -123,7 +125,8 @@ __device__ __forceinline__ void load_q_fragments(unsigned (&q_frag)[D_STEPS][4],
 #pragma unroll
         for (int i = 0; i < 4; ++i) {  // a[i]: row g + 8 (i % 2), columns 2t, 2t + 1 (+ 8 for i >= 2)
             const int row = lane / 4 + 8 * (i % 2), column = 16 * kk + 8 * (i / 2) + 2 * (lane % 4);
-            q_frag[kk][i] = row < rows ? *reinterpret_cast<const unsigned*>(q_rows + row * HEAD_DIM + column) : 0u;
+            const unsigned* pair = reinterpret_cast<const unsigned*>(q_rows + row * HEAD_DIM + column);
+            q_frag[kk][i] = row < rows ? __ldg(pair) : 0u;  // columns `column` and `column + 1`
         }
     }
 }
@@ -303,12 +306,22 @@ __device__ __forceinline__ bool last_to_finish(int* arrival, int splits, int* fl
 // --8<-- [end:combine]
 
 // --8<-- [start:split]
+// The kernel's parameters (__init__.py's DecodeParams packs them): the tensors (this file's head says their
+// shapes), the splits' partial rows o_partial [B·H·Sq, splits, D] and lse_partial [B·H·Sq, splits], a
+// counter of arrived splits per row chunk, and the launch's sizes and split of the keys.
+struct DecodeParams {
+    const elem_t *q, *k_cache, *v_cache;
+    const int *block_table, *seq_lens;
+    float *o_partial, *lse_partial;
+    int* arrivals;
+    elem_t* o;
+    float* lse;
+    int heads, kv_heads, seq_q, page_size, max_pages, keys_per_split, splits, chunks;
+    float scale;
+};
+
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
-decode_split(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cache, const elem_t* __restrict__ v_cache,
-             const int* __restrict__ block_table, const int* __restrict__ seq_lens, float* __restrict__ o_partial,
-             float* __restrict__ lse_partial, int* __restrict__ arrivals, elem_t* __restrict__ o, float* __restrict__ lse,
-             int heads, int kv_heads, int seq_q, int page_size, int max_pages, int keys_per_split, int splits,
-             int chunks, float scale) {
+decode_split(const __grid_constant__ DecodeParams p) {
     // [K ring: KV_STAGES tiles][V ring: KV_STAGES tiles], swizzled (tiles of 128-byte multiples), then
     // each warp's running max and sum per row; after the loop, the merge's o_s over the rings. All of it
     // dynamic, one amount: the launch's SHARED_BYTES.
@@ -319,31 +332,32 @@ decode_split(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cache, c
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     // blockIdx.x walks (pair, chunk, split), split fastest: B · H_kv · chunks · splits may pass 65,535
-    const int split = blockIdx.x % splits, chunk = (blockIdx.x / splits) % chunks;
-    const int pair = blockIdx.x / splits / chunks, b = pair / kv_heads, kv_head = pair % kv_heads;
-    const int group = heads / kv_heads, first_row = chunk * ROWS;
-    const int rows = min(ROWS, group * seq_q - first_row);
-    const int key_begin = split * keys_per_split, key_row0 = warp * KEYS_PER_WARP;  // the warp's rows of a tile
-    const int* pages = block_table + (long long)b * max_pages;
+    const int split = blockIdx.x % p.splits, chunk = (blockIdx.x / p.splits) % p.chunks;
+    const int pair = blockIdx.x / p.splits / p.chunks, b = pair / p.kv_heads, kv_head = pair % p.kv_heads;
+    const int group = p.heads / p.kv_heads, first_row = chunk * ROWS;
+    const int rows = min(ROWS, group * p.seq_q - first_row);
+    const int key_begin = split * p.keys_per_split, key_row0 = warp * KEYS_PER_WARP;  // the warp's rows of a tile
+    const int* pages = p.block_table + (long long)b * p.max_pages;
     auto slot_of = [&](int tile) {  // this lane's slot of the warp's keys of `tile`
-        return lane_key_slot(pages, key_begin + tile * BLOCK_N + key_row0, max_pages * page_size, page_size, lane);
+        return lane_key_slot(pages, key_begin + tile * BLOCK_N + key_row0, p.max_pages * p.page_size, p.page_size,
+                             lane);
     };
     // The first tiles' entries of the block table are read before the sequence's length is known, so
     // that the two reads from memory overlap instead of following one another.
     unsigned first_slots[KV_STAGES - 1];
 #pragma unroll
     for (int tile = 0; tile < KV_STAGES - 1; ++tile) first_slots[tile] = slot_of(tile);
-    const int seq_len = seq_lens[b];
-    const int key_end = min(seq_len, key_begin + keys_per_split);
+    const int seq_len = __ldg(p.seq_lens + b);
+    const int key_end = min(seq_len, key_begin + p.keys_per_split);
     const int num_tiles = key_end > key_begin ? (key_end - key_begin + BLOCK_N - 1) / BLOCK_N : 0;
     // Row r of the block is row first_row + r of the group's: row first_out + r of q, o and the LSE.
-    const long long first_out = ((long long)b * heads + kv_head * group) * seq_q + first_row;
+    const long long first_out = ((long long)b * p.heads + kv_head * group) * p.seq_q + first_row;
     auto load_tile = [&](int tile, unsigned slot) {  // the warp's keys of `tile`, into ring buffer tile % KV_STAGES
         const int first_key = key_begin + tile * BLOCK_N + key_row0;
         const unsigned buffer = (tile % KV_STAGES) * KV_TILE_BYTES;
         if (first_key < key_end)
-            load_warp_keys(k_ring + buffer, v_ring + buffer, k_cache, v_cache, slot, first_key, key_end,
-                           kv_heads, kv_head, key_row0, lane);
+            load_warp_keys(k_ring + buffer, v_ring + buffer, p.k_cache, p.v_cache, slot, first_key, key_end,
+                           p.kv_heads, kv_head, key_row0, lane);
     };
 
     // Prologue: the first KV_STAGES - 1 tiles, each its own commit group (empty ones too, so that the
@@ -354,15 +368,15 @@ decode_split(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cache, c
         cp_async_commit();
     }
     unsigned q_frag[D_STEPS][4];
-    load_q_fragments(q_frag, q + first_out * HEAD_DIM, rows, lane);
+    load_q_fragments(q_frag, p.q + first_out * HEAD_DIM, rows, lane);
     int position[2];  // the new token of the thread's rows g and g + 8: they see keys 0 .. position
 #pragma unroll
-    for (int r = 0; r < 2; ++r) position[r] = seq_len - seq_q + (first_row + lane / 4 + 8 * r) % seq_q;
-    const int seen_by_all = min(key_end, seq_len - seq_q + 1);  // keys below it need no mask
+    for (int r = 0; r < 2; ++r) position[r] = seq_len - p.seq_q + (first_row + lane / 4 + 8 * r) % p.seq_q;
+    const int seen_by_all = min(key_end, seq_len - p.seq_q + 1);  // keys below it need no mask
 
     float o_acc[O_FRAGS][4] = {};
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};  // of rows g and g + 8
-    const float scale_log2 = scale * LOG2E;
+    const float scale_log2 = p.scale * LOG2E;
     for (int tile = 0; tile < num_tiles; ++tile) {
         cp_async_wait<KV_STAGES - 2>();  // this lane's copies of `tile` have landed ...
         __syncwarp();                    // ... and the warp's; the warp is done with tile - 1's buffer
@@ -392,12 +406,14 @@ decode_split(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cache, c
     }
     cp_async_wait<0>();  // no copy still writes the ring (the last groups are empty) ...
     __syncthreads();     // ... and every warp is done with it and has published its rows
-    write_split(o_acc, row_max, max_s, sum_s, reinterpret_cast<float*>(shared_bytes), o_partial, lse_partial, o, lse,
-                first_out, rows, splits, split, scale);
+    write_split(o_acc, row_max, max_s, sum_s, reinterpret_cast<float*>(shared_bytes), p.o_partial, p.lse_partial, p.o,
+                p.lse, first_out, rows, p.splits, split, p.scale);
 
     // The unit's last split to finish combines every split's partial rows (the warps' maxes, read by now,
     // give their first slot for the flag). A lone split has written O and the LSE already.
-    if (splits == 1 || !last_to_finish(arrivals + blockIdx.x / splits, splits, reinterpret_cast<int*>(max_s))) return;
-    for (int r = warp; r < rows; r += NUM_WARPS) combine_row(o_partial, lse_partial, o, lse, first_out + r, splits, lane);
+    if (p.splits == 1 || !last_to_finish(p.arrivals + blockIdx.x / p.splits, p.splits, reinterpret_cast<int*>(max_s)))
+        return;
+    for (int r = warp; r < rows; r += NUM_WARPS)
+        combine_row(p.o_partial, p.lse_partial, p.o, p.lse, first_out + r, p.splits, lane);
 }
 // --8<-- [end:split]
