@@ -352,7 +352,10 @@ class FakeKernels:
             h.copy_(h + delta)
         normed.copy_(M.rms_norm(h, weight, eps))
 
-    def rope_split(self, grid, block, qkv, cos, sin, q, k, seq, heads, kv_heads, items):
+    def rope_split(self, grid, block, p):
+        from stages.stage10_model import RopeParams
+        assert type(p) is RopeParams
+        qkv, cos, sin, q, k, seq, heads, kv_heads, items = p
         batch, head_dim = q.shape[0], q.shape[-1]
         assert items == batch * seq * (heads + kv_heads) * head_dim // 16 and grid == (-(-items // block[0]),)
         assert qkv.shape == (batch * seq, (heads + 2 * kv_heads) * head_dim)

@@ -15,10 +15,15 @@ import torch
 
 from reference.model import rope_cos_sin
 from stages import OPS_STAGES, Goal, Stage
+from stages.common.launcher import param_struct
 
 VECTOR = 8            # model.cu: the elements a thread of add_rmsnorm or swiglu moves at once (16 bytes)
 ROPE_THREADS = 256    # rope_split: a thread per VECTOR pairs of a query or key head
 SWIGLU_THREADS = 256  # swiglu: a thread per VECTOR columns
+# rope_split's parameters, as model.cu's RopeParams holds them (the grader checks the layout against it).
+RopeParams = param_struct("RopeParams", [
+    ("qkv", "const elem_t*"), ("cos", "const elem_t*"), ("sin", "const elem_t*"), ("q", "elem_t*"), ("k", "elem_t*"),
+    ("seq", "int"), ("heads", "int"), ("kv_heads", "int"), ("items", "long long")])
 
 
 def add_rmsnorm(kernels, h, delta, weight, normed, eps):
@@ -36,8 +41,9 @@ def rope_split(kernels, qkv, cos, sin, batch, seq, heads, kv_heads, head_dim):
     q = qkv.new_empty(batch, heads, seq, head_dim)
     k = qkv.new_empty(batch, kv_heads, seq, head_dim)
     items = batch * seq * (heads + kv_heads) * head_dim // (2 * VECTOR)  # VECTOR pairs of a turned head each
-    kernels.rope_split((-(-items // ROPE_THREADS),), (ROPE_THREADS,), qkv, cos, sin, q, k, seq, heads, kv_heads,
-                       items)
+    kernels.rope_split((-(-items // ROPE_THREADS),), (ROPE_THREADS,),
+                       RopeParams(qkv=qkv, cos=cos, sin=sin, q=q, k=k, seq=seq, heads=heads, kv_heads=kv_heads,
+                                  items=items))
     v = qkv.view(batch, seq, heads + 2 * kv_heads, head_dim)[:, :, heads + kv_heads:].transpose(1, 2)
     return q, k, v
 
@@ -149,9 +155,10 @@ STAGE = Stage(
     problem="model",
     source="model.cu",
     kernels={"add_rmsnorm": "elem_t*, const elem_t*, const elem_t*, elem_t*, int, float",
-             "rope_split": "const elem_t*, const elem_t*, const elem_t*, elem_t*, elem_t*, int, int, int, long long",
+             "rope_split": "const RopeParams",
              "swiglu": "const elem_t*, elem_t*, int, long long"},
     launch=launch,
+    param_structs=(RopeParams,),
     specializations={"HEAD_DIM": "D"},
     geometry=lambda defines: {"VECTOR": VECTOR, "ROPE_THREADS": ROPE_THREADS, "SWIGLU_THREADS": SWIGLU_THREADS},
     goal=Goal("reference", 1.0),  # the fastest library baseline: torch.compile's, with or without CUDA graphs

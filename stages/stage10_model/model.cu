@@ -23,6 +23,13 @@
 struct __align__(2 * VECTOR) Vector {
     elem_t e[VECTOR];
 };
+static_assert(sizeof(Vector) == sizeof(uint4), "a Vector is one 16-byte load");
+
+// A Vector read with __ldg, the read-only load (a pointer in a kernel's parameter struct is not __restrict__).
+__device__ __forceinline__ Vector load_read_only(const elem_t* from) {
+    const uint4 bits = __ldg(reinterpret_cast<const uint4*>(from));
+    return *reinterpret_cast<const Vector*>(&bits);
+}
 
 // --8<-- [start:add_rmsnorm]
 // A pre-norm layer ends each branch with h = h + delta and starts the next with a = RMSNorm(h) · weight:
@@ -95,23 +102,30 @@ add_rmsnorm(elem_t* h, const elem_t* delta, const elem_t* weight, elem_t* normed
 //     out_i       = x_i · cos − x_{i+D/2} · sin        out_{i+D/2} = x_{i+D/2} · cos + x_i · sin
 // cos and sin [S, D] are the library's tables (rounded to elem_t; both halves equal). A thread takes VECTOR
 // neighbouring i (16-byte loads and stores), over one flat grid of every token's query and key heads:
-// a short prompt's few tokens still fill the GPU.
+// a short prompt's few tokens still fill the GPU. Its parameters (__init__.py's RopeParams packs them): the
+// tensors, the sequence length, the heads of q and of k, and `items`, the work items of the flat grid.
+struct RopeParams {
+    const elem_t *qkv, *cos, *sin;
+    elem_t *q, *k;
+    int seq, heads, kv_heads;
+    long long items;
+};
+
 extern "C" __global__ void __launch_bounds__(ROPE_THREADS)
-rope_split(const elem_t* __restrict__ qkv, const elem_t* __restrict__ cos, const elem_t* __restrict__ sin,
-           elem_t* __restrict__ q, elem_t* __restrict__ k, int seq, int heads, int kv_heads, long long items) {
+rope_split(const __grid_constant__ RopeParams p) {
     constexpr int HALF = HEAD_DIM / 2, VECTORS = HALF / VECTOR;  // a head's work items
     const long long item = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (item >= items) return;
-    const int turned = heads + kv_heads;  // the heads RoPE turns: the queries', then the keys'
+    if (item >= p.items) return;
+    const int turned = p.heads + p.kv_heads;  // the heads RoPE turns: the queries', then the keys'
     const long long token = item / (turned * VECTORS);
     const int rest = (int)(item % (turned * VECTORS)), head = rest / VECTORS, i = VECTOR * (rest % VECTORS);
-    const int b = (int)(token / seq), s = (int)(token % seq);
-    const elem_t* x = qkv + (token * (turned + kv_heads) + head) * HEAD_DIM + i;
-    elem_t* to = head < heads ? q + (((long long)b * heads + head) * seq + s) * HEAD_DIM + i
-                              : k + (((long long)b * kv_heads + head - heads) * seq + s) * HEAD_DIM + i;
-    const Vector x1 = *reinterpret_cast<const Vector*>(x), x2 = *reinterpret_cast<const Vector*>(x + HALF);
-    const Vector c = *reinterpret_cast<const Vector*>(cos + s * HEAD_DIM + i);
-    const Vector n = *reinterpret_cast<const Vector*>(sin + s * HEAD_DIM + i);
+    const int b = (int)(token / p.seq), s = (int)(token % p.seq);
+    const elem_t* x = p.qkv + (token * (turned + p.kv_heads) + head) * HEAD_DIM + i;
+    elem_t* to = head < p.heads ? p.q + (((long long)b * p.heads + head) * p.seq + s) * HEAD_DIM + i
+                                : p.k + (((long long)b * p.kv_heads + head - p.heads) * p.seq + s) * HEAD_DIM + i;
+    const Vector x1 = load_read_only(x), x2 = load_read_only(x + HALF);
+    const Vector c = load_read_only(p.cos + s * HEAD_DIM + i);
+    const Vector n = load_read_only(p.sin + s * HEAD_DIM + i);
     Vector out1, out2;
 #pragma unroll
     for (int j = 0; j < VECTOR; ++j) {
