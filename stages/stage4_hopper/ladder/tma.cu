@@ -11,7 +11,7 @@
 // everyone is done with), one block per query tile.
 //
 // 256 threads, one block per SM; with no copy addresses to keep, ptxas gives it 167 registers at D = 64
-// and 160 at D = 128 (the wgmma rung: 216, 221). Shared memory: the wgmma rung's + 5 mbarriers.
+// and 158 at D = 128 (the wgmma rung: 218, 221). Shared memory: the wgmma rung's + 5 mbarriers.
 #include "forward.cuh"
 
 constexpr int SLOTS = 2;  // K/V tiles in shared memory: the one multiplied, the one loading

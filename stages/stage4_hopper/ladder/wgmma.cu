@@ -16,7 +16,7 @@
 // the memory system, with a fence.
 //
 // 256 threads, one block per SM: S, P and O take some 180 registers per thread at D = 64, and ptxas
-// gives the kernel 216 (221 at D = 128; the TMA rung, with no copies to address, 167 and 160), no
+// gives the kernel 218 (221 at D = 128; the TMA rung, with no copies to address, 167 and 158), no
 // spills. Shared memory: Q 128·D·2 + 2 buffers × (K + V) BLOCK_N·D·2 bytes (+ 1 KB to align):
 // D = 64: 16 + 96 KB; D = 128: 32 + 128 KB.
 #include "cp_async.cuh"
