@@ -115,6 +115,25 @@ def test_a_wrong_swiglu_backward_fails_on_the_cpu():
     assert {"dx", "dw1"} <= failed
 
 
+def test_the_launch_passes_what_the_kernels_declare(monkeypatch):
+    """HopperKernels gives each of backward.cu's kernels what its C signature declares (its parameter struct's
+    values, each field of its kind), on the smallest case, without a GPU: the tensor maps and the SM count,
+    which need a driver, replaced."""
+    from stages.common import hopper
+    from test_attention_launch import RecordingKernels
+    from test_launcher import assert_arguments_declared
+
+    monkeypatch.setattr(hopper, "tensor_map", lambda x, box: x)
+    monkeypatch.setattr(hopper, "sm_count", lambda device: 132)
+    case = min(CASES, key=lambda c: c.shape["tokens"])
+    inputs = PROBLEM.make_inputs(case.shape, case.dtype, case.seed, case.input_scale, device="cpu")
+    kernels = RecordingKernels()
+    PROBLEM.run_stage(STAGE, kernels, inputs, PROBLEM.allocate_outputs(inputs))
+    assert {kernel for kernel, *_ in kernels.launches} == set(STAGE.kernels)
+    for kernel, _, _, args in kernels.launches:
+        assert_arguments_declared(STAGE, kernel, args)
+
+
 # ---------------------------------------------------------------- on the GPU
 
 def _fails(mutation, case, tmp_path) -> bool:

@@ -47,11 +47,35 @@ enum GradKind { DATA = 0, WEIGHT = 1, SWIGLU_DATA = 2 };
 // What expert_grad_swiglu's epilogue reads and writes besides the accumulator.
 struct SwigluGrad {
     const elem_t* h1;          // [rows, 2·inter], the forward's [G U]
-    const float* row_weight;   // [rows], the row's top-k weight w, 0 on padding rows
+    const float* row_weight;   // [rows], the row's top-k weight w, 0 on padding rows (read with __ldg)
     elem_t* dgu;               // [rows, 2·inter], [dG dU]
     elem_t* hw;                // [rows, inter], w·h
     float* g_partial;          // [column tiles, rows], Σ dA·h over one tile's columns
     int inter, rows;
+};
+
+// expert_grad_swiglu's parameters besides its tensor maps (__init__.py's SwigluGradParams packs them):
+// SwigluGrad's fields, each expert's first row and the GEMM's sizes. `rows`: the length of the permuted
+// buffers, g_partial's stride.
+struct SwigluGradParams {
+    const elem_t* h1;
+    const float* row_weight;
+    elem_t *dgu, *hw;
+    float* g_partial;
+    const int* offsets;  // [E + 1]
+    int experts, inter, hidden, rows;
+};
+
+// expert_grad_data's parameters besides its tensor maps (__init__.py's DataGradParams packs them).
+struct DataGradParams {
+    const int* offsets;  // [E + 1], each expert's first row
+    int experts, n_out, k;
+};
+
+// expert_grad_weight's parameters besides its tensor maps (__init__.py's WeightGradParams packs them).
+struct WeightGradParams {
+    const int *offsets, *counts;  // [E + 1] and [E]: each expert's first row and its token-slots
+    int experts, m_out, n_out;
 };
 
 // An expert without rows: its tiles of dW are zeros, staged straight into the consumer's output
@@ -76,7 +100,7 @@ struct GradTile {
 __device__ __forceinline__ GradTile weight_tile(const int* offsets, const int* counts, int t, int m_tiles,
                                                 int n_tiles) {
     const int per_expert = m_tiles * n_tiles, e = t / per_expert, local = t % per_expert;
-    return {e, (local % m_tiles) * BLOCK_M, local / m_tiles, (counts[e] + BLOCK_K - 1) / BLOCK_K};
+    return {e, (local % m_tiles) * BLOCK_M, local / m_tiles, (__ldg(counts + e) + BLOCK_K - 1) / BLOCK_K};
 }
 // --8<-- [end:weight_tile]
 
@@ -184,7 +208,7 @@ __device__ __forceinline__ void swiglu_grad_tile(const float (&acc)[ACC_FRAGS][4
     const int local_rows[2] = {warp_in_group * 16 + lane / 4, warp_in_group * 16 + lane / 4 + 8};
     float w[2], g[2] = {0.0f, 0.0f};
 #pragma unroll
-    for (int half = 0; half < 2; ++half) w[half] = p.row_weight[row0 + local_rows[half]];
+    for (int half = 0; half < 2; ++half) w[half] = __ldg(p.row_weight + row0 + local_rows[half]);
 #pragma unroll
     for (int box = 0; box < GU_BOXES; ++box) {
         if (box + 1 < GU_BOXES) cp_async_wait<1>();  // this box's group is in; the next may still load
@@ -250,17 +274,17 @@ __device__ __forceinline__ void swiglu_grad_tile(const float (&acc)[ACC_FRAGS][4
 // WEIGHT: out[e][m_out, n_out] = A[rows of e, m_out]ᵀ · B[rows of e, n_out] (a_map: [1, rows, m_out],
 //   boxes 1 × 64 × 64; b_map: [1, rows, n_out], boxes 1 × 64 × 64; out_map: [E, m_out, n_out]).
 // `k` is DATA's K; WEIGHT's is the rows, and `k` is m_out. Out-boxes 1 × 64 × 64; all 128-byte swizzled.
+// offsets and counts come from a parameter struct: they are read with __ldg.
 template <int KIND>
 __device__ void grad_gemm(const TmaMap& a_map, const TmaMap& b_map, const TmaMap& out_map, const SwigluGrad& swiglu,
-                          const int* __restrict__ offsets, const int* __restrict__ counts, int experts, int n_out,
-                          int k) {
+                          const int* offsets, const int* counts, int experts, int n_out, int k) {
     extern __shared__ __align__(SWIZZLE_ATOM_BYTES) unsigned char shared_raw[];
     const unsigned base = atom_aligned(shared_address(shared_raw));
     unsigned char* aligned = shared_raw + (base - shared_address(shared_raw));
     int* expert_offsets = reinterpret_cast<int*>(aligned + OFFSETS);
     auto barrier = [&](int index) { return base + BARRIERS + 8 * index; };
 
-    for (int e = threadIdx.x; e <= experts; e += NUM_THREADS) expert_offsets[e] = offsets[e];
+    for (int e = threadIdx.x; e <= experts; e += NUM_THREADS) expert_offsets[e] = __ldg(offsets + e);
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbarrier_init(barrier(FULL + s), 1);
@@ -357,62 +381,68 @@ __device__ void grad_gemm(const TmaMap& a_map, const TmaMap& b_map, const TmaMap
 }
 
 // dA = dY·W2ᵀ over each expert's rows (B = W2 [E, inter, hidden], n_out = inter, k = hidden), and from it
-// through SwiGLU's backward dG, dU, w·h and g's partials (SwigluGrad). `rows`: the length of the permuted
-// buffers, g_partial's stride.
+// through SwiGLU's backward dG, dU, w·h and g's partials.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 expert_grad_swiglu(const __grid_constant__ TmaMap a_map, const __grid_constant__ TmaMap b_map,
-                   const elem_t* __restrict__ h1, const float* __restrict__ row_weight, elem_t* __restrict__ dgu,
-                   elem_t* __restrict__ hw, float* __restrict__ g_partial, const int* __restrict__ offsets,
-                   int experts, int inter, int hidden, int rows) {
-    const SwigluGrad swiglu{h1, row_weight, dgu, hw, g_partial, inter, rows};
-    grad_gemm<SWIGLU_DATA>(a_map, b_map, a_map, swiglu, offsets, nullptr, experts, inter, hidden);
+                   const __grid_constant__ SwigluGradParams p) {
+    // The epilogue's fields copied out of the parameter: read through its address, they were loaded again
+    // after every store of the epilogue (the compiler cannot tell that a store leaves them be).
+    const SwigluGrad swiglu{p.h1, p.row_weight, p.dgu, p.hw, p.g_partial, p.inter, p.rows};
+    grad_gemm<SWIGLU_DATA>(a_map, b_map, a_map, swiglu, p.offsets, nullptr, p.experts, p.inter, p.hidden);
 }
 
 // dX_perm = [dG dU]·W1ᵀ (B = W1 [E, hidden, 2·inter], n_out = hidden, k = 2·inter).
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 expert_grad_data(const __grid_constant__ TmaMap a_map, const __grid_constant__ TmaMap b_map,
-                 const __grid_constant__ TmaMap out_map, const int* __restrict__ offsets, int experts, int n_out,
-                 int k) {
-    grad_gemm<DATA>(a_map, b_map, out_map, SwigluGrad{}, offsets, nullptr, experts, n_out, k);
+                 const __grid_constant__ TmaMap out_map, const __grid_constant__ DataGradParams p) {
+    grad_gemm<DATA>(a_map, b_map, out_map, SwigluGrad{}, p.offsets, nullptr, p.experts, p.n_out, p.k);
 }
 
 // dW[e] = A_eᵀ · B_e over each expert's rows: dW1 (A = x, B = [dG dU]: m_out = hidden, n_out = 2·inter)
 // and dW2 (A = w·h, B = dY: m_out = inter, n_out = hidden). Every expert's dW[e] is written.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 expert_grad_weight(const __grid_constant__ TmaMap a_map, const __grid_constant__ TmaMap b_map,
-                   const __grid_constant__ TmaMap out_map, const int* __restrict__ offsets,
-                   const int* __restrict__ counts, int experts, int m_out, int n_out) {
-    grad_gemm<WEIGHT>(a_map, b_map, out_map, SwigluGrad{}, offsets, counts, experts, n_out, m_out);
+                   const __grid_constant__ TmaMap out_map, const __grid_constant__ WeightGradParams p) {
+    grad_gemm<WEIGHT>(a_map, b_map, out_map, SwigluGrad{}, p.offsets, p.counts, p.experts, p.n_out, p.m_out);
 }
 
 // --8<-- [start:gather]
+// gather_gradient_rows' parameters (__init__.py's GatherParams packs them): the saved routing and permutation
+// of stage 7's layer, the permuted rows and their weights out. Its inputs are read with __ldg.
+struct GatherParams {
+    const elem_t *x, *dy;  // [T, hidden]
+    const int *source_token, *dest;
+    const float* topk_weights;
+    const int* expert_offsets;
+    int experts, slots, hidden;  // slots: T·k
+    elem_t *x_perm, *dy_perm;
+    float* row_weight;
+};
+
 // The permutation, forward again: row r of x_perm and dy_perm is its token's x and dY, and row_weight[r]
 // its top-k weight (0 on a padding row, which copies its segment's first token: stage 7's gather_rows,
 // whose reason holds for the GEMMs here too). A block per row of the capacity; block s < T·k also places
 // token-slot s's weight at its row, dest[s].
 extern "C" __global__ void __launch_bounds__(GATHER_THREADS)
-gather_gradient_rows(const elem_t* __restrict__ x, const elem_t* __restrict__ dy, const int* __restrict__ source_token,
-                     const int* __restrict__ dest, const float* __restrict__ topk_weights,
-                     const int* __restrict__ expert_offsets, int experts, int slots, int hidden,
-                     elem_t* __restrict__ x_perm, elem_t* __restrict__ dy_perm, float* __restrict__ row_weight) {
+gather_gradient_rows(const __grid_constant__ GatherParams p) {
     const int row = blockIdx.x;
-    if (row < slots && threadIdx.x == 0) row_weight[dest[row]] = topk_weights[row];
-    if (row >= expert_offsets[experts]) return;
-    int token = source_token[row];
+    if (row < p.slots && threadIdx.x == 0) p.row_weight[__ldg(p.dest + row)] = __ldg(p.topk_weights + row);
+    if (row >= __ldg(p.expert_offsets + p.experts)) return;
+    int token = __ldg(p.source_token + row);
     if (token < 0) {
-        if (threadIdx.x == 0) row_weight[row] = 0.0f;
-        int lo = 0, hi = experts - 1;  // the last e with expert_offsets[e] <= row (empty segments skipped)
+        if (threadIdx.x == 0) p.row_weight[row] = 0.0f;
+        int lo = 0, hi = p.experts - 1;  // the last e with expert_offsets[e] <= row (empty segments skipped)
         while (lo < hi) {
             const int mid = (lo + hi + 1) / 2;
-            if (expert_offsets[mid] <= row) lo = mid;
+            if (__ldg(p.expert_offsets + mid) <= row) lo = mid;
             else hi = mid - 1;
         }
-        token = source_token[expert_offsets[lo]];
+        token = __ldg(p.source_token + __ldg(p.expert_offsets + lo));
     }
-    const size_t to = (size_t)row * hidden, from = (size_t)token * hidden;
-    for (int v = threadIdx.x; v < hidden / 8; v += blockDim.x) {
-        reinterpret_cast<uint4*>(x_perm + to)[v] = reinterpret_cast<const uint4*>(x + from)[v];
-        reinterpret_cast<uint4*>(dy_perm + to)[v] = reinterpret_cast<const uint4*>(dy + from)[v];
+    const size_t to = (size_t)row * p.hidden, from = (size_t)token * p.hidden;
+    for (int v = threadIdx.x; v < p.hidden / 8; v += blockDim.x) {
+        reinterpret_cast<uint4*>(p.x_perm + to)[v] = __ldg(reinterpret_cast<const uint4*>(p.x + from) + v);
+        reinterpret_cast<uint4*>(p.dy_perm + to)[v] = __ldg(reinterpret_cast<const uint4*>(p.dy + from) + v);
     }
 }
 // --8<-- [end:gather]
@@ -430,31 +460,45 @@ gather_gradient_rows(const elem_t* __restrict__ x, const elem_t* __restrict__ dy
 // dlogits·Wrᵀ (PyTorch's product: rounded, its terms are small beside the experts' in dX; in fp16 a
 // balance-loss-only dlogits of 1e-6 is subnormal, which dWr could not take). dBias, Σ_t dlogits[t], is
 // summed beside dWr (router_weight_grad).
+//
+// Its parameters (__init__.py's RouterBackwardParams packs them): the saved routing, g's partials
+// [g_tiles, rows] (expert_grad_swiglu's), the balance loss's α·E (aux_scale), dlogits out. Its inputs are
+// read with __ldg.
+struct RouterBackwardParams {
+    const float* logits;  // [T, E], fp32
+    const int* topk_ids;
+    const float* topk_weights;
+    const int* dest;
+    const float* g_partial;
+    int g_tiles, rows;
+    const int* expert_counts;
+    float aux_scale;
+    int tokens, experts, top_k;
+    float* dlogits;
+    elem_t* dlogits_rounded;
+};
+
 extern "C" __global__ void __launch_bounds__(ROUTER_BACKWARD_THREADS)
-router_backward(const float* __restrict__ logits, const int* __restrict__ topk_ids,
-                const float* __restrict__ topk_weights, const int* __restrict__ dest,
-                const float* __restrict__ g_partial, int g_tiles, int rows, const int* __restrict__ expert_counts,
-                float aux_scale, int tokens, int experts, int top_k, float* __restrict__ dlogits,
-                elem_t* __restrict__ dlogits_rounded) {
+router_backward(const __grid_constant__ RouterBackwardParams p) {
     constexpr int PER_LANE = MAX_EXPERTS / 32;
     const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
-    const double per_slot_and_token = __drcp_rn((double)tokens * top_k * tokens);  // (no division's slow path)
-    for (int t = blockIdx.x * warps + threadIdx.x / 32; t < tokens; t += gridDim.x * warps) {
-        double p[PER_LANE], dp[PER_LANE];  // dp: the balance loss's gradient in p, α·E·f_i / T
+    const double per_slot_and_token = __drcp_rn((double)p.tokens * p.top_k * p.tokens);  // (no division's slow path)
+    for (int t = blockIdx.x * warps + threadIdx.x / 32; t < p.tokens; t += gridDim.x * warps) {
+        double prob[PER_LANE], dp[PER_LANE];  // the softmax p; dp: the balance loss's gradient in p, α·E·f_i / T
         double top = -INFINITY;
 #pragma unroll
         for (int i = 0; i < PER_LANE; ++i) {
             const int e = lane + 32 * i;
-            p[i] = e < experts ? logits[(size_t)t * experts + e] : -INFINITY;
-            top = fmax(top, p[i]);
+            prob[i] = e < p.experts ? __ldg(p.logits + (size_t)t * p.experts + e) : -INFINITY;
+            top = fmax(top, prob[i]);
         }
 #pragma unroll
         for (int offset = 16; offset > 0; offset /= 2) top = fmax(top, __shfl_xor_sync(FULL_MASK, top, offset));
         double sum = 0.0;
 #pragma unroll
         for (int i = 0; i < PER_LANE; ++i) {
-            p[i] = lane + 32 * i < experts ? exp(p[i] - top) : 0.0;
-            sum += p[i];
+            prob[i] = lane + 32 * i < p.experts ? exp(prob[i] - top) : 0.0;
+            sum += prob[i];
         }
 #pragma unroll
         for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(FULL_MASK, sum, offset);
@@ -463,14 +507,14 @@ router_backward(const float* __restrict__ logits, const int* __restrict__ topk_i
 #pragma unroll
         for (int i = 0; i < PER_LANE; ++i) {
             const int e = lane + 32 * i;
-            dp[i] = e < experts ? (double)aux_scale * expert_counts[e] * per_slot_and_token : 0.0;
-            p[i] *= inverse;
-            dot += dp[i] * p[i];
+            dp[i] = e < p.experts ? (double)p.aux_scale * __ldg(p.expert_counts + e) * per_slot_and_token : 0.0;
+            prob[i] *= inverse;
+            dot += dp[i] * prob[i];
         }
 #pragma unroll
         for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(FULL_MASK, dot, offset);
 #pragma unroll
-        for (int i = 0; i < PER_LANE; ++i) p[i] *= dp[i] - dot;  // now the balance term of dlogits
+        for (int i = 0; i < PER_LANE; ++i) prob[i] *= dp[i] - dot;  // now the balance term of dlogits
 
         // The top-k term: every lane computes the k values (broadcast loads), the owner of id_j adds it.
         float g[MAX_TOP_K], w[MAX_TOP_K];
@@ -478,27 +522,27 @@ router_backward(const float* __restrict__ logits, const int* __restrict__ topk_i
 #pragma unroll
         for (int j = 0; j < MAX_TOP_K; ++j) {
             g[j] = 0.0f;
-            w[j] = j < top_k ? topk_weights[t * top_k + j] : 0.0f;
-            if (j < top_k) {
-                const int row = dest[t * top_k + j];
-                for (int n = 0; n < g_tiles; ++n) g[j] += g_partial[(size_t)n * rows + row];
+            w[j] = j < p.top_k ? __ldg(p.topk_weights + t * p.top_k + j) : 0.0f;
+            if (j < p.top_k) {
+                const int row = __ldg(p.dest + t * p.top_k + j);
+                for (int n = 0; n < p.g_tiles; ++n) g[j] += __ldg(p.g_partial + (size_t)n * p.rows + row);
             }
             weighted += (double)w[j] * g[j];
         }
 #pragma unroll
         for (int j = 0; j < MAX_TOP_K; ++j) {
-            const int id = j < top_k ? topk_ids[t * top_k + j] : -1;
+            const int id = j < p.top_k ? __ldg(p.topk_ids + t * p.top_k + j) : -1;
             const double term = w[j] * (g[j] - weighted);
 #pragma unroll
-            for (int i = 0; i < PER_LANE; ++i)  // added as a select (a branch made the compiler index p in memory)
-                p[i] += id >= 0 && id == lane + 32 * i ? term : 0.0;
+            for (int i = 0; i < PER_LANE; ++i)  // added as a select (a branch made the compiler index prob in memory)
+                prob[i] += id >= 0 && id == lane + 32 * i ? term : 0.0;
         }
 #pragma unroll
         for (int i = 0; i < PER_LANE; ++i) {
             const int e = lane + 32 * i;
-            if (e < experts) {
-                dlogits[(size_t)t * experts + e] = (float)p[i];
-                dlogits_rounded[(size_t)t * experts + e] = from_float<elem_t>((float)p[i]);
+            if (e < p.experts) {
+                p.dlogits[(size_t)t * p.experts + e] = (float)prob[i];
+                p.dlogits_rounded[(size_t)t * p.experts + e] = from_float<elem_t>((float)prob[i]);
             }
         }
     }
@@ -518,6 +562,20 @@ router_backward(const float* __restrict__ logits, const int* __restrict__ topk_i
 // for expert e, in fp64 from the unrounded dlogits: with one expert per token dBias is the balance loss's
 // term alone, T terms of one sign, and fp32 sums in the order of atomics missed the library's error
 // (1.2e-7 of it) twice over on the H200.
+//
+// The parameters of router_weight_grad and router_weight_sum, one struct for both (__init__.py's
+// RouterWeightParams packs it): x [T, hidden] and dlogits [T, E] in, each split's sums in partial [splits,
+// hidden, E] and bias_partial [splits, E], dWr [hidden, E] and dBias [E] out.
+struct RouterWeightParams {
+    const elem_t* x;
+    const float* dlogits;
+    int tokens, hidden, experts, experts_per_block, per_split, splits;
+    float* partial;
+    double* bias_partial;
+    elem_t* dwr;
+    float* dbias;
+};
+
 constexpr int RWG_X_STRIDE = RWG_COLS + 8;             // floats a row of xs: 8 banks on per row, so a
 constexpr int RWG_D_STRIDE = RWG_MAX_EXPERT_BLOCK + 8;  // fragment's 4 rows × 8 columns meet 32 banks
 struct __align__(16) RouterWeightShared {
@@ -539,21 +597,23 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const unsigned (&a)[4], 
 }
 
 // One chunk of 32 tokens from memory into registers: 8 values of x and 2·NT of dlogits a thread
-// (zeros past the split's end and past the experts).
+// (zeros past the split's end and past the experts), read with __ldg.
 template <int NT>
 struct RouterWeightChunk {
     float x[8], d[2 * NT];
 
-    __device__ __forceinline__ void load(const elem_t* x_rows, const float* dlogits, int t0, int end, int col0,
-                                         int hidden, int expert0, int experts) {
+    __device__ __forceinline__ void load(const RouterWeightParams& p, int t0, int end, int col0, int expert0) {
         const int tok = threadIdx.x / 8, col = col0 + 8 * (threadIdx.x % 8);
 #pragma unroll
         for (int i = 0; i < 8; ++i) x[i] = 0.0f;
-        if (t0 + tok < end && col < hidden) load8(x_rows + (size_t)(t0 + tok) * hidden + col, x);
+        if (t0 + tok < end && col < p.hidden) {
+            const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p.x + (size_t)(t0 + tok) * p.hidden + col));
+            load8(reinterpret_cast<const elem_t*>(&raw), x);  // the 8 elements, from registers
+        }
 #pragma unroll
         for (int i = 0; i < 2 * NT; ++i) {
             const int at = threadIdx.x + RWG_THREADS * i, t = at / (16 * NT), e = expert0 + at % (16 * NT);
-            d[i] = t0 + t < end && e < experts ? dlogits[(size_t)(t0 + t) * experts + e] : 0.0f;
+            d[i] = t0 + t < end && e < p.experts ? __ldg(p.dlogits + (size_t)(t0 + t) * p.experts + e) : 0.0f;
         }
     }
 
@@ -571,23 +631,21 @@ struct RouterWeightChunk {
 };
 
 template <int NT>  // 8-expert tiles a warp: the block's experts are 16·NT
-__device__ void router_weight_tile(const elem_t* __restrict__ x, const float* __restrict__ dlogits, int tokens,
-                                   int hidden, int experts, int per_split, float* __restrict__ partial,
-                                   double* __restrict__ bias_partial, RouterWeightShared& sh) {
+__device__ void router_weight_tile(const RouterWeightParams& p, RouterWeightShared& sh) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = lane / 4, quad = lane % 4;
     const int col0 = blockIdx.x * RWG_COLS, expert0 = blockIdx.z * 16 * NT;
     const int m0 = 16 * (warp % 4), n0 = 8 * NT * (warp / 4);  // the warp's columns and experts in the block
-    const int begin = blockIdx.y * per_split, end = min(tokens, begin + per_split);
-    const bool sums_bias = blockIdx.x == 0 && threadIdx.x < 16 * NT && expert0 + threadIdx.x < experts;
+    const int begin = blockIdx.y * p.per_split, end = min(p.tokens, begin + p.per_split);
+    const bool sums_bias = blockIdx.x == 0 && threadIdx.x < 16 * NT && expert0 + threadIdx.x < p.experts;
     float acc[NT][4] = {};
     double bias = 0.0;
     RouterWeightChunk<NT> chunk;
-    chunk.load(x, dlogits, begin, end, col0, hidden, expert0, experts);
+    chunk.load(p, begin, end, col0, expert0);
     for (int t0 = begin; t0 < end; t0 += RWG_TOKENS) {
         __syncthreads();  // the last chunk is read
         chunk.store(sh);
         __syncthreads();
-        if (t0 + RWG_TOKENS < end) chunk.load(x, dlogits, t0 + RWG_TOKENS, end, col0, hidden, expert0, experts);
+        if (t0 + RWG_TOKENS < end) chunk.load(p, t0 + RWG_TOKENS, end, col0, expert0);
         if (sums_bias)
             for (int tok = 0; tok < RWG_TOKENS; ++tok) bias += sh.ds[tok * RWG_D_STRIDE + threadIdx.x];
 #pragma unroll
@@ -601,44 +659,40 @@ __device__ void router_weight_tile(const elem_t* __restrict__ x, const float* __
             for (int j = 0; j < NT; ++j) mma_tf32(acc[j], a, to_tf32(dk[8 * j]), to_tf32(dk[4 * RWG_D_STRIDE + 8 * j]));
         }
     }
-    if (sums_bias) bias_partial[blockIdx.y * experts + expert0 + threadIdx.x] = bias;
-    float* out = partial + (size_t)blockIdx.y * hidden * experts;
+    if (sums_bias) p.bias_partial[blockIdx.y * p.experts + expert0 + threadIdx.x] = bias;
+    float* out = p.partial + (size_t)blockIdx.y * p.hidden * p.experts;
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {  // c0, c1: row `group`, columns 2·quad, +1; c2, c3: row group + 8
             const int col = col0 + m0 + group + 8 * (i / 2), e = expert0 + n0 + 8 * j + 2 * quad + i % 2;
-            if (col < hidden && e < experts) out[(size_t)col * experts + e] = acc[j][i];
+            if (col < p.hidden && e < p.experts) out[(size_t)col * p.experts + e] = acc[j][i];
         }
 }
 
 extern "C" __global__ void __launch_bounds__(RWG_THREADS)
-router_weight_grad(const elem_t* __restrict__ x, const float* __restrict__ dlogits, int tokens, int hidden,
-                   int experts, int experts_per_block, int per_split, float* __restrict__ partial,
-                   double* __restrict__ bias_partial) {
+router_weight_grad(const __grid_constant__ RouterWeightParams p) {
     __shared__ RouterWeightShared sh;  // static: one for every variant below
-    switch (experts_per_block) {
-        case 16: router_weight_tile<1>(x, dlogits, tokens, hidden, experts, per_split, partial, bias_partial, sh); break;
-        case 32: router_weight_tile<2>(x, dlogits, tokens, hidden, experts, per_split, partial, bias_partial, sh); break;
-        default: router_weight_tile<4>(x, dlogits, tokens, hidden, experts, per_split, partial, bias_partial, sh);
+    switch (p.experts_per_block) {
+        case 16: router_weight_tile<1>(p, sh); break;
+        case 32: router_weight_tile<2>(p, sh); break;
+        default: router_weight_tile<4>(p, sh);
     }
 }
 
 // dwr[i] = the splits' partial sums of element i, added in order, rounded once; dbias likewise from the
 // splits' fp64 sums. A thread per element.
-extern "C" __global__ void router_weight_sum(const float* __restrict__ partial, const double* __restrict__ bias_partial,
-                                             int splits, int count, int experts, elem_t* __restrict__ dwr,
-                                             float* __restrict__ dbias) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < experts) {
+extern "C" __global__ void router_weight_sum(const __grid_constant__ RouterWeightParams p) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x, count = p.hidden * p.experts;
+    if (i < p.experts) {
         double bias = 0.0;
-        for (int s = 0; s < splits; ++s) bias += bias_partial[s * experts + i];
-        dbias[i] = (float)bias;
+        for (int s = 0; s < p.splits; ++s) bias += __ldg(p.bias_partial + s * p.experts + i);
+        p.dbias[i] = (float)bias;
     }
     if (i >= count) return;
     float sum = 0.0f;
-    for (int s = 0; s < splits; ++s) sum += partial[(size_t)s * count + i];
-    dwr[i] = from_float<elem_t>(sum);
+    for (int s = 0; s < p.splits; ++s) sum += __ldg(p.partial + (size_t)s * count + i);
+    p.dwr[i] = from_float<elem_t>(sum);
 }
 // --8<-- [end:router_weight]
 
