@@ -76,6 +76,7 @@ STAGE = Stage(
     source="expert_parallel.cu",
     kernels={**LAYER.kernels, "regroup_index": "const int*, int, int, int, int, int*, int*, int*", **nvlink.KERNELS},
     launch=launch,
+    param_structs=LAYER.param_structs,
     archs=("sm_90a",),
     geometry=lambda defines: {**LAYER.geometry(defines), "REGROUP_THREADS": REGROUP_THREADS, **nvlink.GEOMETRY},
     goal=Goal("reference", 1.0),  # in the grader's world of one: the fastest library layer, sharded or not
