@@ -151,7 +151,7 @@ def test_every_launch_passes_the_arguments_its_kernel_declares(stage, save):
 
 def test_stage_6_declares_the_saving_kernel_and_run_experts_selects_it_by_h1():
     assert stage6.STAGE.kernels["expert_up_swiglu_saving"] == \
-        "const TmaMap, const TmaMap, const TmaMap, const TmaMap, const int*, int, int, int"
+        "const TmaMap, const TmaMap, const TmaMap, const TmaMap, const ExpertParams"
     assert set(stage6.STAGE.kernels) <= set(stage7.STAGE.kernels)
     x_perm, h = torch.empty(256, 64, device="meta"), torch.empty(256, 72, device="meta")
     w1, w2, y = torch.empty(4, 64, 144, device="meta"), torch.empty(4, 72, 64, device="meta"), torch.empty_like(x_perm)

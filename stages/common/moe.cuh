@@ -71,3 +71,11 @@ struct AlignParams {
     int tokens, experts, top_k, block, rows;
     float alpha;
 };
+
+// The grouped GEMMs' besides their operands (stage 6's experts.cu and its ladder's grouped.cuh), one for
+// the up and the down kernel: the experts' padded offsets [E + 1], E, the intermediate and hidden sizes
+// (the up GEMM's n and k, the down GEMM's k and n).
+struct ExpertParams {
+    const int* offsets;
+    int experts, inter, hidden;
+};

@@ -16,3 +16,7 @@ AlignParams = param_struct("AlignParams", [
     ("counts", "const int*"), ("prob_sums", "const float*"), ("expert_counts", "int*"), ("expert_offsets", "int*"),
     ("source_token", "int*"), ("aux_loss", "float*"), ("usage_var", "float*"), ("tokens", "int"), ("experts", "int"),
     ("top_k", "int"), ("block", "int"), ("rows", "int"), ("alpha", "float")])
+
+# stage 6's grouped GEMMs, the up and the down kernel alike (experts.cu, ladder/grouped.cuh)
+ExpertParams = param_struct("ExpertParams", [
+    ("offsets", "const int*"), ("experts", "int"), ("inter", "int"), ("hidden", "int")])

@@ -131,7 +131,7 @@ STAGE = Stage(
     source="layer.cu",
     kernels={**OWN_KERNELS, **EXPERTS.kernels},
     launch=layer_launch(run_experts),
-    param_structs=OWN_PARAM_STRUCTS,
+    param_structs=OWN_PARAM_STRUCTS + EXPERTS.param_structs,
     archs=("sm_90a",),
     geometry=geometry(EXPERTS),
     goal=Goal("reference", 1.0),  # the fastest library baseline: the torch._grouped_mm layer
@@ -144,7 +144,7 @@ RUNGS = (Stage(
     source="layer.cu",
     kernels={**OWN_KERNELS, **ladder.KERNELS},
     launch=layer_launch(partial(ladder.run_experts, "mma_sync"), saves=False),
-    param_structs=OWN_PARAM_STRUCTS,
+    param_structs=OWN_PARAM_STRUCTS + ladder.PARAM_STRUCTS,
     archs=ALL_ARCHS,
     geometry=geometry(stages.load("stage6:mma_sync")),
     goal=Goal("reference", 0.6),  # as stage 6's mma_sync rung
