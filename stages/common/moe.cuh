@@ -79,3 +79,13 @@ struct ExpertParams {
     const int* offsets;
     int experts, inter, hidden;
 };
+
+// router_logits' (stage 7's layer.cu): x [T, hidden], Wr [hidden, E] and the bias [E] (null: none) in;
+// out, the logits [T, E] or, with hidden split, each split's partial sums [splits, T, E]; per_split:
+// hidden elements per split.
+struct RouterParams {
+    const elem_t *x, *wr;
+    const float* bias;
+    float* out;
+    int tokens, hidden, experts, per_split;
+};

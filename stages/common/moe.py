@@ -20,3 +20,8 @@ AlignParams = param_struct("AlignParams", [
 # stage 6's grouped GEMMs, the up and the down kernel alike (experts.cu, ladder/grouped.cuh)
 ExpertParams = param_struct("ExpertParams", [
     ("offsets", "const int*"), ("experts", "int"), ("inter", "int"), ("hidden", "int")])
+
+# stage 7's router_logits (layer.cu)
+RouterParams = param_struct("RouterParams", [
+    ("x", "const elem_t*"), ("wr", "const elem_t*"), ("bias", "const float*"), ("out", "float*"), ("tokens", "int"),
+    ("hidden", "int"), ("experts", "int"), ("per_split", "int")])
