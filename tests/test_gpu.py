@@ -103,7 +103,8 @@ def test_a_row_taken_from_the_wrong_rank_is_caught(ranks, local, kernel_dir):
     cubins = compile_stage(stage, path, stages.arch_for(found, stage.archs))
     torch.cuda.init()
     Device().set_current()  # PyTorch's primary context, as stages.ops loads kernels
-    parts = KernelParts(KernelSet(next(iter(cubins.values())).path, stage.kernels), None, None, None, None, 1)
+    parts = KernelParts(KernelSet(next(iter(cubins.values())).path, stage.kernels, stage.param_structs), None, None,
+                        None, None, 1)
     parts.align = 1  # no padding rows: every grouped row is a received one
     mutated = [t.cpu().long() for t in parts.regroup_index(regroup_piece(ranks, local, "cuda"))]
     expected = [t.long() for t in regroup_in_pytorch(regroup_piece(ranks, local, "cpu"))]

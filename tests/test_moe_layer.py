@@ -221,9 +221,9 @@ def test_the_router_splits_hidden_into_whole_chunks_covering_it_when_tokens_are_
     wr = torch.empty(hidden, 8, dtype=torch.bfloat16, device="meta")
     bias, logits = torch.empty(8, device="meta"), torch.empty(tokens, 8, device="meta")
     stage7.router_logits(Kernels(), x, wr, bias, logits)
-    (name, grid, args), *rest = calls
+    (name, grid, (params,)), *rest = calls
     tiles, splits = grid
-    per_split = args[-1]
+    per_split = params.per_split
     assert name == "router_logits" and tiles == -(-tokens // stage7.ROUTER_TOKENS)
     assert per_split % stage7.ROUTER_K == 0
     starts = [s * per_split for s in range(splits)]

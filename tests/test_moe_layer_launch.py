@@ -3,7 +3,6 @@ did; with save=True the same launches but for stage 6's saving up GEMM, which al
 the backward reads (reference/moe_layer_backward.Saved), the very tensors its kernels wrote; the mma_sync rung
 refuses to save, in one line, before anything is launched; the problem's forward_for_backward hands the saved
 tensors on under Saved's names."""
-import numpy as np
 import pytest
 import torch
 
@@ -17,6 +16,7 @@ from reference import moe
 from reference.moe_layer_backward import Saved
 from stages.common.launcher import parameter_types
 from stage_on_gpu import StageOnGpu
+from test_launcher import assert_arguments_declared
 
 LAYER = reference.load("moe_layer")
 SHAPES = [dict(T=37, E=8, k=2, hidden=64, inter=72), dict(T=1000, E=64, k=8, hidden=4096, inter=1408),
@@ -88,6 +88,18 @@ def test_without_save_the_layer_launches_what_it_always_did(shape, keywords):
                                "gather_rows", "expert_up_swiglu", "expert_down", "moe_combine"]
 
 
+def described(argument):
+    """A launch argument as two launches on like tensors pass it alike: a tensor's shape and dtype, a tensor map's
+    tensor's shape and its box, a parameter struct's fields each so described."""
+    if isinstance(argument, torch.Tensor):
+        return argument.shape, argument.dtype
+    if isinstance(argument, Map):
+        return argument[0].shape, argument[1]
+    if hasattr(argument, "_c_fields"):
+        return type(argument).__name__, [described(field) for field in argument]
+    return argument
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_with_save_only_the_up_gemm_changes_and_it_stores_h1(shape):
     inputs = layer(**shape)
@@ -96,10 +108,7 @@ def test_with_save_only_the_up_gemm_changes_and_it_stores_h1(shape):
     assert saving.names() == [n.replace("expert_up_swiglu", "expert_up_swiglu_saving") for n in plain.names()]
     for (name, grid, args), (_, plain_grid, plain_args) in zip(saving.launches, plain.launches):
         assert grid == plain_grid, name
-        same = [(a.shape, a.dtype) if isinstance(a, torch.Tensor) else
-                (a[0].shape, a[1]) if isinstance(a, Map) else a for a in args]
-        before = [(a.shape, a.dtype) if isinstance(a, torch.Tensor) else
-                  (a[0].shape, a[1]) if isinstance(a, Map) else a for a in plain_args]
+        same, before = [described(a) for a in args], [described(a) for a in plain_args]
         if name == "expert_up_swiglu_saving":  # x_perm, W1, h, then h1's map, and the rest as before
             assert same.pop(3) == ((1, *saved.h1.shape), (1, stage6.CONSUMER_ROWS, stage6.BOX_COLS))
             assert args[3][0]._base is saved.h1  # the map is over h1[None]
@@ -119,33 +128,30 @@ def test_with_save_the_launch_returns_what_the_backward_reads(shape):
         ((rows, 2 * inter), torch.bfloat16)]
     # the very tensors the kernels wrote and read
     assert saved.topk_ids is inputs["topk_ids"]
-    topk = kernels.arguments("moe_topk")
-    align = kernels.arguments("moe_align")
-    assert topk[0] is saved.logits and topk[2] is saved.topk_weights and topk[3] is saved.dest
-    assert align[2] is saved.expert_counts and align[3] is saved.expert_offsets and align[4] is saved.source_token
+    (topk,), (align,) = kernels.arguments("moe_topk"), kernels.arguments("moe_align")
+    assert topk.logits is saved.logits and topk.topk_weights is saved.topk_weights and topk.rank is saved.dest
+    assert align.expert_counts is saved.expert_counts and align.expert_offsets is saved.expert_offsets
+    assert align.source_token is saved.source_token
     combine = kernels.arguments("moe_combine")
     assert combine[1] is saved.dest and combine[2] is saved.topk_weights
     assert kernels.arguments("expert_up_swiglu_saving")[3][0]._base is saved.h1
 
 
-@pytest.mark.parametrize("save", [False, True])
-def test_every_launch_passes_the_arguments_its_kernel_declares(save):
-    kernels, _ = launch(stage7.STAGE, layer(**SHAPES[0]), save=save)
+@pytest.mark.parametrize("stage,save", [(stage7.STAGE, False), (stage7.STAGE, True), (stage7.RUNGS[0], False)],
+                         ids=["wgmma", "wgmma-save", "mma_sync"])
+def test_every_launch_passes_the_arguments_its_kernel_declares(stage, save):
+    """As many arguments as the C signature has, each of its kind (a parameter struct's fields each of theirs), a
+    tensor map where it says TmaMap."""
+    kernels, _ = launch(stage, layer(**SHAPES[0]), save=save)
     for kernel, _, args in kernels.launches:
-        types = parameter_types(stage7.STAGE.kernels[kernel])
-        assert len(args) == len(types), f"{kernel}: {len(args)} arguments for {types}"
-        for arg, c_type in zip(args, types):
-            if c_type == "TmaMap":
-                assert isinstance(arg, Map), f"{kernel}: {arg!r} for a TmaMap"
-            elif c_type == "pointer":
-                assert isinstance(arg, torch.Tensor) or arg == 0, f"{kernel}: {arg!r} for a pointer"
-            elif c_type == "int":
-                assert isinstance(arg, (int, np.integer)) and not isinstance(arg, bool), f"{kernel}: {arg!r}"
+        assert_arguments_declared(stage, kernel, args)
+        for arg, c_type in zip(args, parameter_types(stage.kernels[kernel])):
+            assert (c_type == "TmaMap") == isinstance(arg, Map), f"{kernel}: {arg!r} for a {c_type}"
 
 
 def test_stage_6_declares_the_saving_kernel_and_run_experts_selects_it_by_h1():
     assert stage6.STAGE.kernels["expert_up_swiglu_saving"] == \
-        "const TmaMap, const TmaMap, const TmaMap, const TmaMap, const int*, int, int, int"
+        "const TmaMap, const TmaMap, const TmaMap, const TmaMap, const ExpertParams"
     assert set(stage6.STAGE.kernels) <= set(stage7.STAGE.kernels)
     x_perm, h = torch.empty(256, 64, device="meta"), torch.empty(256, 72, device="meta")
     w1, w2, y = torch.empty(4, 64, 144, device="meta"), torch.empty(4, 72, 64, device="meta"), torch.empty_like(x_perm)

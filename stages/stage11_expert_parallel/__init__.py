@@ -13,6 +13,7 @@ import torch
 
 from stages import Goal, Stage
 from stages.common.hopper import sm_count
+from stages.common.launcher import param_struct
 from stages.stage5_moe_routing import combine
 from stages.stage6_grouped_gemm import BLOCK_M, run_experts
 from stages.stage7_moe_layer import STAGE as LAYER
@@ -21,6 +22,10 @@ from stages.stage11_expert_parallel import dispatch, nvlink
 from stages.stage11_expert_parallel.dispatch import Parts, Routing
 
 REGROUP_THREADS = 256  # expert_parallel.cu's regroup_index: a grid-stride loop over the grouped rows
+# regroup_index's parameters, as expert_parallel.cu's RegroupParams holds them (the grader checks the layout).
+RegroupParams = param_struct("RegroupParams", [
+    ("counts", "const int*"), ("ranks", "int"), ("experts", "int"), ("align", "int"), ("grouped_rows", "int"),
+    ("expert_offsets", "int*"), ("source_row", "int*"), ("grouped_row", "int*")])
 
 
 class KernelParts(Parts):
@@ -45,8 +50,10 @@ class KernelParts(Parts):
         offsets, source_row, grouped_row = (torch.empty(n, dtype=torch.int32, device=device) for n in
                                             (local + 1, piece.grouped_rows, piece.received_rows))
         blocks = min(-(-piece.grouped_rows // REGROUP_THREADS), sm_count(device))
-        self.kernels.regroup_index((blocks,), (REGROUP_THREADS,), piece.recv_counts, ranks, local, self.align,
-                                   piece.grouped_rows, offsets, source_row, grouped_row)
+        self.kernels.regroup_index((blocks,), (REGROUP_THREADS,),
+                                   RegroupParams(counts=piece.recv_counts, ranks=ranks, experts=local, align=self.align,
+                                                 grouped_rows=piece.grouped_rows, expert_offsets=offsets,
+                                                 source_row=source_row, grouped_row=grouped_row))
         return offsets, source_row, grouped_row
 
     def experts(self, rows, offsets, experts, y):
@@ -74,8 +81,9 @@ STAGE = Stage(
     name="stage11_expert_parallel",
     problem="moe_expert_parallel",
     source="expert_parallel.cu",
-    kernels={**LAYER.kernels, "regroup_index": "const int*, int, int, int, int, int*, int*, int*", **nvlink.KERNELS},
+    kernels={**LAYER.kernels, "regroup_index": "const RegroupParams", **nvlink.KERNELS},
     launch=launch,
+    param_structs=(*LAYER.param_structs, RegroupParams, *nvlink.PARAM_STRUCTS),
     archs=("sm_90a",),
     geometry=lambda defines: {**LAYER.geometry(defines), "REGROUP_THREADS": REGROUP_THREADS, **nvlink.GEOMETRY},
     goal=Goal("reference", 1.0),  # in the grader's world of one: the fastest library layer, sharded or not

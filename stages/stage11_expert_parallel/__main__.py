@@ -512,7 +512,7 @@ def stage_kernels(device_index: int):
     arch = stages.arch_for(torch.cuda.get_device_properties(device_index), STAGE.archs)
     cubin = compile_cubin(STAGE.source_path, arch, STAGE.defines({"dtype": "bfloat16"}))
     Device(device_index).set_current()
-    return KernelSet(cubin.path, STAGE.kernels)
+    return KernelSet(cubin.path, STAGE.kernels, STAGE.param_structs)
 
 
 def main(argv=None) -> int:

@@ -24,56 +24,64 @@ struct Buckets {
     int offsets[MAX_EXPERTS + 1];  // where expert e's segment starts, segments padded to `align` rows
 };
 
+// The kernel's parameters (__init__.py's RegroupParams packs them): the received counts [ranks][experts]
+// in; the segments' offsets [experts + 1], each padded to `align` rows, and for each of the grouped_rows
+// grouped rows its received row (source_row), and back (grouped_row), out.
+struct RegroupParams {
+    const int* counts;
+    int ranks, experts, align, grouped_rows;
+    int *expert_offsets, *source_row, *grouped_row;
+};
+
 // Every block builds the tables (E entries: one thread's serial scans cost less than a launch), then
-// takes grouped rows in a grid-stride loop. Grouped row g of expert e's segment, at position p, copies
-// received row source_row[g]; a padding row (p >= total[e]) copies the segment's last real row (stage 7's
+// takes grouped rows in a grid-stride loop. Grouped row g of expert e's segment, at position i, copies
+// received row source_row[g]; a padding row (i >= total[e]) copies the segment's last real row (stage 7's
 // gather takes the first; zeros slowed the tensor cores). grouped_row is the inverse, for the real rows.
 extern "C" __global__ void __launch_bounds__(REGROUP_THREADS)
-regroup_index(const int* __restrict__ counts, int ranks, int experts, int align, int grouped_rows,
-              int* __restrict__ expert_offsets, int* __restrict__ source_row, int* __restrict__ grouped_row) {
+regroup_index(const __grid_constant__ RegroupParams p) {
     __shared__ Buckets b;
     if (threadIdx.x == 0) {
         int received = 0;
-        for (int i = 0; i < ranks * experts; ++i) {
-            b.count[i] = counts[i];
+        for (int i = 0; i < p.ranks * p.experts; ++i) {
+            b.count[i] = __ldg(p.counts + i);
             b.received[i] = received;
             received += b.count[i];
         }
         b.offsets[0] = 0;
-        for (int e = 0; e < experts; ++e) {
+        for (int e = 0; e < p.experts; ++e) {
             int rows = 0;
-            for (int s = 0; s < ranks; ++s) {
-                b.before[s * experts + e] = rows;
-                rows += b.count[s * experts + e];
+            for (int s = 0; s < p.ranks; ++s) {
+                b.before[s * p.experts + e] = rows;
+                rows += b.count[s * p.experts + e];
             }
             b.total[e] = rows;
-            b.offsets[e + 1] = b.offsets[e] + (rows + align - 1) / align * align;
+            b.offsets[e + 1] = b.offsets[e] + (rows + p.align - 1) / p.align * p.align;
         }
     }
     __syncthreads();
     if (blockIdx.x == 0)
-        for (int e = threadIdx.x; e <= experts; e += blockDim.x) expert_offsets[e] = b.offsets[e];
+        for (int e = threadIdx.x; e <= p.experts; e += blockDim.x) p.expert_offsets[e] = b.offsets[e];
 
-    for (int g = blockIdx.x * blockDim.x + threadIdx.x; g < grouped_rows; g += gridDim.x * blockDim.x) {
+    for (int g = blockIdx.x * blockDim.x + threadIdx.x; g < p.grouped_rows; g += gridDim.x * blockDim.x) {
         // EXERCISE: find g's expert e (the last segment starting at or before g: empty segments start
-        // where the next one does), its position p in the segment (a padding row takes the segment's
+        // where the next one does), its position in the segment (a padding row takes the segment's
         // last real row), the source rank s whose bucket (s, e) holds that position, and so the
         // received row; write source_row[g], and grouped_row[that row] = g for a real (unpadded) row.
         // STUB: continue;
-        int lo = 0, hi = experts;  // invariant: offsets[lo] <= g < offsets[hi]
+        int lo = 0, hi = p.experts;  // invariant: offsets[lo] <= g < offsets[hi]
         while (hi - lo > 1) {
             const int mid = (lo + hi) / 2;
             if (b.offsets[mid] <= g) lo = mid; else hi = mid;
         }
         const int e = lo, position = g - b.offsets[e];
         const bool real = position < b.total[e];
-        const int p = real ? position : b.total[e] - 1;
+        const int copied = real ? position : b.total[e] - 1;  // the position whose row g copies
         int s = 0;
-        while (b.before[s * experts + e] + b.count[s * experts + e] <= p) ++s;
-        const int bucket = s * experts + e;
-        const int row = b.received[bucket] + p - b.before[bucket];
-        source_row[g] = row;
-        if (real) grouped_row[row] = g;
+        while (b.before[s * p.experts + e] + b.count[s * p.experts + e] <= copied) ++s;
+        const int bucket = s * p.experts + e;
+        const int row = b.received[bucket] + copied - b.before[bucket];
+        p.source_row[g] = row;
+        if (real) p.grouped_row[row] = g;
         // END EXERCISE
     }
 }

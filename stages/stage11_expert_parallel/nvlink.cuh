@@ -71,6 +71,16 @@ __device__ __forceinline__ int* peer_ints(const long long* peers, int rank) {
 }
 
 // --8<-- [start:plan]
+// ep_plan's parameters (nvlink.py's EpPlanParams packs them): `control` is this rank's control buffer,
+// control_peers every rank's (their addresses), epoch this call's; the others as the kernel says.
+struct EpPlanParams {
+    const int* counts;
+    const long long* control_peers;
+    int* control;
+    int rank, world, experts, align, pieces, piece_rows, epoch;
+    int *shift, *offsets, *filled;
+};
+
 // counts[E]: this rank's token-slots per expert (stage 5, unpadded). Every rank's grouped rows hold `pieces`
 // regions of piece_rows rows; piece p holds local experts local·p/pieces .. local·(p+1)/pieces - 1, each
 // expert's segment padded to `align`, the sources' rows end to end by rank within it. Writes shift[e]: what
@@ -78,59 +88,57 @@ __device__ __forceinline__ int* peer_ints(const long long* peers, int rank) {
 // owns e; offsets[E_l + pieces], this rank's segments for its GEMMs, piece p's from 0 at entries lo + p ..
 // hi + p; filled[E_l], the real rows of each local expert (the rest of its segment is padding).
 extern "C" __global__ void __launch_bounds__(PEER_THREADS)
-ep_plan(const int* __restrict__ counts, const long long* __restrict__ control_peers, int* control, int rank,
-        int world, int experts, int align, int pieces, int piece_rows, int epoch, int* __restrict__ shift,
-        int* __restrict__ offsets, int* __restrict__ filled) {
+ep_plan(const __grid_constant__ EpPlanParams p) {
     __shared__ int start[MAX_EXPERTS];   // where expert e's segment starts on its rank
     __shared__ int before[MAX_EXPERTS];  // expert e's rows from ranks before this one
     __shared__ int first[MAX_EXPERTS];   // where e's token-slots start in this rank's expert order
-    const int e = threadIdx.x, local = experts / world;
-    for (int d = 0; d < world && e < experts; ++d)
-        peer_ints(control_peers, d)[TABLE + rank * MAX_EXPERTS + e] = counts[e];
+    const int e = threadIdx.x, local = p.experts / p.world;
+    for (int d = 0; d < p.world && e < p.experts; ++d)
+        peer_ints(p.control_peers, d)[TABLE + p.rank * MAX_EXPERTS + e] = __ldg(p.counts + e);
     __syncthreads();
-    if (e < world) {
+    if (e < p.world) {
         __threadfence_system();
-        store_release(peer_ints(control_peers, e) + PLANNED + rank, epoch);
-        wait_at_least(control + PLANNED + e, epoch, control);
+        store_release(peer_ints(p.control_peers, e) + PLANNED + p.rank, p.epoch);
+        wait_at_least(p.control + PLANNED + e, p.epoch, p.control);
     }
     __syncthreads();
-    if (e < experts) {
-        const volatile int* table = control + TABLE;
+    if (e < p.experts) {
+        const volatile int* table = p.control + TABLE;
         int rows = 0, mine = 0;
-        for (int s = 0; s < world; ++s) {
+        for (int s = 0; s < p.world; ++s) {
             const int n = table[s * MAX_EXPERTS + e];
-            mine = s == rank ? rows : mine;
+            mine = s == p.rank ? rows : mine;
             rows += n;
         }
         before[e] = mine;
-        start[e] = (rows + align - 1) / align * align;  // the padded segment's length, summed below
-        first[e] = table[rank * MAX_EXPERTS + e];
-        if (e / local == rank) filled[e % local] = rows;
+        start[e] = (rows + p.align - 1) / p.align * p.align;  // the padded segment's length, summed below
+        first[e] = table[p.rank * MAX_EXPERTS + e];
+        if (e / local == p.rank) p.filled[e % local] = rows;
     }
     __syncthreads();
-    if (e < world) {  // rank e's segments, end to end from each piece's first row
-        for (int p = 0; p < pieces; ++p) {
-            const int lo = local * p / pieces, hi = local * (p + 1) / pieces;
+    if (e < p.world) {  // rank e's segments, end to end from each piece's first row
+        for (int piece = 0; piece < p.pieces; ++piece) {
+            const int lo = local * piece / p.pieces, hi = local * (piece + 1) / p.pieces;
             int at = 0;
             for (int i = lo; i < hi; ++i) {
                 const int length = start[e * local + i];
-                if (e == rank) offsets[i + p] = at;
-                start[e * local + i] = p * piece_rows + at;
+                if (e == p.rank) p.offsets[i + piece] = at;
+                start[e * local + i] = piece * p.piece_rows + at;
                 at += length;
             }
-            if (e == rank) offsets[hi + p] = at;
+            if (e == p.rank) p.offsets[hi + piece] = at;
         }
     }
     if (e == MAX_RANKS) {
         int at = 0;
-        for (int i = 0; i < experts; ++i) {
+        for (int i = 0; i < p.experts; ++i) {
             const int n = first[i];
             first[i] = at;
             at += n;
         }
     }
     __syncthreads();
-    if (e < experts) shift[e] = start[e] + before[e] - first[e];
+    if (e < p.experts) p.shift[e] = start[e] + before[e] - first[e];
 }
 // --8<-- [end:plan]
 
@@ -144,25 +152,31 @@ __device__ __forceinline__ void arrive(const long long* control_peers, int slot,
 }
 
 // --8<-- [start:dispatch]
+// ep_dispatch's parameters (nvlink.py's EpDispatchParams packs them): the *_peers, every rank's buffers'
+// addresses; this piece's local experts first .. last - 1 of `local`; `slots` token-slots a rank at most.
+struct EpDispatchParams {
+    const elem_t* x;
+    const int *topk_ids, *dest, *shift;
+    const long long *rows_peers, *origin_peers, *control_peers;
+    int tokens, hidden, top_k, local, first, last, slots, rank, world;
+};
+
 // A warp per token: lane j < k finds slot j's rank and row there, and whether its local expert lies in
 // [first, last) (this piece); the warp then reads the row 16 bytes a lane at a time and stores each vector
 // into the piece's slots' rows. Lane j also stores the slot's origin (this rank, the token-slot) beside its
 // row, for ep_return. The stores to a peer go over NVLink and nothing waits for them.
 extern "C" __global__ void __launch_bounds__(COPY_THREADS, 1)
-ep_dispatch(const elem_t* __restrict__ x, const int* __restrict__ topk_ids, const int* __restrict__ dest,
-            const int* __restrict__ shift, const long long* __restrict__ rows_peers,
-            const long long* __restrict__ origin_peers, const long long* __restrict__ control_peers, int tokens,
-            int hidden, int top_k, int local, int first, int last, int slots, int rank, int world) {
+ep_dispatch(const __grid_constant__ EpDispatchParams p) {
     const int lane = threadIdx.x % 32, warps = gridDim.x * COPY_THREADS / 32;
-    for (int t = (blockIdx.x * COPY_THREADS + threadIdx.x) / 32; t < tokens; t += warps) {
+    for (int t = (blockIdx.x * COPY_THREADS + threadIdx.x) / 32; t < p.tokens; t += warps) {
         int to = 0, row = 0;
         bool wanted = false;
-        if (lane < top_k) {
-            const int slot = t * top_k + lane, expert = topk_ids[slot];
-            to = expert / local;
-            row = dest[slot] + shift[expert];
-            wanted = expert % local >= first && expert % local < last;
-            if (wanted) reinterpret_cast<int*>(origin_peers[to])[row] = rank * slots + slot;
+        if (lane < p.top_k) {
+            const int slot = t * p.top_k + lane, expert = __ldg(p.topk_ids + slot);
+            to = expert / p.local;
+            row = __ldg(p.dest + slot) + __ldg(p.shift + expert);
+            wanted = expert % p.local >= p.first && expert % p.local < p.last;
+            if (wanted) reinterpret_cast<int*>(__ldg(p.origin_peers + to))[row] = p.rank * p.slots + slot;
         }
         const unsigned stored = __ballot_sync(FULL_MASK, wanted);  // bit j: slot j is this piece's
         if (stored == 0) continue;
@@ -170,50 +184,57 @@ ep_dispatch(const elem_t* __restrict__ x, const int* __restrict__ topk_ids, cons
 #pragma unroll
         for (int j = 0; j < MAX_TOP_K; ++j) {
             const int d = __shfl_sync(FULL_MASK, to, j), r = __shfl_sync(FULL_MASK, row, j);
-            target[j] = reinterpret_cast<uint4*>(reinterpret_cast<elem_t*>(rows_peers[d]) + (size_t)r * hidden);
+            target[j] = reinterpret_cast<uint4*>(reinterpret_cast<elem_t*>(__ldg(p.rows_peers + d)) +
+                                                 (size_t)r * p.hidden);
         }
-        const uint4* source = reinterpret_cast<const uint4*>(x + (size_t)t * hidden);
-        for (int c = lane; c < hidden / 8; c += 32) {
-            const uint4 v = source[c];
+        const uint4* source = reinterpret_cast<const uint4*>(p.x + (size_t)t * p.hidden);
+        for (int c = lane; c < p.hidden / 8; c += 32) {
+            const uint4 v = source[c];  // not __ldg: with it NVRTC made the stores below generic, not global
 #pragma unroll
             for (int j = 0; j < MAX_TOP_K; ++j)
                 if (stored >> j & 1) target[j][c] = v;
         }
     }
-    arrive(control_peers, ARRIVED, rank, world);
+    arrive(p.control_peers, ARRIVED, p.rank, p.world);
 }
 // --8<-- [end:dispatch]
 
 // --8<-- [start:return]
+// ep_return's parameters (nvlink.py's EpReturnParams packs them), as ep_dispatch's.
+struct EpReturnParams {
+    const elem_t* y;
+    const int *offsets, *filled, *origin;
+    const long long *returned_peers, *control_peers;
+    int hidden, experts, slots, rank, world;
+};
+
 // One piece: y, offsets, filled and origin start at the piece's first row and expert. A warp per grouped row
 // r: its expert e (rows only grow along a warp's walk, so e only moves forward), and unless r is its
 // segment's padding, the result stored whole into the returned buffer of the rank the row came from, at its
 // token-slot. A lane loads RETURN_LOADS vectors before it stores them: a load waits for its answer, and
 // where the dispatch stores each load k times, this stores it once.
 extern "C" __global__ void __launch_bounds__(COPY_THREADS, 1)
-ep_return(const elem_t* __restrict__ y, const int* __restrict__ offsets, const int* __restrict__ filled,
-          const int* __restrict__ origin, const long long* __restrict__ returned_peers,
-          const long long* __restrict__ control_peers, int hidden, int experts, int slots, int rank, int world) {
+ep_return(const __grid_constant__ EpReturnParams p) {
     const int lane = threadIdx.x % 32, warps = gridDim.x * COPY_THREADS / 32;
     int e = 0;
-    for (int r = (blockIdx.x * COPY_THREADS + threadIdx.x) / 32; r < offsets[experts]; r += warps) {
-        while (r >= offsets[e + 1]) ++e;
-        if (r - offsets[e] >= filled[e]) continue;
-        const int from = origin[r];
-        const uint4* source = reinterpret_cast<const uint4*>(y + (size_t)r * hidden);
-        uint4* target = reinterpret_cast<uint4*>(reinterpret_cast<elem_t*>(returned_peers[from / slots]) +
-                                                 (size_t)(from % slots) * hidden);
-        for (int c = lane; c < hidden / 8; c += 32 * RETURN_LOADS) {  // the loads first, then the stores
+    for (int r = (blockIdx.x * COPY_THREADS + threadIdx.x) / 32; r < __ldg(p.offsets + p.experts); r += warps) {
+        while (r >= __ldg(p.offsets + e + 1)) ++e;
+        if (r - __ldg(p.offsets + e) >= __ldg(p.filled + e)) continue;
+        const int from = __ldg(p.origin + r);
+        const uint4* source = reinterpret_cast<const uint4*>(p.y + (size_t)r * p.hidden);
+        elem_t* returned = reinterpret_cast<elem_t*>(__ldg(p.returned_peers + from / p.slots));  // on rank from / slots
+        uint4* target = reinterpret_cast<uint4*>(returned + (size_t)(from % p.slots) * p.hidden);
+        for (int c = lane; c < p.hidden / 8; c += 32 * RETURN_LOADS) {  // the loads first, then the stores
             uint4 v[RETURN_LOADS];
 #pragma unroll
             for (int u = 0; u < RETURN_LOADS; ++u)
-                if (c + 32 * u < hidden / 8) v[u] = source[c + 32 * u];
+                if (c + 32 * u < p.hidden / 8) v[u] = source[c + 32 * u];  // not __ldg, as in ep_dispatch
 #pragma unroll
             for (int u = 0; u < RETURN_LOADS; ++u)
-                if (c + 32 * u < hidden / 8) target[c + 32 * u] = v[u];
+                if (c + 32 * u < p.hidden / 8) target[c + 32 * u] = v[u];
         }
     }
-    arrive(control_peers, RETURNED, rank, world);
+    arrive(p.control_peers, RETURNED, p.rank, p.world);
 }
 // --8<-- [end:return]
 

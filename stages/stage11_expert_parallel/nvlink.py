@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from stages.common.hopper import sm_count
+from stages.common.launcher import param_struct
 from stages.common.moe import MAX_EXPERTS
 from stages.stage5_moe_routing import combine as weighted_sum
 from stages.stage11_expert_parallel.dispatch import Parts, Routing
@@ -45,12 +46,25 @@ GEOMETRY = {"MAX_RANKS": MAX_RANKS, "PEER_THREADS": PEER_THREADS, "COPY_THREADS"
             "RETURN_LOADS": RETURN_LOADS,
             "PLANNED": PLANNED, "ARRIVED": ARRIVED, "RETURNED": RETURNED, "TIMED_OUT": TIMED_OUT,
             "CONTROL_INTS": CONTROL_INTS}
+# The copy kernels' parameters, as nvlink.cuh's structs hold them (the grader checks the layouts against them).
+EpPlanParams = param_struct("EpPlanParams", [
+    ("counts", "const int*"), ("control_peers", "const long long*"), ("control", "int*"), ("rank", "int"),
+    ("world", "int"), ("experts", "int"), ("align", "int"), ("pieces", "int"), ("piece_rows", "int"),
+    ("epoch", "int"), ("shift", "int*"), ("offsets", "int*"), ("filled", "int*")])
+EpDispatchParams = param_struct("EpDispatchParams", [
+    ("x", "const elem_t*"), ("topk_ids", "const int*"), ("dest", "const int*"), ("shift", "const int*"),
+    ("rows_peers", "const long long*"), ("origin_peers", "const long long*"), ("control_peers", "const long long*"),
+    ("tokens", "int"), ("hidden", "int"), ("top_k", "int"), ("local", "int"), ("first", "int"), ("last", "int"),
+    ("slots", "int"), ("rank", "int"), ("world", "int")])
+EpReturnParams = param_struct("EpReturnParams", [
+    ("y", "const elem_t*"), ("offsets", "const int*"), ("filled", "const int*"), ("origin", "const int*"),
+    ("returned_peers", "const long long*"), ("control_peers", "const long long*"), ("hidden", "int"),
+    ("experts", "int"), ("slots", "int"), ("rank", "int"), ("world", "int")])
+PARAM_STRUCTS = (EpPlanParams, EpDispatchParams, EpReturnParams)
 KERNELS = {
-    "ep_plan": "const int*, const long long*, int*, int, int, int, int, int, int, int, int*, int*, int*",
-    "ep_dispatch": "const elem_t*, const int*, const int*, const int*, const long long*, const long long*, "
-                   "const long long*, int, int, int, int, int, int, int, int, int",
-    "ep_return": "const elem_t*, const int*, const int*, const int*, const long long*, const long long*, int, int, "
-                 "int, int, int",
+    "ep_plan": "const EpPlanParams",
+    "ep_dispatch": "const EpDispatchParams",
+    "ep_return": "const EpReturnParams",
     "wait_for_peers": "int*, int, int, int",
 }
 
@@ -261,16 +275,22 @@ class KernelPeers(Peers):
         region = b.rows.shape[0] // pieces  # at least piece_rows(..., pieces): see grouped_rows
         shift, offsets, filled = (torch.empty(n, dtype=torch.int32, device=device)
                                   for n in (experts, experts // b.world + pieces, experts // b.world))
-        self.kernels.ep_plan((1,), (PEER_THREADS,), counts, b.control_peers, b.control, b.rank, b.world, experts,
-                             self.align, pieces, region, b.epoch, shift, offsets, filled)
+        self.kernels.ep_plan((1,), (PEER_THREADS,),
+                             EpPlanParams(counts=counts, control_peers=b.control_peers, control=b.control, rank=b.rank,
+                                          world=b.world, experts=experts, align=self.align, pieces=pieces,
+                                          piece_rows=region, epoch=b.epoch, shift=shift, offsets=offsets,
+                                          filled=filled))
         return Plan(shift, offsets, filled, pieces, region)
 
     def dispatch(self, x, routing, plan, p, sms=0):
         b, (tokens, top_k) = self.b, routing.ids.shape
         experts, grid = plan.piece(p)[0], sms or b.blocks
-        self.kernels.ep_dispatch((grid,), (COPY_THREADS,), x, routing.ids, routing.dest, plan.shift, b.rows_peers,
-                                 b.origin_peers, b.control_peers, tokens, x.shape[1], top_k, plan.filled.numel(),
-                                 experts.start, experts.stop, b.slots, b.rank, b.world)
+        self.kernels.ep_dispatch((grid,), (COPY_THREADS,),
+                                 EpDispatchParams(x=x, topk_ids=routing.ids, dest=routing.dest, shift=plan.shift,
+                                                  rows_peers=b.rows_peers, origin_peers=b.origin_peers,
+                                                  control_peers=b.control_peers, tokens=tokens, hidden=x.shape[1],
+                                                  top_k=top_k, local=plan.filled.numel(), first=experts.start,
+                                                  last=experts.stop, slots=b.slots, rank=b.rank, world=b.world))
         b.dispatched += grid
         return b.dispatched
 
@@ -281,9 +301,12 @@ class KernelPeers(Peers):
         b = self.b
         experts, rows, offsets = plan.piece(p)
         grid = sms or b.blocks
-        self.kernels.ep_return((grid,), (COPY_THREADS,), b.y[rows], offsets, plan.filled[experts], b.origin[rows],
-                               b.returned_peers, b.control_peers, b.y.shape[1], experts.stop - experts.start, b.slots,
-                               b.rank, b.world)
+        self.kernels.ep_return((grid,), (COPY_THREADS,),
+                               EpReturnParams(y=b.y[rows], offsets=offsets, filled=plan.filled[experts],
+                                              origin=b.origin[rows], returned_peers=b.returned_peers,
+                                              control_peers=b.control_peers, hidden=b.y.shape[1],
+                                              experts=experts.stop - experts.start, slots=b.slots, rank=b.rank,
+                                              world=b.world))
         b.given_back += grid
 
     def combine(self, routing, out):

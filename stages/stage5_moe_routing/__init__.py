@@ -7,7 +7,7 @@ load-balancing loss, and the weighted combine back to token order.
 import torch
 
 from stages import Goal, Stage
-from stages.common.moe import MAX_EXPERTS, MAX_TOP_K
+from stages.common.moe import MAX_EXPERTS, MAX_TOP_K, AlignParams, TopkParams
 
 # routing.cu's block sizes, which the grader checks the launch against (with moe.cuh's limits).
 TOPK_THREADS = 256
@@ -42,10 +42,15 @@ def route(kernels, logits, top_k, block, alpha, topk_ids, topk_weights, expert_c
     # Counts, then fp32 probability sums (all-zero bits are 0.0f): zeroed for moe_topk's atomics.
     workspace = torch.zeros(2 * experts, dtype=torch.int32, device=logits.device)
     counts, prob_sums = workspace[:experts], workspace[experts:]
-    kernels.moe_topk((token_blocks,), (TOPK_THREADS,), logits, topk_ids, topk_weights, dest, counts, prob_sums,
-                     tokens, experts, top_k, group, per_group)
-    kernels.moe_align((1,), (ALIGN_THREADS,), counts, prob_sums, expert_counts, expert_offsets, source_token,
-                      aux_loss, usage_var, tokens, experts, top_k, block, source_token.shape[0], alpha)
+    kernels.moe_topk((token_blocks,), (TOPK_THREADS,),
+                     TopkParams(logits=logits, topk_ids=topk_ids, topk_weights=topk_weights, rank=dest,
+                                expert_counts=counts, prob_sums=prob_sums, tokens=tokens, experts=experts, top_k=top_k,
+                                group=group, tokens_per_group=per_group))
+    kernels.moe_align((1,), (ALIGN_THREADS,),
+                      AlignParams(counts=counts, prob_sums=prob_sums, expert_counts=expert_counts,
+                                  expert_offsets=expert_offsets, source_token=source_token, aux_loss=aux_loss,
+                                  usage_var=usage_var, tokens=tokens, experts=experts, top_k=top_k, block=block,
+                                  rows=source_token.shape[0], alpha=alpha))
     slots = tokens * top_k
     kernels.moe_scatter((-(-slots // SCATTER_THREADS),), (SCATTER_THREADS,), topk_ids, expert_offsets, dest,
                         source_token, slots, top_k)
@@ -71,12 +76,13 @@ STAGE = Stage(
     problem="moe_routing",
     source="routing.cu",
     kernels={
-        "moe_topk": "const float*, int*, float*, int*, int*, float*, int, int, int, int, int",
-        "moe_align": "const int*, const float*, int*, int*, int*, float*, float*, int, int, int, int, int, float",
+        "moe_topk": "const TopkParams",
+        "moe_align": "const AlignParams",
         "moe_scatter": "const int*, const int*, int*, int*, int, int",
         "moe_combine": "const elem_t*, const int*, const float*, elem_t*, int, int",
     },
     launch=launch,
+    param_structs=(TopkParams, AlignParams),
     geometry=lambda defines: GEOMETRY,
     # The reference is PyTorch's own routing, vectorized ("torch": softmax, topk, argsort, scatters,
     # a gather-and-sum; a dozen kernels, several passes over the data). Matching it is the floor; the

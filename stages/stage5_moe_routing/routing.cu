@@ -41,30 +41,29 @@ __device__ __forceinline__ bool beats(float v, int e, float v2, int e2) {
 // of TOPK_THREADS threads holds TOPK_THREADS / group groups, and each group handles
 // `tokens_per_group` tokens, one after the other. `rank` receives, for each (token, slot), its
 // place among the slots of its expert (moe_scatter turns it into the row). `expert_counts` and
-// `prob_sums` must be zero before the launch.
+// `prob_sums` must be zero before the launch. Its parameters: moe.cuh's TopkParams (stages 7 and 11
+// compile the routing too).
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
-moe_topk(const float* __restrict__ logits, int* __restrict__ topk_ids, float* __restrict__ topk_weights,
-         int* __restrict__ rank, int* __restrict__ expert_counts, float* __restrict__ prob_sums,
-         int tokens, int experts, int top_k, int group, int tokens_per_group) {
+moe_topk(const __grid_constant__ TopkParams p) {
     __shared__ int block_count[MAX_EXPERTS];   // this block's token-slots of each expert
     __shared__ int block_base[MAX_EXPERTS];    // where they start among all of the expert's
     __shared__ float block_probs[PROB_SLOTS];  // [group][expert]: each group's sum of probabilities
-    const int lane = threadIdx.x % group, group_id = threadIdx.x / group, groups = TOPK_THREADS / group;
-    const int first = blockIdx.x * groups * tokens_per_group;
-    for (int e = threadIdx.x; e < experts; e += TOPK_THREADS) block_count[e] = 0;
+    const int lane = threadIdx.x % p.group, group_id = threadIdx.x / p.group, groups = TOPK_THREADS / p.group;
+    const int first = blockIdx.x * groups * p.tokens_per_group;
+    for (int e = threadIdx.x; e < p.experts; e += TOPK_THREADS) block_count[e] = 0;
     __syncthreads();
 
     float prob_sum[VALUES_PER_LANE] = {};      // this lane's experts, over the group's tokens
 #pragma unroll 1
-    for (int item = 0; item < tokens_per_group; ++item) {
+    for (int item = 0; item < p.tokens_per_group; ++item) {
         // Neighbouring groups take neighbouring tokens: a warp reads contiguous logits.
         const int token = first + item * groups + group_id;
-        const bool valid = token < tokens;     // no early exit: every lane takes part in the shuffles
+        const bool valid = token < p.tokens;   // no early exit: every lane takes part in the shuffles
         float v[VALUES_PER_LANE];
 #pragma unroll
         for (int i = 0; i < VALUES_PER_LANE; ++i) {
-            const int e = lane + i * group;
-            v[i] = valid && e < experts ? logits[(size_t)token * experts + e] : -INFINITY;
+            const int e = lane + i * p.group;
+            v[i] = valid && e < p.experts ? __ldg(p.logits + (size_t)token * p.experts + e) : -INFINITY;
         }
 
         // EXERCISE: select the token's top_k experts, in k rounds. In each round, every lane finds
@@ -78,18 +77,18 @@ moe_topk(const float* __restrict__ logits, int* __restrict__ topk_ids, float* __
         unsigned taken = 0;
         float max_logit = 0.0f, my_logit = -INFINITY, sum_selected = 0.0f;
         int my_expert = 0;
-        for (int j = 0; j < top_k; ++j) {
+        for (int j = 0; j < p.top_k; ++j) {
             float best = -INFINITY;
             int best_e = 0x7fffffff;
 #pragma unroll
             for (int i = 0; i < VALUES_PER_LANE; ++i) {
-                const int e = lane + i * group;
-                if (e < experts && !((taken >> i) & 1u) && beats(v[i], e, best, best_e)) {
+                const int e = lane + i * p.group;
+                if (e < p.experts && !((taken >> i) & 1u) && beats(v[i], e, best, best_e)) {
                     best = v[i];
                     best_e = e;
                 }
             }
-            for (int offset = group / 2; offset > 0; offset /= 2) {  // every lane ends with the winner
+            for (int offset = p.group / 2; offset > 0; offset /= 2) {  // every lane ends with the winner
                 const float other = __shfl_xor_sync(FULL_MASK, best, offset);
                 const int other_e = __shfl_xor_sync(FULL_MASK, best_e, offset);
                 if (beats(other, other_e, best, best_e)) {
@@ -99,7 +98,7 @@ moe_topk(const float* __restrict__ logits, int* __restrict__ topk_ids, float* __
             }
 #pragma unroll
             for (int i = 0; i < VALUES_PER_LANE; ++i)
-                if (lane + i * group == best_e) taken |= 1u << i;
+                if (lane + i * p.group == best_e) taken |= 1u << i;
             if (j == 0) max_logit = best;
             sum_selected += expf(best - max_logit);
             if (lane == j) {
@@ -113,20 +112,20 @@ moe_topk(const float* __restrict__ logits, int* __restrict__ topk_ids, float* __
         float sum_all = 0.0f;
 #pragma unroll
         for (int i = 0; i < VALUES_PER_LANE; ++i) {
-            v[i] = lane + i * group < experts ? expf(v[i] - max_logit) : 0.0f;
+            v[i] = lane + i * p.group < p.experts ? expf(v[i] - max_logit) : 0.0f;
             sum_all += v[i];
         }
-        for (int offset = group / 2; offset > 0; offset /= 2) sum_all += __shfl_xor_sync(FULL_MASK, sum_all, offset);
+        for (int offset = p.group / 2; offset > 0; offset /= 2) sum_all += __shfl_xor_sync(FULL_MASK, sum_all, offset);
 
         if (valid) {
             const float inv_sum = 1.0f / sum_all;
 #pragma unroll
             for (int i = 0; i < VALUES_PER_LANE; ++i) prob_sum[i] += v[i] * inv_sum;
-            if (lane < top_k) {  // lane j writes slot j (group >= top_k: see the launch)
-                const int slot = token * top_k + lane;
-                topk_ids[slot] = my_expert;
-                topk_weights[slot] = expf(my_logit - max_logit) / sum_selected;  // renormalized over the k
-                rank[slot] = atomicAdd(&block_count[my_expert], 1);              // among this block's
+            if (lane < p.top_k) {  // lane j writes slot j (group >= top_k: see the launch)
+                const int slot = token * p.top_k + lane;
+                p.topk_ids[slot] = my_expert;
+                p.topk_weights[slot] = expf(my_logit - max_logit) / sum_selected;  // renormalized over the k
+                p.rank[slot] = atomicAdd(&block_count[my_expert], 1);              // among this block's
             }
         }
     }
@@ -134,22 +133,22 @@ moe_topk(const float* __restrict__ logits, int* __restrict__ topk_ids, float* __
     // The block's counts and probability sums go to global memory: one atomic per expert.
 #pragma unroll
     for (int i = 0; i < VALUES_PER_LANE; ++i)
-        if (lane + i * group < experts) block_probs[group_id * experts + lane + i * group] = prob_sum[i];
+        if (lane + i * p.group < p.experts) block_probs[group_id * p.experts + lane + i * p.group] = prob_sum[i];
     __syncthreads();
-    for (int e = threadIdx.x; e < experts; e += TOPK_THREADS) {
-        float p = 0.0f;
-        for (int g = 0; g < groups; ++g) p += block_probs[g * experts + e];
-        atomicAdd(&prob_sums[e], p);
+    for (int e = threadIdx.x; e < p.experts; e += TOPK_THREADS) {
+        float sum = 0.0f;
+        for (int g = 0; g < groups; ++g) sum += block_probs[g * p.experts + e];
+        atomicAdd(&p.prob_sums[e], sum);
         const int n = block_count[e];
-        block_base[e] = n ? atomicAdd(&expert_counts[e], n) : 0;  // the slots before this block's
+        block_base[e] = n ? atomicAdd(&p.expert_counts[e], n) : 0;  // the slots before this block's
     }
     __syncthreads();
 #pragma unroll 1
-    for (int item = 0; item < tokens_per_group; ++item) {  // ranks in the block -> ranks in the expert
+    for (int item = 0; item < p.tokens_per_group; ++item) {  // ranks in the block -> ranks in the expert
         const int token = first + item * groups + group_id;
-        if (token < tokens && lane < top_k) {
-            const int slot = token * top_k + lane;
-            rank[slot] += block_base[topk_ids[slot]];
+        if (token < p.tokens && lane < p.top_k) {
+            const int slot = token * p.top_k + lane;
+            p.rank[slot] += block_base[p.topk_ids[slot]];
         }
     }
 }
@@ -159,18 +158,17 @@ moe_topk(const float* __restrict__ logits, int* __restrict__ topk_ids, float* __
 // One block, a thread per expert. Each expert's segment is its count rounded up to a multiple of
 // `block` (0: no padding), the segments laid end to end: an inclusive scan, in each warp by
 // shuffles, then across the warps. The rows a segment pads, and every row after the last segment
-// up to `rows` (the buffer's length, an upper bound), get source_token -1.
+// up to `rows` (the buffer's length, an upper bound), get source_token -1. Its parameters: moe.cuh's
+// AlignParams.
 extern "C" __global__ void __launch_bounds__(ALIGN_THREADS)
-moe_align(const int* __restrict__ counts, const float* __restrict__ prob_sums, int* __restrict__ expert_counts,
-          int* __restrict__ expert_offsets, int* __restrict__ source_token, float* __restrict__ aux_loss,
-          float* __restrict__ usage_var, int tokens, int experts, int top_k, int block, int rows, float alpha) {
+moe_align(const __grid_constant__ AlignParams p) {
     __shared__ int offsets[MAX_EXPERTS + 1], count_of[MAX_EXPERTS];
     __shared__ int warp_total[ALIGN_THREADS / 32];
     __shared__ float warp_aux[ALIGN_THREADS / 32], warp_var[ALIGN_THREADS / 32];
     const int e = threadIdx.x, lane = e % 32, warp = e / 32;
-    const bool expert = e < experts;
-    const int count = expert ? counts[e] : 0;
-    const int padded = block > 0 ? (count + block - 1) / block * block : count;
+    const bool expert = e < p.experts;
+    const int count = expert ? __ldg(p.counts + e) : 0;
+    const int padded = p.block > 0 ? (count + p.block - 1) / p.block * p.block : count;
 
     int end = padded;  // inclusive scan: where this expert's segment ends
     for (int offset = 1; offset < 32; offset *= 2) {
@@ -180,9 +178,9 @@ moe_align(const int* __restrict__ counts, const float* __restrict__ prob_sums, i
     if (lane == 31) warp_total[warp] = end;
 
     // The Switch load-balancing loss α·E·Σ f_e·P_e and the usage variance mean (E·f_e - 1)², in %.
-    const float f = (float)count / (float)(tokens * top_k);     // fraction of the token-slots
-    const float p = expert ? prob_sums[e] / (float)tokens : 0.0f; // mean router probability
-    float aux = f * p, var = expert ? (experts * f - 1.0f) * (experts * f - 1.0f) : 0.0f;
+    const float f = (float)count / (float)(p.tokens * p.top_k);                        // fraction of the token-slots
+    const float mean_prob = expert ? __ldg(p.prob_sums + e) / (float)p.tokens : 0.0f;  // mean router probability
+    float aux = f * mean_prob, var = expert ? (p.experts * f - 1.0f) * (p.experts * f - 1.0f) : 0.0f;
     for (int offset = 16; offset > 0; offset /= 2) {
         aux += __shfl_xor_sync(FULL_MASK, aux, offset);
         var += __shfl_xor_sync(FULL_MASK, var, offset);
@@ -197,25 +195,25 @@ moe_align(const int* __restrict__ counts, const float* __restrict__ prob_sums, i
     if (expert) {
         offsets[e + 1] = end;
         count_of[e] = count;
-        expert_offsets[e + 1] = end;
-        expert_counts[e] = count;
+        p.expert_offsets[e + 1] = end;
+        p.expert_counts[e] = count;
     }
     if (e == 0) {
         offsets[0] = 0;
-        expert_offsets[0] = 0;
+        p.expert_offsets[0] = 0;
         float aux_total = 0.0f, var_total = 0.0f;
         for (int w = 0; w < ALIGN_THREADS / 32; ++w) {
             aux_total += warp_aux[w];
             var_total += warp_var[w];
         }
-        *aux_loss = alpha * experts * aux_total;
-        *usage_var = 100.0f * var_total / experts;
+        *p.aux_loss = p.alpha * p.experts * aux_total;
+        *p.usage_var = 100.0f * var_total / p.experts;
     }
     __syncthreads();
 
-    for (int x = warp; x < experts; x += ALIGN_THREADS / 32)  // a warp per expert: its padding rows
-        for (int r = offsets[x] + count_of[x] + lane; r < offsets[x + 1]; r += 32) source_token[r] = -1;
-    for (int r = offsets[experts] + e; r < rows; r += ALIGN_THREADS) source_token[r] = -1;  // unused rows
+    for (int x = warp; x < p.experts; x += ALIGN_THREADS / 32)  // a warp per expert: its padding rows
+        for (int r = offsets[x] + count_of[x] + lane; r < offsets[x + 1]; r += 32) p.source_token[r] = -1;
+    for (int r = offsets[p.experts] + e; r < p.rows; r += ALIGN_THREADS) p.source_token[r] = -1;  // unused rows
 }
 
 // A thread per (token, slot): its row is its expert's offset plus its rank, and the row's token is it.

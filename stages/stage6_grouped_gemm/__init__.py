@@ -11,7 +11,7 @@ import torch
 
 from stages import Goal, Stage
 from stages.common.hopper import sm_count, tensor_map
-from stages.common.moe import MAX_EXPERTS
+from stages.common.moe import MAX_EXPERTS, ExpertParams
 
 # What the launch uses, as experts.cu computes it (the grader checks each value against the kernel):
 BLOCK_M = 128         # rows per tile; expert segments must start at multiples of it (schedule.cuh)
@@ -37,17 +37,17 @@ def run_experts(kernels, x_perm, expert_offsets, w1, w2, h, y_perm, spare_sms=0,
         f"hidden and inter must be multiples of 8 (TMA strides), at least {BLOCK_K}: {hidden}, {inter}"
     grid = (sm_count(x_perm.device) - spare_sms,)  # persistent: the kernels find their tiles on the device
     a_box, b_box, out_box = (1, BLOCK_M, BLOCK_K), (1, BLOCK_K, BOX_COLS), (1, CONSUMER_ROWS, BOX_COLS)
+    params = ExpertParams(offsets=expert_offsets, experts=experts, inter=inter, hidden=hidden)  # both GEMMs'
     if h1 is None:
         kernels.expert_up_swiglu(grid, (NUM_THREADS,), tensor_map(x_perm[None], a_box), tensor_map(w1, b_box),
-                                 tensor_map(h[None], out_box), expert_offsets, experts, inter, hidden,
-                                 smem=SHARED_BYTES)
+                                 tensor_map(h[None], out_box), params, smem=SHARED_BYTES)
     else:
         assert h1.shape == (x_perm.shape[0], 2 * inter), (h1.shape, x_perm.shape, inter)
         kernels.expert_up_swiglu_saving(grid, (NUM_THREADS,), tensor_map(x_perm[None], a_box), tensor_map(w1, b_box),
-                                        tensor_map(h[None], out_box), tensor_map(h1[None], out_box), expert_offsets,
-                                        experts, inter, hidden, smem=SHARED_BYTES)
+                                        tensor_map(h[None], out_box), tensor_map(h1[None], out_box), params,
+                                        smem=SHARED_BYTES)
     kernels.expert_down(grid, (NUM_THREADS,), tensor_map(h[None], a_box), tensor_map(w2, b_box),
-                        tensor_map(y_perm[None], out_box), expert_offsets, experts, hidden, inter, smem=SHARED_BYTES)
+                        tensor_map(y_perm[None], out_box), params, smem=SHARED_BYTES)
 
 
 def launch(kernels, x_perm, expert_offsets, expert_counts, w1, w2, y_perm):
@@ -60,11 +60,12 @@ STAGE = Stage(
     problem="moe_experts",
     source="experts.cu",
     kernels={
-        "expert_up_swiglu": "const TmaMap, const TmaMap, const TmaMap, const int*, int, int, int",
-        "expert_down": "const TmaMap, const TmaMap, const TmaMap, const int*, int, int, int",
-        "expert_up_swiglu_saving": "const TmaMap, const TmaMap, const TmaMap, const TmaMap, const int*, int, int, int",
+        "expert_up_swiglu": "const TmaMap, const TmaMap, const TmaMap, const ExpertParams",
+        "expert_down": "const TmaMap, const TmaMap, const TmaMap, const ExpertParams",
+        "expert_up_swiglu_saving": "const TmaMap, const TmaMap, const TmaMap, const TmaMap, const ExpertParams",
     },
     launch=launch,
+    param_structs=(ExpertParams,),
     archs=("sm_90a",),
     geometry=lambda defines: GEOMETRY,
     goal=Goal("reference", 1.0),  # the fastest library baseline: torch._grouped_mm where it runs

@@ -182,7 +182,7 @@ __device__ void grouped_gemm(const TmaMap& a_map, const TmaMap& b_map, const Tma
     int* expert_offsets = reinterpret_cast<int*>(aligned + OFFSETS);
     auto barrier = [&](int index) { return base + BARRIERS + 8 * index; };
 
-    for (int e = threadIdx.x; e <= experts; e += NUM_THREADS) expert_offsets[e] = offsets[e];
+    for (int e = threadIdx.x; e <= experts; e += NUM_THREADS) expert_offsets[e] = __ldg(offsets + e);
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbarrier_init(barrier(FULL + s), 1);                  // the producer's arrive.expect_tx, then the bytes
@@ -255,29 +255,28 @@ __device__ void grouped_gemm(const TmaMap& a_map, const TmaMap& b_map, const Tma
 }
 
 // The kernels, unless an including file wants the machinery above alone (stage 14's GEMMs: its cubin then
-// holds its own kernels only).
+// holds its own kernels only). Their parameters besides the tensor maps: moe.cuh's ExpertParams, one for
+// the up and the down kernel.
 #ifndef GROUPED_GEMM_MACHINERY_ONLY
 // h = silu(x_perm · W1_gate) * (x_perm · W1_up), per expert. W1 is [E, hidden, 2·inter].
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 expert_up_swiglu(const __grid_constant__ TmaMap x_map, const __grid_constant__ TmaMap w1_map,
-                 const __grid_constant__ TmaMap h_map, const int* __restrict__ offsets, int experts, int inter,
-                 int hidden) {
-    grouped_gemm<true>(x_map, w1_map, h_map, offsets, experts, inter, hidden, inter);
+                 const __grid_constant__ TmaMap h_map, const __grid_constant__ ExpertParams p) {
+    grouped_gemm<true>(x_map, w1_map, h_map, p.offsets, p.experts, p.inter, p.hidden, p.inter);
 }
 
 // The same, h1 = x_perm · W1 = [G U] also stored, [rows, 2·inter]: for the backward (stage 14).
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 expert_up_swiglu_saving(const __grid_constant__ TmaMap x_map, const __grid_constant__ TmaMap w1_map,
                         const __grid_constant__ TmaMap h_map, const __grid_constant__ TmaMap h1_map,
-                        const int* __restrict__ offsets, int experts, int inter, int hidden) {
-    grouped_gemm<true, true>(x_map, w1_map, h_map, offsets, experts, inter, hidden, inter, &h1_map);
+                        const __grid_constant__ ExpertParams p) {
+    grouped_gemm<true, true>(x_map, w1_map, h_map, p.offsets, p.experts, p.inter, p.hidden, p.inter, &h1_map);
 }
 
 // y = h · W2, per expert. W2 is [E, inter, hidden].
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 expert_down(const __grid_constant__ TmaMap h_map, const __grid_constant__ TmaMap w2_map,
-            const __grid_constant__ TmaMap y_map, const int* __restrict__ offsets, int experts, int hidden,
-            int inter) {
-    grouped_gemm<false>(h_map, w2_map, y_map, offsets, experts, hidden, inter, 0);
+            const __grid_constant__ TmaMap y_map, const __grid_constant__ ExpertParams p) {
+    grouped_gemm<false>(h_map, w2_map, y_map, p.offsets, p.experts, p.hidden, p.inter, 0);
 }
 #endif  // GROUPED_GEMM_MACHINERY_ONLY

@@ -18,7 +18,7 @@ from reference.moe import padded_capacity
 from reference.moe_layer_backward import Saved
 import stages
 from stages import ALL_ARCHS, Goal, Stage
-from stages.common.moe import MAX_EXPERTS
+from stages.common.moe import MAX_EXPERTS, RouterParams
 from stages.stage5_moe_routing import STAGE as ROUTING
 from stages.stage5_moe_routing import combine, route
 from stages.stage6_grouped_gemm import BLOCK_M, ladder
@@ -58,8 +58,9 @@ def router_logits(kernels, x, wr, bias, logits) -> None:
     splits = -(-hidden // per_split)
     bias = 0 if bias is None else bias  # 0: a null pointer
     partials = logits if splits == 1 else torch.empty(splits, tokens, experts, dtype=torch.float32, device=x.device)
-    kernels.router_logits((token_tiles, splits), (ROUTER_THREADS,), x, wr, bias, partials, tokens, hidden, experts,
-                          per_split, smem=ROUTER_SHARED_BYTES)
+    params = RouterParams(x=x, wr=wr, bias=bias, out=partials, tokens=tokens, hidden=hidden, experts=experts,
+                          per_split=per_split)
+    kernels.router_logits((token_tiles, splits), (ROUTER_THREADS,), params, smem=ROUTER_SHARED_BYTES)
     if splits > 1:
         kernels.router_sum((-(-tokens * experts // SUM_WARPS),), (32 * SUM_WARPS,), partials, bias, logits, tokens,
                            experts, splits)
@@ -118,11 +119,12 @@ def layer_launch(run_experts, saves=True):
 
 
 OWN_KERNELS = {
-    "router_logits": "const elem_t*, const elem_t*, const float*, float*, int, int, int, int",
+    "router_logits": "const RouterParams",
     "router_sum": "const float*, const float*, float*, int, int, int",
     **ROUTING.kernels,
     "gather_rows": "const elem_t*, const int*, const int*, int, elem_t*, int",
 }
+OWN_PARAM_STRUCTS = (RouterParams, *ROUTING.param_structs)
 
 STAGE = Stage(
     name="stage7_moe_layer",
@@ -130,6 +132,7 @@ STAGE = Stage(
     source="layer.cu",
     kernels={**OWN_KERNELS, **EXPERTS.kernels},
     launch=layer_launch(run_experts),
+    param_structs=OWN_PARAM_STRUCTS + EXPERTS.param_structs,
     archs=("sm_90a",),
     geometry=geometry(EXPERTS),
     goal=Goal("reference", 1.0),  # the fastest library baseline: the torch._grouped_mm layer
@@ -142,6 +145,7 @@ RUNGS = (Stage(
     source="layer.cu",
     kernels={**OWN_KERNELS, **ladder.KERNELS},
     launch=layer_launch(partial(ladder.run_experts, "mma_sync"), saves=False),
+    param_structs=OWN_PARAM_STRUCTS + ladder.PARAM_STRUCTS,
     archs=ALL_ARCHS,
     geometry=geometry(stages.load("stage6:mma_sync")),
     goal=Goal("reference", 0.6),  # as stage 6's mma_sync rung

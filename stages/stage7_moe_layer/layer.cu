@@ -142,8 +142,9 @@ __device__ void router_tile(const elem_t* __restrict__ x, const elem_t* __restri
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
                 const int t = token0 + row0 + lane / 4 + 8 * r, e = column0 + 8 * f + 2 * (lane % 4) + c;
-                if (t < tokens && e < experts)
-                    logits[(size_t)t * experts + e] = acc[f][2 * r + c] + (gridDim.y == 1 && bias ? bias[e] : 0.0f);
+                if (t < tokens && e < experts)  // bias by __ldg: the kernel's struct cannot say __restrict__
+                    logits[(size_t)t * experts + e] =
+                        acc[f][2 * r + c] + (gridDim.y == 1 && bias ? __ldg(bias + e) : 0.0f);
             }
         }
     }
@@ -151,16 +152,16 @@ __device__ void router_tile(const elem_t* __restrict__ x, const elem_t* __restri
 
 // N_FRAGS = 8-column fragments per warp: a quarter of E, rounded up to a power of two of at least 16
 // columns (ldmatrix.trans reads 16), so that few variants are compiled.
-// per_split: hidden elements per split, a multiple of ROUTER_K (the launch rounds it).
-// Dynamic shared memory: ROUTER_SHARED_BYTES.
+// Its parameters: moe.cuh's RouterParams (stage 11 compiles this kernel too); p.per_split: hidden elements
+// per split, a multiple of ROUTER_K (the launch rounds it). Dynamic shared memory: ROUTER_SHARED_BYTES.
 extern "C" __global__ void __launch_bounds__(ROUTER_THREADS)
-router_logits(const elem_t* __restrict__ x, const elem_t* __restrict__ wr, const float* __restrict__ bias,
-              float* __restrict__ out, int tokens, int hidden, int experts, int per_split) {
+router_logits(const __grid_constant__ RouterParams p) {
     extern __shared__ __align__(16) unsigned char router_shared[];
     RouterShared* ring = reinterpret_cast<RouterShared*>(router_shared);
-    if (experts <= 64) router_tile<2>(x, wr, bias, out, tokens, hidden, experts, per_split, ring);
-    else if (experts <= 128) router_tile<4>(x, wr, bias, out, tokens, hidden, experts, per_split, ring);
-    else router_tile<8>(x, wr, bias, out, tokens, hidden, experts, per_split, ring);
+    if (p.experts <= 64) router_tile<2>(p.x, p.wr, p.bias, p.out, p.tokens, p.hidden, p.experts, p.per_split, ring);
+    else if (p.experts <= 128)
+        router_tile<4>(p.x, p.wr, p.bias, p.out, p.tokens, p.hidden, p.experts, p.per_split, ring);
+    else router_tile<8>(p.x, p.wr, p.bias, p.out, p.tokens, p.hidden, p.experts, p.per_split, ring);
 }
 
 // logits[t, e] = bias[e] + the splits' partial sums of (t, e): a warp per logit, lane l adding splits l,

@@ -11,10 +11,11 @@ import torch
 
 from stages import ALL_ARCHS, Goal, Stage
 from stages.common.hopper import sm_count
-from stages.common.moe import MAX_EXPERTS
+from stages.common.moe import MAX_EXPERTS, ExpertParams
 
-SIGNATURE = "const elem_t*, const elem_t*, elem_t*, const int*, int, int, int"
+SIGNATURE = "const elem_t*, const elem_t*, elem_t*, const ExpertParams"  # the operands, then experts.cu's struct
 KERNELS = {"expert_up_swiglu": SIGNATURE, "expert_down": SIGNATURE}
+PARAM_STRUCTS = (ExpertParams,)  # the struct KERNELS name
 SWIGLU = {"expert_up_swiglu": "true", "expert_down": "false"}  # the template argument of each kernel
 
 # What the launch uses, as grouped.cuh and each rung's .cu compute it (the grader checks each value
@@ -42,8 +43,9 @@ def run_experts(rung: str, kernels, x_perm, expert_offsets, w1, w2, h, y_perm):
     def launch(name, *args):
         getattr(kernels, name)((BLOCKS_PER_SM[name] * sms,), (NUM_THREADS,), *args, smem=SHARED_BYTES[rung][name])
 
-    launch("expert_up_swiglu", x_perm, w1, h, expert_offsets, experts, inter, hidden)
-    launch("expert_down", h, w2, y_perm, expert_offsets, experts, hidden, inter)
+    params = ExpertParams(offsets=expert_offsets, experts=experts, inter=inter, hidden=hidden)  # both GEMMs'
+    launch("expert_up_swiglu", x_perm, w1, h, params)
+    launch("expert_down", h, w2, y_perm, params)
 
 
 def rung(name: str, goal: Goal) -> Stage:
@@ -52,7 +54,8 @@ def rung(name: str, goal: Goal) -> Stage:
         run_experts(name, kernels, x_perm, expert_offsets, w1, w2, h, y_perm)
 
     return Stage(name="stage6_grouped_gemm", problem="moe_experts", source=f"ladder/{name}.cu", kernels=KERNELS,
-                 launch=launch, archs=ALL_ARCHS, geometry=lambda defines: geometry(name), goal=goal, rung=name)
+                 launch=launch, param_structs=PARAM_STRUCTS, archs=ALL_ARCHS, geometry=lambda defines: geometry(name),
+                 goal=goal, rung=name)
 
 
 # Goals scale to what each technique can reach against the fastest library baseline (tensor cores):

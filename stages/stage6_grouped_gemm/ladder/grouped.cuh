@@ -73,7 +73,7 @@ __device__ __forceinline__ float output_value(float product, float up_product) {
 template <class Multiply>
 __device__ __forceinline__ void for_each_tile(int* shared_offsets, const int* offsets, int experts, int n_out,
                                               Multiply&& multiply) {
-    for (int e = threadIdx.x; e <= experts; e += NUM_THREADS) shared_offsets[e] = offsets[e];
+    for (int e = threadIdx.x; e <= experts; e += NUM_THREADS) shared_offsets[e] = __ldg(offsets + e);
     __syncthreads();
     const Scheduler scheduler{shared_offsets, experts, (n_out + BLOCK_N - 1) / BLOCK_N};
     const int num_tiles = scheduler.num_tiles();
@@ -87,16 +87,17 @@ template <bool SWIGLU>
 __device__ __forceinline__ void grouped_gemm(const elem_t* a, const elem_t* b, elem_t* out, const int* offsets,
                                              int experts, int n_out, int k);
 
+// The kernels: their operands, then moe.cuh's ExpertParams, one for both (experts.cu's kernels take it too).
 // h = silu(x_perm · W1_gate) * (x_perm · W1_up), per expert. W1 is [E, hidden, 2·inter].
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, BLOCKS_PER_SM<true>)
 expert_up_swiglu(const elem_t* __restrict__ x_perm, const elem_t* __restrict__ w1, elem_t* __restrict__ h,
-                 const int* __restrict__ offsets, int experts, int inter, int hidden) {
-    grouped_gemm<true>(x_perm, w1, h, offsets, experts, inter, hidden);
+                 const __grid_constant__ ExpertParams p) {
+    grouped_gemm<true>(x_perm, w1, h, p.offsets, p.experts, p.inter, p.hidden);
 }
 
 // y = h · W2, per expert. W2 is [E, inter, hidden].
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, BLOCKS_PER_SM<false>)
 expert_down(const elem_t* __restrict__ h, const elem_t* __restrict__ w2, elem_t* __restrict__ y,
-            const int* __restrict__ offsets, int experts, int hidden, int inter) {
-    grouped_gemm<false>(h, w2, y, offsets, experts, hidden, inter);
+            const __grid_constant__ ExpertParams p) {
+    grouped_gemm<false>(h, w2, y, p.offsets, p.experts, p.hidden, p.inter);
 }
