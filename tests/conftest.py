@@ -1,6 +1,8 @@
 import functools
 import os
+import runpy
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -93,6 +95,19 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+def run_as_command(module: str, *args: str) -> int:
+    """`python -m module args` in this process, as -m runs it (runpy, argv, the module as __main__): its exit
+    status, its output left to capsys. A new Python would spend seconds importing PyTorch again."""
+    with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
+        patch.setattr(sys, "argv", [module, *args])
+        warnings.filterwarnings("ignore", "'.*' found in sys.modules", RuntimeWarning)  # imported by the tests already
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        except SystemExit as exit_:
+            return exit_.code if isinstance(exit_.code, int) else 1
+    return 0
 
 
 @pytest.fixture(scope="session")

@@ -4,14 +4,12 @@ comparison's arithmetic, the records; on a GPU, the course's kernels and the dec
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO
+from conftest import run_as_command
 from reference import decode_attention as decode_problem
 from reference.model import forward as reference_forward
 from reference.model import model_shape
@@ -118,12 +116,11 @@ def test_without_cuda_the_command_says_so_in_one_line_and_exits_2(monkeypatch, c
     assert err.count("\n") == 1 and "needs a CUDA GPU" in err
 
 
-def test_the_module_run_as_a_command_exits_2_without_cuda():
+def test_the_module_run_as_a_command_exits_2_without_cuda(capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    run = subprocess.run([sys.executable, "-m", "stages.stage10_model.generate", "--new", "2"], cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 2 and "needs a CUDA GPU" in run.stderr
+    status = run_as_command("stages.stage10_model.generate", "--new", "2")
+    assert status == 2 and "needs a CUDA GPU" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- generation on the CPU, against the reference

@@ -50,24 +50,34 @@ def test_the_warm_up_lists_every_compile_of_the_grader_on_an_h100_and_no_other(t
          "stage13_block_sparse_backward", "stage14_moe_backward", "stage15_decode"}
 
 
+def test_the_gpu_tests_grade_each_stage_s_solution_exercise_and_mutations(tmp_path):
+    kernels = graded_by_the_gpu_tests(tmp_path, ["stage0_naive"])
+    assert len(kernels) == 2 + sum(m.stage == "stage0" for m in MUTATIONS.values())
+
+
 def test_after_the_warm_up_the_gpu_tests_compiles_all_find_the_cache(tmp_path, monkeypatch):
-    """Stage 0's solution, exercise and mutations, compiled by the warm-up's threads; then the grader's own
-    compile of each finds every cubin in the cache (NVRTC is not called), and the cache holds no other; and
-    the grade's report finds each cubin's instruction mix made (nvdisasm is not called)."""
+    """Stage 0's solution, exercise and one of its mutations, compiled by the warm-up's threads; then the grader's
+    own compile of each finds every cubin in the cache (NVRTC is not called), and the cache holds no other; and
+    the grade's report finds each cubin's instruction mix made (nvdisasm is not called). One mutation stands for
+    them all: each is compiled as the others are, and each of stage 0's costs the test 4 compiles and 4 nvdisasm."""
     from stages.common import compiler
 
     cache = tmp_path / "cache"
     monkeypatch.setattr(compiler, "CACHE_DIR", cache / "cubin")
     names = ["stage0_naive"]
-    jobs = gpu_kernels.builds(H100, *gpu_kernels.copies(tmp_path / "kernels"), names=names)
+    exercises, mutations = gpu_kernels.copies(tmp_path / "kernels")
+    mutation = next(name for name, m in MUTATIONS.items() if m.stage == "stage0")
+    jobs = gpu_kernels.builds(H100, exercises, {mutation: mutations[mutation]}, names=names)
     results = compile_all(jobs, threads=2)
     assert [error for *_, error in results if error] == []
 
     import cuda.core
 
     monkeypatch.setattr(cuda.core, "Program", lambda *a, **k: pytest.fail("compiled again: not in the cache"))
-    kernels = graded_by_the_gpu_tests(tmp_path / "kernels", names)
-    assert len(kernels) == 2 + sum(m.stage == "stage0" for m in MUTATIONS.values())
+    left_out = {name for name, m in MUTATIONS.items() if m.stage == "stage0"} - {mutation}
+    kernels = [(stage, path) for stage, path in graded_by_the_gpu_tests(tmp_path / "kernels", names)
+               if path.stem not in left_out]
+    assert len(kernels) == 3
     cubins = [c for stage, path in kernels for c in run.compile_stage(stage, path, "sm_90a").values()]
     assert len(cubins) == len(jobs) and len(list((cache / "cubin").glob("*.cubin"))) == len(jobs)
     monkeypatch.setattr(sass, "disassemble", lambda cubin: pytest.fail(f"{cubin} disassembled again"))
