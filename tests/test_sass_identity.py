@@ -97,11 +97,8 @@ BASES["stage13_block_sparse_backward"] = "758fcdc"
 BASES["stage4_hopper"] = "1be0ba3"
 # At 4dc0f38: stages 9 and 13 take their steps per query tile from wgmma_attention_backward.cuh (start_tile ...).
 BASES.update({name: "4dc0f38" for name in ("stage9_hopper_backward", "stage13_block_sparse_backward")})
-# At 37ef497: the backward family takes parameter structs (stages 9 and 13's main kernels, the shared preprocess
-# and dQ conversion); at 03df5cd stage 8's main kernels too, and at e745f5b stage 12's kernel.
-BASES.update({name: "37ef497" for name in ("stage9_hopper_backward", "stage13_block_sparse_backward")})
-BASES["stage8_backward"] = "03df5cd"
-BASES["stage12_block_sparse"] = "e745f5b"
+# At 5b20b73: the kernels of stages 4-15 (and the rungs of 4, 6 and 7) take their parameters as one struct each.
+BASES.update({name: "5b20b73" for name in stages.stage_names() if int(name[5:].split("_")[0]) >= 4})
 LADDER = {"ladder/simt.cu": "stage6_grouped_gemm", "ladder/mma_sync.cu": "stage6_grouped_gemm"}
 FRESH_COMPILES = 3  # per side, after a mismatch
 RECORD_DRAWS = 4  # compiles of each base variant whose machine code the record keeps
@@ -123,6 +120,14 @@ def sources() -> list[tuple[str, str, str]]:
 
 
 SOURCES = sources()
+
+
+@functools.cache
+def recorded_sources() -> list[tuple[str, str, str]]:
+    """The SOURCES that RECORD holds: those not, with every file they include, their base's byte for byte (whose
+    machine code the test does not compile: the same input, the same code)."""
+    return [(name, source, arch) for name, source, arch in SOURCES
+            if not same_sources(base_tree(BASES[name]), relative_path(name, source))]
 
 
 # ---------------------------------------------------------------- compiling and reading machine code
@@ -205,14 +210,14 @@ def is_recorded(current: compiler.Cubin, base: dict | None, source: Path, arch: 
 
 def record_bases() -> None:
     """Writes RECORD's entries that are not the bases' (a base moved, a kernel file checked since, another NVRTC),
-    keeping the others; an entry for a kernel file no longer checked is dropped."""
+    keeping the others; an entry for a kernel file no longer checked, or now its base's byte for byte, is dropped."""
     nvrtc = compiler.nvrtc_version()
     sources = dict(recorded()["sources"]) if recorded()["nvrtc"] == nvrtc else {}
-    for name, source, arch in SOURCES:
+    for name, source, arch in recorded_sources():
         relative = relative_path(name, source)
         if not recorded_variants(name, relative, arch):
             sources[record_key(relative, arch)] = {"base": BASES[name], "variants": base_draws(name, relative, arch)}
-    checked = {record_key(relative_path(name, source), arch) for name, source, arch in SOURCES}
+    checked = {record_key(relative_path(name, source), arch) for name, source, arch in recorded_sources()}
     record = {"nvrtc": nvrtc, "sources": {key: entry for key, entry in sources.items() if key in checked}}
     RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
 
@@ -311,11 +316,12 @@ def test_machine_code_is_unchanged(name, source, arch, tmp_path):
 
 
 def test_the_record_holds_every_variant_checked_at_its_base():
-    """RECORD has each kernel file and arch checked, every variant, made from the base BASES names now: a base moved
-    without writing it again would leave the test above compiling that base on every run."""
+    """RECORD has each kernel file and arch checked whose sources are not their base's, every variant, made from the
+    base BASES names now: a base moved without writing it again would leave the test above compiling that base on
+    every run."""
     expected = {record_key(relative_path(name, source), arch): (BASES[name], {variant_key(defines) for defines in
                                                                            variants(stages.load(name))})
-                for name, source, arch in SOURCES}
+                for name, source, arch in recorded_sources()}
     found = {key: (entry["base"], set(entry["variants"])) for key, entry in recorded()["sources"].items()}
     assert found == expected, f"{RECORD.relative_to(REPO)} is not the bases': python tests/test_sass_identity.py record"
 
