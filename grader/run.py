@@ -36,16 +36,21 @@ def signature_checks(kernels: dict[str, str], param_structs=()) -> str:
 
 def param_struct_checks(structs) -> list[str]:
     """The checks that each parameter struct a kernel takes (stage.param_structs) is laid out as the launch
-    packs it (stages/common/launcher.py's param_struct): field by field, its type and its offset, then the
-    struct's size."""
+    packs it (stages/common/launcher.py's param_struct): each field's type, the fields in the launch's order and
+    no others, then the struct's size, which with C's rules of alignment make the launch's offsets. The order
+    is a structured binding's (C++17: it names a struct's fields in their order, and wants a name for each),
+    compared with the fields by name; NVRTC 13.0 has no offsetof."""
     lines = []
     for struct in structs:
         name = struct.__name__
         for field, c_type in struct._c_fields:
             lines.append(f'static_assert(grader_same_type<decltype({name}::{field}), {c_type}>::value, '
                          f'"GRADER-PARAMS {name}.{field} type");')
-            lines.append(f'static_assert(__builtin_offsetof({name}, {field}) == {struct._offsets[field]}, '
-                         f'"GRADER-PARAMS {name}.{field} offset");')
+        bindings = ", ".join(f"grader_{i}" for i in range(len(struct._c_fields)))
+        in_order = " && ".join(f"&grader_{i} == &s.{field}" for i, (field, _) in enumerate(struct._c_fields))
+        lines.append(f"__device__ constexpr bool grader_in_order_{name}() {{ {name} s{{}}; auto& [{bindings}] = s; "
+                     f'return {in_order}; }}  // "GRADER-PARAMS {name} order"')
+        lines.append(f'static_assert(grader_in_order_{name}(), "GRADER-PARAMS {name} order");')
         lines.append(f'static_assert(sizeof({name}) == {struct._size}, "GRADER-PARAMS {name} size");')
     return lines
 
@@ -112,7 +117,7 @@ def _explain_param_struct_error(error: CompileError, checks: str, stage, kernel_
         said[int(line)] = said.get(int(line), "") + message + "\n"
     check_lines, structs, found = checks.splitlines(), {s.__name__: s for s in stage.param_structs}, {}
     for line, messages in sorted(said.items()):
-        if not (m := re.search(r'"GRADER-PARAMS (\w+)\.?(\w*) (type|offset|size)"', check_lines[line - 1])):
+        if not (m := re.search(r'"GRADER-PARAMS (\w+)\.?(\w*) (type|order|size)"', check_lines[line - 1])):
             continue
         if m[1] not in found:
             found[m[1]] = _struct_problem(structs[m[1]], m[2], m[3], messages)
@@ -122,20 +127,22 @@ def _explain_param_struct_error(error: CompileError, checks: str, stage, kernel_
 
 
 def _struct_problem(struct, field: str, what: str, messages: str) -> str:
-    """What NVRTC's `messages` on the check of `what` (type, offset, size) of struct.field say, in words."""
+    """What NVRTC's `messages` on the check of `what` (type, order, size) of struct(.field) say, in words."""
     name, fields = struct.__name__, dict(struct._c_fields)
     layout = "{" + " ".join(f"{t} {f};" for f, t in struct._c_fields) + "}"
-    kernel_says = re.search(r"the final comparison was (\d+) ==", messages)
     if re.search(r"is undefined|is not a type name|must be a class", messages):
         return f"no struct {name}: the launch packs {layout}"
     if "has no member" in messages:
         return f"struct {name} has no field {field}: the launch packs {layout}"
     if what == "type":
         return f"{name}.{field} is not the {fields[field]} the launch packs: {layout}"
-    if what == "offset":
-        return f"{name}.{field} is at byte {kernel_says[1]}, the launch packs it at byte {struct._offsets[field]}: " \
-               f"{layout}"
-    return f"struct {name} is {kernel_says[1]} bytes, the launch packs {struct._size}: {layout}"
+    if what == "order":
+        if m := re.search(r"there are (more|fewer) elements than", messages):
+            return f"struct {name} has {m[1]} fields than the launch packs: {layout}"
+        return f"the fields of {name} are not in the order the launch packs them: {layout}"
+    kernel_says = re.search(r"the final comparison was (\d+) ==", messages)
+    size = f"{kernel_says[1]} bytes" if kernel_says else "of another size"  # NVRTC 13.0 does not say the value
+    return f"struct {name} is {size}, the launch packs {struct._size} bytes: {layout}"
 
 
 def _learners_own_errors(error: CompileError) -> bool:

@@ -16,7 +16,7 @@ launcher.py) from the C struct's fields in order with their C types, is what a l
 per launch with every field by name (`NameParams(heads=..., ...)`); the stage lists it in `param_structs`
 and names it in the kernel's parameter list ("const TmaMap, const NameParams"). The fields are written
 twice, in the `.cu` file and in Python, and the grader checks that they agree each time it compiles the
-kernel (each field's type and offset, the struct's size: grader/run.py's param_struct_checks), so that a
+kernel (each field's type, their order, the struct's size: grader/run.py's param_struct_checks), so that a
 struct packed otherwise than the kernel reads it is a compile error of one line, never garbage in the
 kernel's parameters. A pointer in a struct is not `__restrict__` to the compiler: what a kernel streams
 read-only through one, it reads with `__ldg`.

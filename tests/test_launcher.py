@@ -197,7 +197,7 @@ def test_a_field_of_another_type_is_one_line(tmp_path):
 def test_fields_in_another_order_are_one_line(tmp_path):
     said = graded_compile_error(tmp_path, DEMO_SOURCE.replace("    int rows;\n    const float* x;",
                                                               "    const float* x;\n    int rows;"))
-    assert said == f"DemoParams.rows is at byte 8, the launch packs it at byte 0: {LAYOUT}"
+    assert said == f"the fields of DemoParams are not in the order the launch packs them: {LAYOUT}"
 
 
 def test_a_missing_field_is_one_line(tmp_path):
@@ -207,4 +207,17 @@ def test_a_missing_field_is_one_line(tmp_path):
 
 def test_a_field_the_launch_does_not_pack_is_one_line(tmp_path):
     said = graded_compile_error(tmp_path, DEMO_SOURCE.replace("    int cols;\n", "    int cols;\n    long long spare;\n"))
-    assert said == f"struct DemoParams is 48 bytes, the launch packs 40: {LAYOUT}"
+    assert said == f"struct DemoParams has more fields than the launch packs: {LAYOUT}"
+
+
+def test_fields_of_one_type_swapped_are_one_line(tmp_path):
+    """Two ints trading places: each field has its type, only their places say the struct is not the launch's."""
+    swapped = DEMO_SOURCE.replace("    int rows;\n", "    int cols;\n", 1).replace("    int cols;\n};", "    int rows;\n};")
+    assert swapped.index("int cols") < swapped.index("int rows")
+    said = graded_compile_error(tmp_path, swapped)
+    assert said == f"the fields of DemoParams are not in the order the launch packs them: {LAYOUT}"
+
+
+def test_a_struct_of_another_size_is_one_line(tmp_path):
+    said = graded_compile_error(tmp_path, DEMO_SOURCE.replace("struct DemoParams {", "struct alignas(16) DemoParams {"))
+    assert said == f"struct DemoParams is 48 bytes, the launch packs 40 bytes: {LAYOUT}"

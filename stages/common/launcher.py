@@ -96,7 +96,7 @@ def param_struct(name: str, fields: list[tuple[str, str]]) -> type:
     fields out (each aligned to its size), in attributes named as a named tuple's own are, so that no field's
     name hides them: _c_fields (the pairs), _offsets, _size, _format (the struct module's, of its bytes) and
     _pointer_fields (the positions of the pointers). The grader checks, each time it compiles the kernel, that
-    the C struct has these fields, of these types, at these offsets, and this size (grader/run.py)."""
+    the C struct has these fields, in this order, of these types, and this size (grader/run.py)."""
     kinds = parameter_types(", ".join(c_type for _, c_type in fields))
     unknown = [t for t in kinds if t not in SCALARS]
     if unknown:
