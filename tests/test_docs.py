@@ -764,7 +764,7 @@ def test_rung_placeholders(fake_results, monkeypatch):
     assert "Stage 6 · mma_sync rung (`python -m grader stage6:mma_sync`)" in results and "7.800" in results
     assert "× the simt rung" in results and "7.82× <small>same run</small>" in results
     key = "stage6_grouped_gemm:mma_sync"
-    for field, shown in (("tflops", "132 TFLOP/s"), ("ms", "7.80 ms"), ("previous_stage", "7.82×"),
+    for field, shown in (("tflops", "166 TFLOP/s"), ("ms", "6.24 ms"), ("previous_stage", "7.82×"),  # the H200's
                          ("vs.stage6_grouped_gemm:simt", "7.73×")):
         value = fill(f"<!-- figure:{key}:{MOE_LABEL}:{field} -->")
         assert re.fullmatch(rf'<span class="fm-figure-value" title="Stage 6 · mma_sync rung, [^"]+">{re.escape(shown)}</span>', value), value
@@ -818,15 +818,16 @@ def test_without_the_rungs_tables_say_not_measured_but_a_figure_fails(tmp_path, 
     assert "not measured yet" in fill("<!-- rungs:stage6_grouped_gemm -->")  # no results at all
 
 
-def test_prose_figures_read_the_h100s_file(fake_results, monkeypatch):
-    """Whatever other GPUs' files hold: the H100's figure, its GPU named on hover; a figure only
-    another GPU measured is not quoted."""
+def test_prose_figures_read_the_prose_gpus_file(fake_results, monkeypatch):
+    """Whatever other GPUs' files hold: the PROSE_GPU's (the H200's) figure, its GPU named on hover; a figure
+    only another GPU measured is not quoted."""
     monkeypatch.setenv("FLASHMOE_RESULTS_DIR", str(fake_results))
     hook = load_hook()
-    runs = list(reversed(hook.load_runs()))  # the H200's first: the figure still reads the H100's
+    runs = hook.load_runs()  # the H100's first: the figure still reads the H200's
     value = hook.figure_md(runs, "stage6_grouped_gemm:mma_sync", MOE_LABEL, "ms")
-    assert ">7.80 ms<" in value and "measured on the NVIDIA H100 80GB HBM3" in value
-    assert "not measured" in hook.figure_md(runs, "stage7_moe_layer:mma_sync", MOE_LABEL, "ms")  # only the H200 has it
+    assert ">6.24 ms<" in value and "measured on the NVIDIA H200" in value
+    del next(run for run in runs if "H200" in run["gpu"])["stages"]["stage6_grouped_gemm:mma_sync"]
+    assert "not measured" in hook.figure_md(runs, "stage6_grouped_gemm:mma_sync", MOE_LABEL, "ms")  # the H100's only
 
 
 def test_the_lessons_say_which_gpu_a_figure_is_from():
@@ -835,7 +836,7 @@ def test_the_lessons_say_which_gpu_a_figure_is_from():
     unnamed = [f"{page.relative_to(ROOT)}: {' '.join(block.split())[:120]}"
                for page in PAGES for block in re.split(r"\n[ \t]*\n", FENCED.sub("", page.read_text()))
                if FIGURE.search(block) and hook.PROSE_GPU not in block]
-    assert not unnamed, "say which GPU (\"on the H100\") beside these figures:\n" + "\n".join(unnamed)
+    assert not unnamed, "say which GPU (\"on the H200\") beside these figures:\n" + "\n".join(unnamed)
 
 
 def test_every_gpu_has_a_tab(fake_site):
@@ -936,7 +937,7 @@ def test_a_figure_the_results_lack_fails_the_build(monkeypatch, fake_results):
     monkeypatch.delenv("FLASHMOE_RESULTS_DIR", raising=False)
     hook = load_hook()
     page = types.SimpleNamespace(file=types.SimpleNamespace(src_path="stages/stage6.md"))
-    stage6 = hook.load_runs()[0]["stages"]["stage6_grouped_gemm"]["benchmarks"][0]["label"]
+    stage6 = hook.prose_run(hook.load_runs())["stages"]["stage6_grouped_gemm"]["benchmarks"][0]["label"]
     good = hook.on_page_markdown(f"<!-- figure:stage6_grouped_gemm:{stage6}:tflops -->", page, None, None)
     assert re.fullmatch(r'<span class="fm-figure-value" title="[^"]+">[\d.,]+ TFLOP/s</span>', good)
     for wrong in (f"stage6_grouped_gemm:T1 E1 k1:ms", f"stage9_missing:{stage6}:ms", f"stage6_grouped_gemm:{stage6}:gflops",

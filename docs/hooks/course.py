@@ -42,7 +42,7 @@
                                        "Not measured yet." where no file has them
   Every results file is shown, one per GPU: with several, each chart and table gets a tab per GPU,
   the H100's first, and the tabs of one GPU are linked across the page. A figure in prose reads the
-  H100's file only (PROSE_GPU: the lessons say "on the H100" beside it). A figure that file does not
+  H200's file only (PROSE_GPU: the lessons say "on the H200" beside it). A figure that file does not
   hold fails the build when the results are the repository's own; with $FLASHMOE_RESULTS_DIR
   (another GPU's results, a test's) it reads "not measured". A stage, rung or ladder with no results
   reads "not measured yet".
@@ -79,7 +79,8 @@ PLACEHOLDER = re.compile(rf"<!-- (ladder|stage-list|gpus|stall-reasons|expert-pa
 COLORS = ["#3b82f6", "#f59e0b", "#10b981", "#ef4444", "#8b5cf6", "#06b6d4", "#ec4899", "#84cc16"]
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 NOT_MEASURED = "Not measured yet"
-PROSE_GPU = "H100"  # the GPU whose results the figures in the lessons' prose read
+FIRST_GPU = "H100"  # the GPU whose results come first: its tab, its file in lists
+PROSE_GPU = "H200"  # the GPU whose results the figures in the lessons' prose read (its records are the current ones)
 
 
 # ---------------------------------------------------------------- stages, problems and results files
@@ -241,12 +242,15 @@ def load_runs() -> list[dict]:
     """Every results/*.json, the H100 first: one "run" per GPU ("_file": the file's name)."""
     folder, _ = results_folder()
     runs = [current_only({**json.loads(p.read_text()), "_file": p.name}) for p in sorted(folder.glob("*.json"))]
-    return sorted(runs, key=lambda run: PROSE_GPU not in str(run.get("gpu")))
+    return sorted(runs, key=lambda run: FIRST_GPU not in str(run.get("gpu")))
 
 
 def current_only(run: dict) -> dict:
-    """A run without the stage entries marked stale (measured on older sources): not the kernels' figures."""
-    return {**run, "stages": {k: v for k, v in run.get("stages", {}).items() if not v.get("stale")}}
+    """A run without the stage entries marked stale (measured on older sources): not the kernels' figures.
+    Their profiles are kept apart ("stale_profiles"), shown as an earlier kernel's (profile_md)."""
+    stages = run.get("stages", {})
+    return {**run, "stages": {k: v for k, v in stages.items() if not v.get("stale")},
+            "stale_profiles": {k: v for k, v in stages.items() if v.get("stale") and v.get("profile")}}
 
 
 def gpu_of(run: dict) -> str:
@@ -1022,7 +1026,7 @@ def training_md() -> str:
     if not found:
         return (f'\n\n!!! note "{NOT_MEASURED}"\n    No `results/training/*.json` holds a training run: '
                 f"{unmeasured_md(list(R.TRAINED))}\n\n")
-    return gpu_tabs([(file, training_file_md(file)) for file in sorted(found, key=lambda f: PROSE_GPU not in gpu_of(f))])
+    return gpu_tabs([(file, training_file_md(file)) for file in sorted(found, key=lambda f: FIRST_GPU not in gpu_of(f))])
 
 
 def unmeasured_md(names: list[str]) -> str:
@@ -1295,12 +1299,22 @@ def profile_md(key: str, runs: list[dict]) -> str:
         raise PluginError(f"<!-- profile:{key} -->: no such stage or rung (stages/{name}/ names "
                           f"{', '.join(ladder_of(name))})")
     found = [run for run in runs if key in run.get("stages", {})]
+    earlier = [run for run in runs if key not in run.get("stages", {}) and key in run.get("stale_profiles", {})]
     command = f"`python -m grader {short_key(key)} --profile`"
-    if not any((run["stages"][key].get("profile") or {}).get("kernels") for run in found):
+    if not any((run["stages"][key].get("profile") or {}).get("kernels") for run in found) and not earlier:
         return (f'\n\n!!! note "{NOT_PROFILED}"\n    `results/*.json` has no profile of `{key}`: not profiled yet. '
                 f"Profile it on your own GPU with {command} (Nsight Compute must be installed; see "
                 "[Reading a profile](../grading.md#reading-a-profile)).\n\n")
-    return gpu_tabs([(run, profile_run_md(run, key)) for run in found])
+    return gpu_tabs([(run, profile_run_md(run, key)) for run in found] +
+                    [(run, earlier_profile_md(run, key)) for run in earlier])
+
+
+def earlier_profile_md(run: dict, key: str) -> str:
+    """The profile of a stage entry marked stale: an earlier kernel's, said so with the entry's reason."""
+    entry = run["stale_profiles"][key]
+    note = (f'\n\n!!! note "An earlier kernel\'s profile"\n    Profiled with the sources of '
+            f"{when(measured(run, entry)).replace('`', '')}; the record is stale since: {entry['stale']}.\n")
+    return note + profile_run_md({**run, "stages": {key: entry}}, key)
 
 
 def profile_run_md(run: dict, key: str) -> str:
@@ -1711,7 +1725,7 @@ def written(value: float, kind: str) -> str:
 def measured_md(runs: list[dict], key: str, shape: str, fields: str, page: str = "") -> str:
     """A measured cell of a lesson's table (<!-- measured: -->): `fields` ("ms+pct_of.cudnn") of `key` at
     `shape`, from the first GPU's results that hold the key (and a "vs." field's other key), with the GPU
-    named: unlike figure:, which quotes the H100 alone, a cell that fills in wherever the step is first
+    named: unlike figure:, which quotes the PROSE_GPU alone, a cell that fills in wherever the step is first
     recorded. "not measured yet" while no file holds it; a key that is no stage or rung of the course,
     an unknown field, or a shape or field the results hold the key without, fails the build."""
     wanted = fields.split("+")
@@ -1740,12 +1754,12 @@ def measured_md(runs: list[dict], key: str, shape: str, fields: str, page: str =
 
 
 def prose_run(runs: list[dict]) -> dict:
-    """The results the lessons' prose quotes: the PROSE_GPU's (the H100's), never another GPU's."""
+    """The results the lessons' prose quotes: the PROSE_GPU's, never another GPU's."""
     return next((r for r in runs if PROSE_GPU in gpu_of(r)), {"gpu": f"no {PROSE_GPU} results", "stages": {}})
 
 
 def figure_md(runs: list[dict], stage: str, shape: str, field: str, page: str = "") -> str:
-    """The figure from the H100's results (prose_run), with its provenance and GPU on hover."""
+    """The figure from the PROSE_GPU's results (prose_run), with its provenance and GPU on hover."""
     run = prose_run(runs)
     try:
         value = figure_value(run, stage, shape, field)
