@@ -169,8 +169,10 @@ def load_hook():
     return module
 
 
-def build(out: Path, results_dir: Path | None = None) -> Path:
-    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+def build(out: Path, results_dir: Path | None = None, search: bool = True) -> Path:
+    """The site built by mkdocs into `out`, from `results_dir`'s results (the repository's by default); without
+    `search`, without its search index (almost half a build's time), for tests that read no page in a browser."""
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1", FLASHMOE_SITE_SEARCH="true" if search else "false")
     env.pop("FLASHMOE_RESULTS_DIR", None)
     if results_dir is not None:
         env["FLASHMOE_RESULTS_DIR"] = str(results_dir)
@@ -196,12 +198,12 @@ def fake_results(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fake_site(tmp_path_factory, fake_results):
-    return build(tmp_path_factory.mktemp("fake_site"), fake_results)
+    return build(tmp_path_factory.mktemp("fake_site"), fake_results, search=False)
 
 
 @pytest.fixture(scope="module")
 def empty_site(tmp_path_factory):
-    return build(tmp_path_factory.mktemp("empty_site"), tmp_path_factory.mktemp("no_results"))
+    return build(tmp_path_factory.mktemp("empty_site"), tmp_path_factory.mktemp("no_results"), search=False)
 
 
 # ---------------------------------------------------------------- the build
@@ -1007,8 +1009,9 @@ def an_index_of_no_page(folder: Path) -> bytes:
 
 @contextlib.contextmanager
 def serve(folder: Path, search: bool = False):
-    """The built site at `folder`, on a port of its own; without `search`, its search index of no page."""
-    empty_index = None if search else an_index_of_no_page(folder)
+    """The built site at `folder`, on a port of its own; without `search`, its search index of no page (a site
+    built without search has none to load)."""
+    empty_index = None if search or not (folder / SEARCH_INDEX.lstrip("/")).is_file() else an_index_of_no_page(folder)
 
     class Quiet(SimpleHTTPRequestHandler):
         def log_message(self, *args):
@@ -1040,8 +1043,8 @@ def served(fake_site):
 
 
 @pytest.fixture
-def served_with_search(fake_site):
-    with serve(fake_site, search=True) as url:
+def served_with_search(site):
+    with serve(site, search=True) as url:
         yield url
 
 

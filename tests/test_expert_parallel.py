@@ -298,7 +298,11 @@ def results(request, tmp_path_factory):
     world = request.param
     folder = tmp_path_factory.mktemp(f"gloo{world}")
     path = folder / "results.json"
-    mp.spawn(run_rank, args=(world, str(folder / "store"), str(path)), nprocs=world, join=True)
+    # Forked, the ranks start with this process's imports (a spawned one imports PyTorch again: seconds each);
+    # spawned where this process holds a CUDA context, which a fork cannot take along.
+    start = "spawn" if torch.cuda.is_initialized() else "fork"
+    mp.start_processes(run_rank, args=(world, str(folder / "store"), str(path)), nprocs=world, join=True,
+                       start_method=start)
     return world, json.loads(path.read_text())
 
 

@@ -144,7 +144,7 @@ def test_the_trained_models_pass_every_check_of_the_ops_but_the_gpu_s(name, toke
     """What the course way hands the ops in bf16 (layouts, dtypes, sizes) is what they take: on a GPU only the
     GPU itself may refuse it. Each model's widths, on one layer, at 2 × 8 tokens (bf16's products on a CPU
     run at well under a GFLOP/s: at 2 × 64 tokens the 1B-like layers took minutes). A dense model's MLP, which no
-    op sees, at a width of 128."""
+    op sees, at a width of 128; a MoE model's experts, two of them (top-2): each of the width the op sees."""
     calls = []
     attention, moe_layer = pytorch_ops(calls, checked=True)
     monkeypatch.setattr(ops, "attention", attention)
@@ -153,6 +153,8 @@ def test_the_trained_models_pass_every_check_of_the_ops_but_the_gpu_s(name, toke
     shape = T.trained_shape(name, 2, 8, layers=1)
     if not shape["experts"]:
         shape = T.trained_shape(name, 2, 8, layers=1, inter=128)
+    elif shape["experts"] > shape["top_k"]:
+        shape = T.trained_shape(name, 2, 8, layers=1, experts=shape["top_k"])
     (inputs, targets), = tiny_batches(tokens, shape, 1)
     with torch.no_grad():
         T.loss_function(T.ways()["course"], shape, torch.bfloat16)(T.initial_weights(shape, 0, "cpu"), inputs, targets)
@@ -341,18 +343,18 @@ def test_the_committed_records_are_runs_of_the_trained_sizes():
 
 
 def test_a_model_s_run_prints_its_figures_and_records_them(tokens, tmp_path, monkeypatch, capsys):
-    """The command's work for one model (main runs it on the GPU, for each model named): small's widths at 2 × 32
-    tokens for 3 steps, one eager way standing in for the four."""
+    """The command's work for one model (main runs it on the GPU, for each model named): small's widths at 1 × 16
+    tokens for 3 steps, one eager way standing in for the four (bf16 products on a CPU: seconds a step)."""
     monkeypatch.setattr(T, "ways", lambda: {"pytorch": STAND_INS})
     path = tmp_path / "h200.json"
-    argv = ["--model", "small", "--batch", "2", "--seq", "32", "--steps", "3", "--every", "2", "--json", str(path)]
+    argv = ["--model", "small", "--batch", "1", "--seq", "16", "--steps", "3", "--every", "2", "--json", str(path)]
     found = T.run_model("small", T.parse(argv), argv, tokens, torch.device("cpu"), "NVIDIA H200")
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "small L2 hidden768 H12 inter2048 B2 S32 bf16, 3 steps, AdamW lr 0.001, on NVIDIA H200, torch " \
+    assert out[0] == "small L2 hidden768 H12 inter2048 B1 S16 bf16, 3 steps, AdamW lr 0.001, on NVIDIA H200, torch " \
         + torch.__version__
     assert out[1].startswith("pytorch: ") and out[2].split() == ["step", "pytorch"] and out[-1].startswith("tokens/s")
     run, = json.loads(path.read_text())["runs"]
-    assert run["ways"] == found.results and (run["model"], run["batch"], run["seq"], run["steps"]) == ("small", 2, 32, 3)
+    assert run["ways"] == found.results and (run["model"], run["batch"], run["seq"], run["steps"]) == ("small", 1, 16, 3)
     assert len(run["ways"]["pytorch"]["losses"]) == 2  # steps 0 and 2, the last
 
 
