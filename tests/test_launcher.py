@@ -115,7 +115,6 @@ def test_block_sparse_launches_pass_what_their_kernels_declare(name, mask, monke
     import importlib
 
     import reference
-    from test_attention_launch import RecordingKernels
 
     stage = stages.load(name)
     module = importlib.import_module(f"stages.{stage.name}")
@@ -123,6 +122,14 @@ def test_block_sparse_launches_pass_what_their_kernels_declare(name, mask, monke
     monkeypatch.setattr(module, "sm_count", lambda device: 132, raising=False)
     problem = reference.load(stage.problem)
     case = min((c for c in problem.cases(0) if mask in c.name), key=lambda c: c.shape["S"])
+    assert_case_launches_as_declared(stage, problem, case)
+
+
+def assert_case_launches_as_declared(stage, problem, case) -> None:
+    """problem.run_stage of `case` on the CPU, its kernels recorded, not run: every kernel the stage declares is
+    launched, each with the arguments its C signature declares (assert_arguments_declared)."""
+    from test_attention_launch import RecordingKernels
+
     inputs = problem.make_inputs(case.shape, case.dtype, case.seed, case.input_scale, device="cpu")
     kernels = RecordingKernels()
     problem.run_stage(stage, kernels, inputs, problem.allocate_outputs(inputs))

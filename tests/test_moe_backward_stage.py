@@ -120,18 +120,11 @@ def test_the_launch_passes_what_the_kernels_declare(monkeypatch):
     values, each field of its kind), on the smallest case, without a GPU: the tensor maps and the SM count,
     which need a driver, replaced."""
     from stages.common import hopper
-    from test_attention_launch import RecordingKernels
-    from test_launcher import assert_arguments_declared
+    from test_launcher import assert_case_launches_as_declared
 
     monkeypatch.setattr(hopper, "tensor_map", lambda x, box: x)
     monkeypatch.setattr(hopper, "sm_count", lambda device: 132)
-    case = min(CASES, key=lambda c: c.shape["tokens"])
-    inputs = PROBLEM.make_inputs(case.shape, case.dtype, case.seed, case.input_scale, device="cpu")
-    kernels = RecordingKernels()
-    PROBLEM.run_stage(STAGE, kernels, inputs, PROBLEM.allocate_outputs(inputs))
-    assert {kernel for kernel, *_ in kernels.launches} == set(STAGE.kernels)
-    for kernel, _, _, args in kernels.launches:
-        assert_arguments_declared(STAGE, kernel, args)
+    assert_case_launches_as_declared(STAGE, PROBLEM, min(CASES, key=lambda c: c.shape["tokens"]))
 
 
 # ---------------------------------------------------------------- on the GPU
